@@ -1,0 +1,78 @@
+"""The `tracekit` command: a click group whose subcommands live in tracekit/commands/.
+
+Subcommands are imported only when used, so `tracekit report` never pays for
+torch or Qt, and each command is a small module of its own.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from .errors import TracekitError
+
+# name -> (module in tracekit.commands, one-line help shown in `tracekit --help`)
+COMMANDS = {
+    "info": "Format facts about a memory file.",
+    "report": "Peak, categories and findings of a memory file (text or --json).",
+    "check": "Fail (exit 1) when a recording is over its memory budget.",
+    "record": "Record a training script's memory: tracekit record -- python train.py",
+    "demo": "Record a small model step here and open the result.",
+    "view": "Open files in the desktop viewer.",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return [n for n in COMMANDS if importlib.util.find_spec(f"tracekit.commands.{n}")]
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        try:
+            module = importlib.import_module(f"tracekit.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"tracekit.commands.{name}":
+                return None
+            raise
+        return module.command
+
+    def format_commands(self, ctx, formatter):
+        rows = [(n, COMMANDS[n]) for n in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tracekit")
+def cli():
+    """Record, classify and explain PyTorch memory use."""
+
+
+def main(argv=None):
+    """Entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        return cli.main(args=argv, prog_name="tracekit", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except TracekitError as e:
+        click.echo(f"tracekit: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("tracekit: interrupted", err=True)
+        sys.exit(130)
+    except MemoryError:
+        click.echo("tracekit: out of memory while reading the file", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

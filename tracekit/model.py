@@ -1,0 +1,183 @@
+"""The in-memory trace: columnar numpy tables with interned strings, frames and stacks.
+
+A `Trace` holds what a file says and nothing computed from it; the analyses in
+`tracekit.analysis` derive everything else. Events of all devices sit in one
+table sorted by (device, index), so each device's trace is a contiguous slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Trace entry actions, as codes. Unknown future actions keep their name in
+# Trace.meta["unknown_actions"] and get the code OTHER (they change nothing).
+ACTIONS = (
+    "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+    "segment_map", "segment_unmap", "snapshot", "oom", "other",
+)
+ACTION = {name: code for code, name in enumerate(ACTIONS)}
+ALLOC, FREE_REQUESTED, FREE_COMPLETED = ACTION["alloc"], ACTION["free_requested"], ACTION["free_completed"]
+SEGMENT_ALLOC, SEGMENT_FREE = ACTION["segment_alloc"], ACTION["segment_free"]
+SEGMENT_MAP, SEGMENT_UNMAP = ACTION["segment_map"], ACTION["segment_unmap"]
+SNAPSHOT, OOM, OTHER = ACTION["snapshot"], ACTION["oom"], ACTION["other"]
+
+# Final block states.
+BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive", "unknown")
+BLOCK_STATE = {name: code for code, name in enumerate(BLOCK_STATES)}
+
+NO_TIME = np.iinfo(np.int64).min  # time_us of an entry that has none
+NO_ID = -1  # stack_id / string id of "nothing"
+
+
+class Strings:
+    """Interned strings: id <-> str. Id 0 is always the empty string."""
+
+    def __init__(self, items=("",)):
+        self.items = list(items)
+        self.index = {s: i for i, s in enumerate(self.items)}
+
+    def intern(self, s) -> int:
+        i = self.index.get(s)
+        if i is None:
+            i = self.index[s] = len(self.items)
+            self.items.append(s)
+        return i
+
+    def __getitem__(self, i) -> str:
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+@dataclass
+class Frames:
+    """Interned frames: filename and name are string ids."""
+
+    filename: np.ndarray  # int32
+    line: np.ndarray  # int32
+    name: np.ndarray  # int32
+
+    def __len__(self):
+        return len(self.line)
+
+
+@dataclass
+class Stacks:
+    """Interned stacks, innermost frame first (as PyTorch records them).
+
+    Stack i is frame ids `frame_ids[offsets[i]:offsets[i+1]]`. Stack 0 is empty.
+    """
+
+    offsets: np.ndarray  # int64, len = n + 1
+    frame_ids: np.ndarray  # int32
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def frames_of(self, stack_id) -> np.ndarray:
+        if stack_id < 0:
+            return self.frame_ids[:0]
+        return self.frame_ids[self.offsets[stack_id]:self.offsets[stack_id + 1]]
+
+
+@dataclass
+class Events:
+    """One row per trace entry, sorted by (device, index)."""
+
+    device: np.ndarray  # int32
+    index: np.ndarray  # int64: position in its device's trace
+    action: np.ndarray  # int8: ACTION codes
+    addr: np.ndarray  # uint64
+    size: np.ndarray  # int64
+    stream: np.ndarray  # int64 (raw stream pointer, as recorded)
+    time_us: np.ndarray  # int64, NO_TIME where absent
+    stack_id: np.ndarray  # int32, NO_ID where no frames
+    user_metadata: np.ndarray  # int32 string id (0 = "")
+    compile_context: np.ndarray  # int32 string id
+    category: np.ndarray  # int32 string id written by tracekit (0 = none)
+    device_free: np.ndarray  # int64, oom entries only (else 0)
+
+    def __len__(self):
+        return len(self.action)
+
+    def device_slice(self, device) -> slice:
+        lo, hi = np.searchsorted(self.device, [device, device + 1])
+        return slice(int(lo), int(hi))
+
+
+@dataclass
+class Segments:
+    """The final segments (reserved memory at the end of the trace)."""
+
+    device: np.ndarray  # int32
+    address: np.ndarray  # uint64
+    total_size: np.ndarray  # int64
+    stream: np.ndarray  # int64
+    segment_type: np.ndarray  # int32 string id ("large", "small", ...)
+    pool_id: np.ndarray  # int32 string id ("" when absent)
+    is_expandable: np.ndarray  # bool
+    stack_id: np.ndarray  # int32
+
+    def __len__(self):
+        return len(self.total_size)
+
+
+@dataclass
+class Blocks:
+    """The blocks of the final segments."""
+
+    device: np.ndarray  # int32
+    segment: np.ndarray  # int32: row in Segments
+    addr: np.ndarray  # uint64
+    size: np.ndarray  # int64
+    requested_size: np.ndarray  # int64
+    state: np.ndarray  # int8: BLOCK_STATE codes
+    stack_id: np.ndarray  # int32
+
+    def __len__(self):
+        return len(self.size)
+
+
+@dataclass
+class Trace:
+    """Everything a memory file says, in columns."""
+
+    path: str
+    format: str  # "snapshot", "kineto", "memory_timeline"
+    devices: list  # device numbers present, ascending
+    strings: Strings
+    frames: Frames
+    stacks: Stacks
+    events: Events
+    segments: Segments
+    blocks: Blocks
+    # Everything else the file holds: "tracekit" (our recorder's data),
+    # "allocator_settings", "external_annotations", "present_fields",
+    # "unknown_actions", "has_segments" and whatever a loader adds.
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def has_time(self) -> bool:
+        return bool(len(self.events)) and bool((self.events.time_us != NO_TIME).any())
+
+    @property
+    def recorder(self) -> dict | None:
+        """Our recorder's data (the file's top-level "tracekit" key), if any."""
+        return self.meta.get("tracekit")
+
+    def frame(self, frame_id) -> dict:
+        f = self.frames
+        return {
+            "filename": self.strings[f.filename[frame_id]],
+            "line": int(f.line[frame_id]),
+            "name": self.strings[f.name[frame_id]],
+        }
+
+    def stack(self, stack_id) -> list[dict]:
+        """Frames of a stack as dicts, innermost first."""
+        return [self.frame(i) for i in self.stacks.frames_of(stack_id)]
+
+    def device_events(self, device) -> slice:
+        return self.events.device_slice(device)
