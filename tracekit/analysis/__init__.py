@@ -1,0 +1,1 @@
+"""Pure functions over a Trace. They return plain data; CLI and GUI only display it."""

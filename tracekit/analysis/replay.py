@@ -1,0 +1,268 @@
+"""Replay a device's trace: allocation lifetimes, allocated and reserved bytes over time.
+
+Allocated memory changes at `alloc` (+size) and `free_completed` (−size), so
+a block freed with `free_requested` still counts until its `free_completed`.
+The state before the first entry is the final segments' live blocks that the
+trace never touches (at their block size) plus what it frees without
+allocating (allocations made before recording began, at the size the trace
+gives), so the allocations table sums exactly to the curve at every entry. The *replay invariant*: the live set replayed to the
+end equals the final segments' active blocks, block for block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from ..model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
+                     SEGMENT_UNMAP, Trace)
+
+LIVE_STATES = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
+TRACED, BEFORE_TRACE = 0, 1
+ORIGINS = ("traced", "before_trace")
+
+
+@dataclass
+class Allocations:
+    """One row per allocation lifetime on a device.
+
+    alloc_index / free_index are positions in the device's trace: -1 means
+    "before the trace began" / "still live at the end".
+    """
+
+    addr: np.ndarray  # uint64
+    size: np.ndarray  # int64
+    alloc_index: np.ndarray  # int64
+    free_index: np.ndarray  # int64
+    stack_id: np.ndarray  # int32: where it was allocated (-1 unknown)
+    free_stack_id: np.ndarray  # int32: where it was freed (-1 none)
+    origin: np.ndarray  # int8: TRACED or BEFORE_TRACE
+
+    def __len__(self):
+        return len(self.size)
+
+    def live_at(self, index) -> np.ndarray:
+        """Boolean mask of allocations live just after trace entry `index` (-1: before the first)."""
+        born = self.alloc_index <= index
+        alive = (self.free_index == -1) | (self.free_index > index)
+        return born & alive
+
+
+@dataclass
+class Invariant:
+    checked: bool  # False when the file has no final segments to check against
+    ok: bool
+    problems: list = field(default_factory=list)  # [(addr, size, what)] first few
+
+
+@dataclass
+class DeviceReplay:
+    device: int
+    events: slice  # this device's rows in trace.events
+    allocated: np.ndarray  # int64: allocated bytes just after each entry
+    reserved: np.ndarray | None  # int64 per entry, None when the file does not say
+    initial_allocated: int
+    initial_reserved: int | None
+    allocations: Allocations
+    invariant: Invariant
+    unattributed_bytes: int  # live at start but not known as allocations (profiler traces)
+
+    @property
+    def n(self) -> int:
+        return len(self.allocated)
+
+    def _peak(self, curve, initial):
+        if curve is None:
+            return None, -1
+        if len(curve) == 0 or initial > curve.max():
+            return initial, -1
+        i = int(np.argmax(curve))
+        return int(curve[i]), i
+
+    @property
+    def peak_allocated(self) -> int:
+        return self._peak(self.allocated, self.initial_allocated)[0]
+
+    @property
+    def peak_index(self) -> int:
+        """Trace entry after which allocated memory first reached its peak (-1: before the first)."""
+        return self._peak(self.allocated, self.initial_allocated)[1]
+
+    @property
+    def peak_reserved(self) -> int | None:
+        return self._peak(self.reserved, self.initial_reserved)[0]
+
+    @property
+    def peak_reserved_index(self) -> int:
+        return self._peak(self.reserved, self.initial_reserved)[1]
+
+    @property
+    def final_allocated(self) -> int:
+        return int(self.allocated[-1]) if self.n else self.initial_allocated
+
+    @property
+    def final_reserved(self) -> int | None:
+        if self.reserved is None:
+            return None
+        return int(self.reserved[-1]) if self.n else self.initial_reserved
+
+    def allocated_at(self, index) -> int:
+        return self.initial_allocated if index < 0 else int(self.allocated[index])
+
+    def reserved_at(self, index) -> int | None:
+        if self.reserved is None:
+            return None
+        return self.initial_reserved if index < 0 else int(self.reserved[index])
+
+
+def replay(trace: Trace) -> dict[int, DeviceReplay]:
+    """Replay every device of the trace (memoised per trace object)."""
+    return _replay_cached(_Key(trace))
+
+
+class _Key:
+    """Hash a Trace by identity so replays are computed once per opened file."""
+
+    def __init__(self, trace):
+        self.trace = trace
+
+    def __hash__(self):
+        return id(self.trace)
+
+    def __eq__(self, other):
+        return self.trace is other.trace
+
+
+@lru_cache(maxsize=8)
+def _replay_cached(key) -> dict[int, DeviceReplay]:
+    trace = key.trace
+    return {d: replay_device(trace, d) for d in trace.devices}
+
+
+def replay_device(trace: Trace, device: int) -> DeviceReplay:
+    sl = trace.events.device_slice(device)
+    ev = trace.events
+    action, size, addr = ev.action[sl], ev.size[sl], ev.addr[sl]
+    stack = ev.stack_id[sl]
+    is_alloc, is_free = action == ALLOC, action == FREE_COMPLETED
+    delta = np.where(is_alloc, size, 0) - np.where(is_free, size, 0)
+    has_segments = trace.meta.get("has_segments", True)
+    has_addresses = trace.meta.get("has_addresses", True)
+
+    bmask = (trace.blocks.device == device) & np.isin(trace.blocks.state, LIVE_STATES)
+    b_addr, b_size, b_stack = trace.blocks.addr[bmask], trace.blocks.size[bmask], trace.blocks.stack_id[bmask]
+    b_requested = trace.blocks.requested_size[bmask]
+
+    if has_addresses:
+        allocs, last_addr, last_is_alloc, last_size = _lifetimes(addr, size, stack, is_alloc, is_free)
+    else:
+        allocs, last_addr, last_is_alloc, last_size = _empty_allocations(), addr[:0], is_alloc[:0], size[:0]
+
+    # blocks live at the end whose address the trace never touches: allocated before it began
+    untouched = ~np.isin(b_addr, last_addr)
+    before_live = Allocations(
+        addr=b_addr[untouched], size=b_size[untouched],
+        alloc_index=np.full(int(untouched.sum()), -1, np.int64), free_index=np.full(int(untouched.sum()), -1, np.int64),
+        stack_id=b_stack[untouched], free_stack_id=np.full(int(untouched.sum()), -1, np.int32),
+        origin=np.full(int(untouched.sum()), BEFORE_TRACE, np.int8),
+    )
+    allocs = _concat(allocs, before_live)
+    live_at_start = int(allocs.size[allocs.alloc_index == -1].sum())
+    if has_segments:
+        invariant = _check(last_addr, last_is_alloc, last_size, b_addr, b_size, b_requested)
+        initial_allocated = live_at_start
+    else:
+        invariant = Invariant(checked=False, ok=True)
+        initial_allocated = int(trace.meta.get("initial_allocated", {}).get(device, live_at_start))
+    allocated = initial_allocated + np.cumsum(delta)
+
+    reserved, initial_reserved = _reserved(trace, device, action, size, has_segments)
+    return DeviceReplay(device=device, events=sl, allocated=allocated, reserved=reserved,
+                        initial_allocated=initial_allocated, initial_reserved=initial_reserved,
+                        allocations=allocs, invariant=invariant,
+                        unattributed_bytes=initial_allocated - live_at_start)
+
+
+def _lifetimes(addr, size, stack, is_alloc, is_free):
+    """Pair each alloc with the next free_completed of its address (vectorised)."""
+    idx = np.flatnonzero(is_alloc | is_free)
+    a, s, al = addr[idx], size[idx], is_alloc[idx]
+    order = np.lexsort((idx, a))  # by address, then time
+    idx, a, s, al = idx[order], a[order], s[order], al[order]
+    same_next = np.zeros(len(idx), bool)
+    same_next[:-1] = a[:-1] == a[1:]
+    paired = same_next & al & np.roll(~al, -1)  # an alloc followed by a free of the same address
+    paired_free = np.roll(paired, 1)
+    lone_alloc = al & ~paired
+    lone_free = ~al & ~paired_free
+    last = ~same_next  # last event at each address
+
+    pi, li, fi = idx[paired], idx[lone_alloc], idx[lone_free]
+    rows = Allocations(
+        addr=np.concatenate([a[paired], a[lone_alloc], a[lone_free]]),
+        size=np.concatenate([s[paired], s[lone_alloc], s[lone_free]]),
+        alloc_index=np.concatenate([pi, li, np.full(len(fi), -1)]).astype(np.int64),
+        free_index=np.concatenate([idx[paired_free], np.full(len(li), -1), fi]).astype(np.int64),
+        stack_id=np.concatenate([stack[pi], stack[li], np.full(len(fi), -1, np.int32)]).astype(np.int32),
+        free_stack_id=np.concatenate([stack[idx[paired_free]], np.full(len(li), -1, np.int32), stack[fi]]).astype(np.int32),
+        origin=np.concatenate([np.zeros(len(pi) + len(li), np.int8), np.full(len(fi), BEFORE_TRACE, np.int8)]),
+    )
+    order = np.argsort(np.where(rows.alloc_index < 0, rows.free_index, rows.alloc_index) + 0, kind="stable")
+    rows = Allocations(**{k: getattr(rows, k)[order] for k in Allocations.__dataclass_fields__})
+    return rows, a[last], al[last], s[last]
+
+
+def _empty_allocations():
+    z = np.zeros(0, np.int64)
+    return Allocations(addr=z.astype(np.uint64), size=z, alloc_index=z, free_index=z,
+                       stack_id=z.astype(np.int32), free_stack_id=z.astype(np.int32), origin=z.astype(np.int8))
+
+
+def _concat(a: Allocations, b: Allocations) -> Allocations:
+    return Allocations(**{k: np.concatenate([getattr(a, k), getattr(b, k)]) for k in Allocations.__dataclass_fields__})
+
+
+def _check(last_addr, last_is_alloc, last_size, b_addr, b_size, b_requested) -> Invariant:
+    """Compare the replayed end state with the final segments' live blocks.
+
+    Trace entries record the requested size (newer torch) or the block size
+    (older), so a live allocation matches a block of the same address with
+    either size.
+    """
+    final = dict(zip(b_addr.tolist(), zip(b_size.tolist(), b_requested.tolist())))
+    problems = []
+    for addr, alive, size in zip(last_addr.tolist(), last_is_alloc.tolist(), last_size.tolist()):
+        got = final.get(addr)
+        if alive and got is None:
+            problems.append((addr, size, "allocated in the trace and never freed, but not live in the final segments"))
+        elif alive and size not in got:
+            problems.append((addr, size, f"live at the end with size {size}, but the final block has size {got[0]}"))
+        elif not alive and got is not None:
+            problems.append((addr, got[0], "freed in the trace and never reallocated, but live in the final segments"))
+        if len(problems) >= 20:
+            break
+    return Invariant(checked=True, ok=not problems, problems=problems)
+
+
+def _reserved(trace, device, action, size, has_segments):
+    grow = np.isin(action, (SEGMENT_ALLOC, SEGMENT_MAP))
+    shrink = np.isin(action, (SEGMENT_FREE, SEGMENT_UNMAP))
+    delta = np.where(grow, size, 0) - np.where(shrink, size, 0)
+    if has_segments:
+        final = int(trace.segments.total_size[trace.segments.device == device].sum())
+        initial = final - int(delta.sum())
+    else:
+        initial = trace.meta.get("initial_reserved", {}).get(device)
+        if initial is None:
+            return None, None
+        initial = int(initial)
+    return initial + np.cumsum(delta), initial
+
+
+def time_of(trace: Trace, rep: DeviceReplay, index: int) -> int | None:
+    """time_us of a device's trace entry, or None when the file has no times."""
+    if index < 0 or index >= rep.n:
+        return None
+    t = int(trace.events.time_us[rep.events][index])
+    return None if t == NO_TIME else t

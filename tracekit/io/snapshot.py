@@ -1,0 +1,208 @@
+"""PyTorch memory snapshots (any version, as a dict from pickle or JSON) -> Trace.
+
+Tolerant of every layout in DESIGN.md §3: torch 2.0 bare segment lists and
+block `history`, optional `time_us`, expandable segments, several devices and
+streams, `oom` entries, unknown future actions and keys. Structural problems
+raise `SnapshotError` with a sentence saying where and what.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..model import (ACTION, BLOCK_STATE, NO_TIME, OOM, OTHER, Blocks, Events, Segments, Trace)
+from .columns import Interner, int_column
+
+
+class SnapshotError(ValueError):
+    """The data is not a usable memory snapshot; the message says why."""
+
+
+KNOWN_TOP_KEYS = {"segments", "device_traces", "allocator_settings", "external_annotations", "tracekit"}
+
+
+def is_snapshot(obj) -> bool:
+    if isinstance(obj, dict):
+        return "segments" in obj
+    return isinstance(obj, list) and all(isinstance(s, dict) and "blocks" in s for s in obj[:5]) and bool(obj)
+
+
+def snapshot_to_trace(obj, path, progress=None) -> Trace:
+    """Convert a snapshot dict (or torch 2.0's bare list of segments) to a Trace."""
+    bare_list = isinstance(obj, list)
+    if bare_list:
+        obj = {"segments": obj}
+    if not isinstance(obj, dict) or "segments" not in obj:
+        raise SnapshotError("it has no 'segments', so it is not a PyTorch memory snapshot")
+    segments = obj["segments"]
+    traces = obj.get("device_traces") or []
+    if not isinstance(segments, list):
+        raise SnapshotError(f"'segments' is a {type(segments).__name__}, not a list")
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise SnapshotError("'device_traces' is not a list of lists (one list of entries per device)")
+
+    it = Interner()
+    meta = {k: obj[k] for k in ("allocator_settings", "external_annotations", "tracekit") if k in obj}
+    meta["other_keys"] = sorted(str(k) for k in obj if k not in KNOWN_TOP_KEYS)
+    meta["bare_list"] = bare_list
+    columns, present, unknown = [], set(), set()
+    total = sum(len(t) for t in traces) or 1
+    done = 0
+    for device, entries in enumerate(traces):
+        if entries:
+            try:
+                columns.append(_events_of(device, entries, it, present, unknown))
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise SnapshotError(_explain_entries(device, entries, e)) from None
+        done += len(entries)
+        if progress:
+            progress(done / total, "converting entries")
+    segs, blocks = _segments_of(segments, it)
+    devices = sorted({int(c["device"][0]) for c in columns} | set(int(d) for d in np.unique(segs["device"])))
+    meta.update(present_fields=sorted(present), unknown_actions=sorted(unknown),
+                has_segments=True, max_device_trace_index=len(traces) - 1)
+    return Trace(
+        path=str(path), format="snapshot", devices=devices, strings=it.strings,
+        frames=it.frames(), stacks=it.stacks(), events=_concat_events(columns),
+        segments=Segments(**{k: segs[k] for k in Segments.__dataclass_fields__}),
+        blocks=Blocks(**blocks), meta=meta,
+    )
+
+
+def _events_of(device, entries, it, present, unknown) -> dict:
+    n = len(entries)
+    actions = [e["action"] for e in entries]
+    names = set(actions)
+    unknown.update(str(a) for a in names if a not in ACTION)
+    code = {a: ACTION.get(a, OTHER) for a in names}
+    present.update(set().union(*entries))
+    intern = it.strings.intern
+    stack_id = it.stack_id
+    action = np.array([code[a] for a in actions], dtype=np.int8)
+    col = {
+        "device": np.full(n, device, dtype=np.int32),
+        "index": np.arange(n, dtype=np.int64),
+        "action": action,
+        "addr": int_column([e.get("addr", 0) for e in entries], np.uint64, f"device {device} entry"),
+        "size": int_column([e.get("size", 0) for e in entries], np.int64, f"device {device} entry"),
+        "stream": _stream_column([e.get("stream", 0) for e in entries]),
+        "time_us": int_column([e.get("time_us", NO_TIME) for e in entries], np.int64, f"device {device} entry time_us"),
+        "stack_id": np.array([stack_id(e.get("frames")) for e in entries], dtype=np.int32),
+        "user_metadata": np.array([intern(str(e.get("user_metadata", ""))) for e in entries], dtype=np.int32),
+        "compile_context": np.array([intern(str(e.get("compile_context", ""))) for e in entries], dtype=np.int32),
+        "category": np.array([intern(str(e.get("category", ""))) for e in entries], dtype=np.int32),
+        "device_free": np.zeros(n, dtype=np.int64),
+    }
+    for i in np.flatnonzero(action == OOM):
+        col["device_free"][i] = int(entries[i].get("device_free", 0) or 0)
+    return col
+
+
+def _stream_column(values):
+    try:
+        return np.array(values, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        # raw stream pointers beyond int64, or junk: keep distinct values distinct
+        ids = {}
+        return np.array([ids.setdefault(repr(v), len(ids)) for v in values], dtype=np.int64)
+
+
+def _explain_entries(device, entries, error) -> str:
+    """Find the first entry that breaks conversion and say what is wrong with it."""
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            return f"device_traces[{device}][{i}] is a {type(e).__name__}, not a trace entry (dict)"
+        if "action" not in e:
+            return f"device_traces[{device}][{i}] has no 'action'"
+        try:
+            hash(e["action"])
+        except TypeError:
+            return f"device_traces[{device}][{i}] has an 'action' of type {type(e['action']).__name__}"
+        for key in ("addr", "size", "time_us", "stream"):
+            v = e.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or not (0 if key == "addr" else -(2**63)) <= v < 2**64:
+                return f"device_traces[{device}][{i}] has {key}={v!r}, not an integer in range"
+    return f"device_traces[{device}] could not be read ({error})"
+
+
+def _concat_events(columns) -> Events:
+    if not columns:
+        empty = {k: np.zeros(0, dtype=t) for k, t in _EVENT_DTYPES.items()}
+        return Events(**empty)
+    return Events(**{k: np.concatenate([c[k] for c in columns]) for k in _EVENT_DTYPES})
+
+
+_EVENT_DTYPES = {
+    "device": np.int32, "index": np.int64, "action": np.int8, "addr": np.uint64, "size": np.int64,
+    "stream": np.int64, "time_us": np.int64, "stack_id": np.int32, "user_metadata": np.int32,
+    "compile_context": np.int32, "category": np.int32, "device_free": np.int64,
+}
+
+
+def _segments_of(segments, it):
+    seg = {k: [] for k in ("device", "address", "total_size", "stream", "segment_type", "pool_id", "is_expandable", "stack_id")}
+    blk = {k: [] for k in ("device", "segment", "addr", "size", "requested_size", "state", "stack_id")}
+    intern = it.strings.intern
+    for si, s in enumerate(segments):
+        where = f"segments[{si}]"
+        if not isinstance(s, dict):
+            raise SnapshotError(f"{where} is a {type(s).__name__}, not a segment (dict)")
+        device = _int(s.get("device", 0), where, "device")
+        address = _int(s.get("address", 0), where, "address")
+        blocks = s.get("blocks", [])
+        if not isinstance(blocks, list):
+            raise SnapshotError(f"{where}.blocks is not a list")
+        total = s.get("total_size")
+        if total is None:
+            total = sum(_int(b.get("size", 0), where, "block size") for b in blocks if isinstance(b, dict))
+        seg["device"].append(device)
+        seg["address"].append(address)
+        seg["total_size"].append(_int(total, where, "total_size"))
+        seg["stream"].append(s.get("stream", 0) if isinstance(s.get("stream", 0), int) else 0)
+        seg["segment_type"].append(intern(str(s.get("segment_type", ""))))
+        seg["pool_id"].append(intern(_pool(s.get("segment_pool_id"))))
+        seg["is_expandable"].append(bool(s.get("is_expandable", False)))
+        seg["stack_id"].append(it.stack_id(s.get("frames")))
+        offset = address
+        for bi, b in enumerate(blocks):
+            bw = f"{where}.blocks[{bi}]"
+            if not isinstance(b, dict):
+                raise SnapshotError(f"{bw} is a {type(b).__name__}, not a block (dict)")
+            size = _int(b.get("size", 0), bw, "size")
+            addr = _int(b["address"], bw, "address") if "address" in b else offset
+            offset = addr + size
+            frames = b.get("frames")
+            if frames is None and isinstance(b.get("history"), list) and b["history"]:
+                last = b["history"][-1]
+                frames = last.get("frames") if isinstance(last, dict) else None
+            blk["device"].append(device)
+            blk["segment"].append(si)
+            blk["addr"].append(addr)
+            blk["size"].append(size)
+            blk["requested_size"].append(_int(b.get("requested_size", size), bw, "requested_size"))
+            blk["state"].append(BLOCK_STATE.get(b.get("state"), BLOCK_STATE["unknown"]))
+            blk["stack_id"].append(it.stack_id(frames))
+    dtypes = {"device": np.int32, "address": np.uint64, "total_size": np.int64, "stream": np.int64,
+              "segment_type": np.int32, "pool_id": np.int32, "is_expandable": bool, "stack_id": np.int32,
+              "segment": np.int32, "addr": np.uint64, "size": np.int64, "requested_size": np.int64, "state": np.int8}
+    try:
+        seg = {k: np.array(v, dtype=dtypes[k]) for k, v in seg.items()}
+        blk = {k: np.array(v, dtype=dtypes[k]) for k, v in blk.items()}
+    except (OverflowError, ValueError) as e:
+        raise SnapshotError(f"a segment or block field is out of range ({e})") from None
+    return seg, blk
+
+
+def _int(v, where, what) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SnapshotError(f"{where} has {what}={v!r}, not an integer")
+    if v < 0:
+        raise SnapshotError(f"{where} has a negative {what} ({v})")
+    return v
+
+
+def _pool(p) -> str:
+    if p is None:
+        return ""
+    if isinstance(p, (list, tuple)):
+        return ",".join(str(x) for x in p)
+    return str(p)
