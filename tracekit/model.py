@@ -179,5 +179,15 @@ class Trace:
         """Frames of a stack as dicts, innermost first."""
         return [self.frame(i) for i in self.stacks.frames_of(stack_id)]
 
+    def device_label(self, device) -> str:
+        """"cuda:0", "cpu", ... for reports."""
+        labels = self.meta.get("device_labels") or {}
+        if device in labels:
+            return labels[device]
+        for d in (self.recorder or {}).get("devices") or []:
+            if isinstance(d, dict) and d.get("index") == device and d.get("type"):
+                return d["type"] if d["type"] == "cpu" else f"{d['type']}:{device}"
+        return f"cuda:{device}"
+
     def device_events(self, device) -> slice:
         return self.events.device_slice(device)

@@ -44,6 +44,7 @@ def load(path, progress=None, use_cache=True) -> Trace:
     obj, kind = read_document(path, progress, size=stat.st_size)
     try:
         trace = to_trace(obj, path, progress)
+        trace.meta.update(container=kind, file_bytes=stat.st_size)
     except (SnapshotError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise LoadError(path, _not_a_trace(obj, kind, e)) from None
     finally:
@@ -107,10 +108,11 @@ def read_document(path, progress=None, size=None):
         stream = gzip.GzipFile(fileobj=reader, mode="rb") if zipped else reader
         try:
             first = _first_byte(stream)
+            prefix = "gzip-compressed " if zipped else ""
             if first in b"{[ \t\r\n":
-                return _read_json(stream, path, zipped), "JSON"
+                return _read_json(stream, path, zipped), prefix + "JSON"
             if first in b"\x80(]}":
-                return _read_pickle(stream, path, zipped), "pickle"
+                return _read_pickle(stream, path, zipped), prefix + "pickle"
         except (gzip.BadGzipFile, EOFError, zlib.error, OSError) as e:
             if not zipped:
                 raise LoadError(path, f"it could not be read ({e})") from None

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..model import Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 
-VERSION = 1
+VERSION = 2  # bump whenever Trace or meta layout changes
 _TABLES = {"ev": Events, "fr": Frames, "st": Stacks, "sg": Segments, "bl": Blocks}
 
 

@@ -40,6 +40,7 @@ def kineto_to_trace(obj, path) -> Trace:
     has_totals = all("Total Allocated" in e["args"] for e in mem)
     rows = {k: [] for k in ("device", "action", "addr", "size", "time_us")}
     reserved = {}
+    ever_reserved = set()
     initial = {}
     for e in mem:
         a = e["args"]
@@ -50,6 +51,8 @@ def kineto_to_trace(obj, path) -> Trace:
             initial[dev] = int(a["Total Allocated"]) - nbytes
         if "Total Reserved" in a:
             r = int(a["Total Reserved"])
+            if r:
+                ever_reserved.add(dev)
             prev = reserved.get(dev)
             if prev is not None and r != prev:
                 _row(rows, dev, SEGMENT_ALLOC if r > prev else SEGMENT_FREE, 0, abs(r - prev), ts)
@@ -62,6 +65,8 @@ def kineto_to_trace(obj, path) -> Trace:
         dev = int(a.get("Device Id", 0)) if int(a.get("Device Type", 0)) == 1 else CPU_DEVICE
         if "Total Reserved" in a and dev not in first_reserved:
             first_reserved[dev] = int(a["Total Reserved"])
+    # a device whose Total Reserved is always 0 (CPU memory) has no reserved figure
+    first_reserved = {dev: r for dev, r in first_reserved.items() if dev in ever_reserved}
     meta = {"has_addresses": has_addr, "has_segments": False, "initial_allocated": initial,
             "initial_reserved": first_reserved, "present_fields": sorted({k for e in mem for k in e["args"]}),
             "kineto_events": len(events), "device_labels": {CPU_DEVICE: "cpu"}}

@@ -1,0 +1,19 @@
+"""`tracekit info FILE`: format facts (devices, entries, time span, fields, truncation, frames)."""
+import click
+
+from ..analysis.info import file_info
+from ..render import info_text
+from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace
+
+
+@click.command("info")
+@file_argument
+@json_option
+@no_cache_option
+def command(file, as_json, no_cache):
+    """Format facts about a memory FILE: what it holds and how complete it is."""
+    info = file_info(open_trace(file, no_cache))
+    if as_json:
+        echo_json(info)
+    else:
+        click.echo(info_text(info), nl=False)

@@ -1,0 +1,97 @@
+"""Plain-text rendering of the report and info dicts for the terminal."""
+from __future__ import annotations
+
+from .analysis.frames import where
+from .analysis.units import fmt_bytes
+
+
+def _rows(pairs, indent="  ") -> list[str]:
+    width = max((len(k) for k, _ in pairs), default=0)
+    return [f"{indent}{k:<{width}}  {v}" for k, v in pairs]
+
+
+def _when(index, time_us, t0) -> str:
+    if index is None or index < 0:
+        return "before the first entry"
+    if time_us is not None and t0 is not None:
+        return f"at entry {index} (+{(time_us - t0) / 1e6:.3f} s)"
+    return f"at entry {index}"
+
+
+def report_text(report: dict, t0_by_device=None) -> str:
+    t0_by_device = t0_by_device or {}
+    out = [f"{report['file']}  ({report['format']})", ""]
+    for d in report["devices"]:
+        t0 = t0_by_device.get(d["device"])
+        out.append(f"Device {d['label']}  ({d['entries']} trace entries)")
+        pairs = [
+            ("peak allocated", f"{fmt_bytes(d['peak_allocated_bytes']):>10}  "
+                               f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}"),
+            ("peak reserved", f"{fmt_bytes(d['peak_reserved_bytes']):>10}"),
+            ("before the trace", f"{fmt_bytes(d['allocated_before_trace_bytes']):>10}  allocated when recording began"),
+            ("final allocated", f"{fmt_bytes(d['final_allocated_bytes']):>10}"),
+            ("final reserved", f"{fmt_bytes(d['final_reserved_bytes']):>10}"),
+        ]
+        if d.get("fragmentation_at_peak_bytes") is not None:
+            r = d["reserved_at_peak_bytes"] or 0
+            share = d["fragmentation_at_peak_bytes"] / r if r else 0
+            pairs.append(("unused at peak", f"{fmt_bytes(d['fragmentation_at_peak_bytes']):>10}  "
+                                            f"reserved but not allocated ({share:.0%})"))
+        if d["oom_count"]:
+            pairs.append(("out of memory", f"{d['oom_count']:>10}  OOM entries"))
+        inv = d["replay_invariant"]
+        if inv["checked"] and not inv["ok"]:
+            pairs.append(("replay check", f"FAILED: {inv['problems'][0]['what']} (and {len(inv['problems']) - 1} more)"))
+        out += _rows(pairs)
+        if d.get("categories_at_peak"):
+            out.append("  at the peak, by category:")
+            total = sum(d["categories_at_peak"].values()) or 1
+            cats = sorted(d["categories_at_peak"].items(), key=lambda kv: -kv[1])
+            out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}") for c, b in cats if b], indent="    ")
+        if d["top_stacks_at_peak"]:
+            out.append("  live at the peak, by allocation site:")
+            out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {where(s['frames'])}")
+                          for s in d["top_stacks_at_peak"]], indent="    ")
+        out.append("")
+    others = [f for f in report["findings"] if f["kind"] != "peak"]
+    if others:
+        out.append("Findings")
+        for f in others:
+            out.append(f"  [{f['kind']}] {f['summary']}")
+            if f.get("frames"):
+                out.append(f"      at {where(f['frames'])}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def info_text(info: dict) -> str:
+    pairs = [
+        ("file", info["file"]),
+        ("size", fmt_bytes(info["file_bytes"])),
+        ("format", f"{info['format']} ({info['container']})"),
+        ("recorded by", info["recorded_by"]),
+        ("devices", ", ".join(info["device_labels"]) or "none"),
+        ("segments", f"{info['segments']} ({info['blocks']} blocks)"),
+        ("fields present", ", ".join(info["present_fields"]) or "none"),
+        ("top-level keys", ", ".join(info["top_level"]) or "none"),
+    ]
+    if info["unknown_actions"]:
+        pairs.append(("unknown actions", ", ".join(info["unknown_actions"]) + " (skipped)"))
+    out = _rows(pairs, indent="")
+    for d in info["devices"]:
+        out.append("")
+        out.append(f"Device {d['label']}")
+        span = "no times recorded" if d["duration_s"] is None else f"{d['duration_s']:.3f} s"
+        actions = ", ".join(f"{k} {v}" for k, v in d["actions"].items())
+        out += _rows([
+            ("entries", f"{d['entries']}  ({actions or 'none'})"),
+            ("time span", span),
+            ("streams", str(d["streams"])),
+            ("frames", f"{d['entries_with_frames']} of {d['entries']} entries have a stack ({d['frames_coverage']:.0%})"),
+            ("before the trace", f"{d['frees_before_trace']} frees of allocations made before recording "
+                                 f"({fmt_bytes(d['freed_before_trace_bytes'])}); "
+                                 f"{fmt_bytes(d['allocated_before_trace_bytes'])} live when it began"),
+            ("truncated?", d["truncation"]),
+            ("replay check", d["replay_check"]),
+        ])
+    return "\n".join(out) + "\n"
