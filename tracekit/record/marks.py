@@ -72,12 +72,12 @@ class Marks:
         self._changed()
 
     def finish(self, t=None):
-        """Close the open phase and iteration (an empty trailing iteration is dropped)."""
+        """Close the open phase and iteration (a trailing iteration without phases is dropped)."""
         if self._iteration_start is None:
             return
         t = self.clock() if t is None else t
         self._end_phase(t)
-        self._end_iteration(t, keep_empty=False)
+        self._end_iteration(t, keep_empty=not self.iterations)
         self._iteration_start = None
 
     @property
@@ -153,7 +153,7 @@ class Marks:
 
     def _end_iteration(self, t, keep_empty=True):
         self._end_phase(t)
-        has_phases = any(p["iteration"] == self.iteration for p in self.phases[-3:])
+        has_phases = bool(self.phases) and self.phases[-1]["iteration"] == self.iteration
         if keep_empty or has_phases:
             self.iterations.append({"iteration": self.iteration, "start_us": self._iteration_start, "end_us": t})
         self.iteration += 1

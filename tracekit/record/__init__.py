@@ -1,0 +1,59 @@
+"""The recorder: `record(...)` (a context manager) and `record_steps(...)`.
+
+`tracekit.record` is both this package and the function: the package is a
+callable module, so `tracekit.record("step.pickle", model=m)` works however
+it was reached. Importing this package does not import torch.
+"""
+from __future__ import annotations
+
+import sys
+import types
+
+from .recorder import DEFAULT_MAX_ENTRIES, DEFAULT_PATH, Recorder
+
+__all__ = ["record", "record_steps", "Recorder"]
+
+
+def record(path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", stacks="python",
+           max_entries=DEFAULT_MAX_ENTRIES, activations=True) -> Recorder:
+    """Record memory while the `with` block runs and write it to `path`.
+
+    path: output file; "{rank}" and "{pid}" are filled in. model, optimizer:
+    optional; when given, the file also tags their tensors (parameters,
+    buffers, gradients, optimizer state) and holds the ones that existed
+    before recording. backend: "auto" (CUDA if available, else CPU), "cuda"
+    or "cpu". stacks: "python" or "all". max_entries: trace entries kept (the
+    newest). activations: tag tensors saved for backward.
+
+        with tracekit.record("step.pickle", model=model, optimizer=opt) as rec:
+            for batch in loader:
+                ...
+                rec.step()  # optional iteration boundary
+    """
+    return Recorder(path, model, optimizer, backend=backend, stacks=stacks,
+                    max_entries=max_entries, activations=activations)
+
+
+def record_steps(step_fn, steps=3, warmup=1, path=DEFAULT_PATH, model=None, optimizer=None, **options):
+    """Run `step_fn()` warmup + steps times, recording the last `steps` of them.
+
+    Warm-up steps run first, unrecorded (lazy optimizer state and allocator
+    caches settle); iterations in the file are numbered from `warmup`.
+    Returns the path written (None if nothing could be written).
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError("record_steps needs steps >= 1 and warmup >= 0")
+    rec = Recorder(path, model, optimizer, warmup=warmup, steps=steps, **options)
+    with rec:
+        for _ in range(warmup + steps):
+            step_fn()
+            rec.step()
+    return rec.written
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        return record(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,226 @@
+"""CPU backend: torch.profiler memory events converted to a PyTorch snapshot.
+
+The profiler (``profile_memory=True, with_stack=True``) sees every CPU
+allocation and free with its address, size, time and the Python calls around
+it. We walk its event tree once and write the same trace entries the CUDA
+allocator would (``alloc``, ``free_requested``, ``free_completed``). There is
+no caching allocator on the CPU: each allocation is its own segment, so every
+``alloc`` is preceded by a ``segment_alloc`` and every free followed by a
+``segment_free`` (reserved == allocated), and the final ``segments`` are
+synthesized the same way: one segment (``segment_type: "cpu"``) per block
+live at the end, including the tensors that existed before recording (known
+from the model and the optimizer) and were not freed during it. Device 0 is
+the CPU.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import platform
+
+CPU_DEVICE = 0
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, stacks="python", max_entries=None):
+        self.stacks = stacks
+        self.max_entries = max_entries
+        self._prof = None
+        self._metadata = []  # [(time_us, metadata string)] in time order
+
+    # -- recording ---------------------------------------------------------
+    def device_of(self, tensor):
+        """The trace device a tensor's storage lives on, or None if this backend does not see it."""
+        return CPU_DEVICE if tensor.device.type == "cpu" else None
+
+    def start(self):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self._torch = torch
+        self._prof = profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True, record_shapes=False
+        )
+        self._prof.start()
+
+    def set_metadata(self, time_us, metadata):
+        self._metadata.append((time_us, metadata))
+
+    def stop(self):
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.stop()
+            self._results = prof.profiler.kineto_results
+
+    def restore(self):
+        """Nothing to restore: the profiler is ours alone."""
+        if self._prof is not None:
+            try:
+                self._prof.stop()
+            except Exception:
+                pass
+            self._prof = None
+
+    # -- the snapshot ------------------------------------------------------
+    def snapshot(self, preexisting=()):
+        """The snapshot dict: `preexisting` is [(addr, size, frames)] of storages live at the start."""
+        events = allocation_events(self._results, with_ops=self.stacks == "all")
+        entries = to_entries(events, self._metadata)
+        segments = final_segments(entries, preexisting)
+        if self.max_entries is not None and len(entries) > self.max_entries:
+            entries = entries[len(entries) - self.max_entries:]  # a ring buffer keeps the newest
+        return {"segments": segments, "device_traces": [entries]}
+
+    def devices(self):
+        return [{"index": CPU_DEVICE, "type": "cpu", "name": cpu_name(), "total_memory": total_ram()}]
+
+
+def allocation_events(kineto_results, with_ops=False):
+    """[(time_ns, order, ptr, size, frames_key)] of CPU allocations (size > 0) and frees (size < 0).
+
+    frames_key is a tuple of (filename, line, name), innermost first, shared by
+    equal stacks so that the written file stores each stack once.
+    """
+    from torch._C._profiler import _EventType
+
+    py_tags = (_EventType.PyCall, _EventType.PyCCall)
+    torch_op = _EventType.TorchOp
+    allocation = _EventType.Allocation
+    interned = {}
+    out = []
+    # Depth-first walk carrying the Python frames above each node (outermost first).
+    todo = [(root, (), ()) for root in reversed(kineto_results.experimental_event_tree())]
+    while todo:
+        node, pyframes, ops = todo.pop()
+        tag = node.tag
+        if tag in py_tags:
+            pyframes = pyframes + ((node, tag),)
+            ops = ()
+        elif tag == torch_op and with_ops:
+            ops = ops + (node.name,)
+        elif tag == allocation:
+            ef = node.extra_fields
+            if ef.device.type == "cpu" and ef.alloc_size != 0 and ef.ptr:
+                key = _frames_key(pyframes, ops, _EventType.PyCall)
+                key = interned.setdefault(key, key)
+                out.append((node.start_time_ns, len(out), ef.ptr, ef.alloc_size, key))
+        children = node.children
+        for child in reversed(children):
+            todo.append((child, pyframes, ops))
+    out.sort(key=lambda e: (e[0], e[1]))
+    return out
+
+
+def _frames_key(pyframes, ops, pycall_tag):
+    """Python frames innermost first, like a traceback read upwards.
+
+    Each Python node contributes the frame it was called from (its caller).
+    When the innermost node is a Python function (not a C call), its own frame
+    comes first, at its def line (the profiler does not know the current line).
+    The outermost node, a frame already running when profiling began, reports
+    itself as its caller; that duplicate is dropped.
+    """
+    frames = [("", 0, op) for op in reversed(ops)]
+    if pyframes:
+        node, tag = pyframes[-1]
+        if tag == pycall_tag:
+            cs = node.extra_fields.callsite
+            frames.append((cs.file_name, cs.line_number, cs.function_name))
+    for i in range(len(pyframes) - 1, -1, -1):
+        node, tag = pyframes[i]
+        ef = node.extra_fields
+        c = ef.caller
+        frame = (c.file_name, c.line_number, c.function_name)
+        if i == 0 and tag == pycall_tag:
+            cs = ef.callsite
+            if (cs.file_name, cs.line_number, cs.function_name) == frame:
+                continue
+        frames.append(frame)
+    return tuple(frames)
+
+
+def to_entries(events, metadata=()):
+    """Trace entries (dicts) from allocation events; metadata [(time_us, str)] tags each entry."""
+    meta_times = [t for t, _ in metadata]
+    frame_lists = {}
+
+    def frames_of(key):
+        frames = frame_lists.get(key)
+        if frames is None:
+            frames = frame_lists[key] = [{"filename": f, "line": l, "name": n} for f, l, n in key]
+        return frames
+
+    def metadata_at(t):
+        i = bisect.bisect_right(meta_times, t) - 1
+        return metadata[i][1] if i >= 0 else ""
+
+    entries = []
+    for time_ns, _, ptr, size, key in events:
+        t = time_ns // 1000
+        frames = frames_of(key)
+        meta = metadata_at(t)
+        if size > 0:
+            entries.append(_entry("segment_alloc", ptr, size, t, frames, meta))
+            entries.append(_entry("alloc", ptr, size, t, frames, meta))
+        else:
+            entries.append(_entry("free_requested", ptr, -size, t, frames, meta))
+            entries.append(_entry("free_completed", ptr, -size, t, frames, meta))
+            entries.append(_entry("segment_free", ptr, -size, t, frames, meta))
+    return entries
+
+
+def _entry(action, addr, size, time_us, frames, meta):
+    return {
+        "action": action, "addr": addr, "size": size, "stream": 0,
+        "time_us": time_us, "frames": frames, "user_metadata": meta,
+    }
+
+
+def final_segments(entries, preexisting=()):
+    """One synthesized segment per block live at the end of `entries`.
+
+    Live at the end: what the trace allocates and does not free, plus the
+    `preexisting` storages [(addr, size, frames)] that the trace never frees.
+    """
+    live = {}  # addr -> (size, frames)
+    seen = set()  # a pre-existing storage whose address the trace touches was freed in it
+    for e in entries:
+        addr = e["addr"]
+        if e["action"] == "alloc":
+            live[addr] = (e["size"], e["frames"])
+        elif e["action"] == "free_completed":
+            live.pop(addr, None)
+        seen.add(addr)
+    for addr, size, frames in preexisting:
+        if addr not in seen:
+            live[addr] = (size, frames)
+    return [_segment(addr, size, frames) for addr, (size, frames) in sorted(live.items())]
+
+
+def _segment(addr, size, frames):
+    block = {"address": addr, "size": size, "requested_size": size, "state": "active_allocated", "frames": frames}
+    return {
+        "device": CPU_DEVICE, "address": addr, "total_size": size, "allocated_size": size,
+        "active_size": size, "requested_size": size, "stream": 0, "segment_type": "cpu",
+        "segment_pool_id": (0, 0), "is_expandable": False, "frames": frames, "blocks": [block],
+    }
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def total_ram():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

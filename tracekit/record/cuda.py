@@ -1,0 +1,123 @@
+"""CUDA backend: the caching allocator's own memory history.
+
+`torch.cuda.memory._record_memory_history` records every alloc/free with
+Python stacks; `_set_memory_metadata` stamps each new entry with our
+``tracekit:iter=N:phase=P`` string; `_snapshot()` gives segments, blocks and
+the trace at the end (or at an out-of-memory error). The recording state
+found at start is restored at stop: history off again if it was off, the
+previous metadata string put back.
+"""
+from __future__ import annotations
+
+import inspect
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, stacks="python", max_entries=1_000_000):
+        self.stacks = stacks
+        self.max_entries = max_entries
+        self._snapshot = None
+        self._started = False
+        self._was_enabled = False
+        self._old_metadata = ""
+
+    @staticmethod
+    def _memory():
+        import torch.cuda.memory
+
+        return torch.cuda.memory
+
+    def device_of(self, tensor):
+        return tensor.device.index if tensor.device.type == "cuda" else None
+
+    def start(self):
+        mem = self._memory()
+        self._was_enabled = history_enabled()
+        self._old_metadata = _get_metadata(mem)
+        kwargs = {
+            "context": "all",
+            "stacks": self.stacks,
+            "max_entries": self.max_entries,
+            # Keep a history someone else started; otherwise start from a clean one.
+            "clear_history": not self._was_enabled,
+        }
+        kwargs = supported_kwargs(mem._record_memory_history, kwargs)
+        try:
+            mem._record_memory_history("all", **kwargs)
+        except TypeError:  # a torch whose signature we could not read and that lacks clear_history
+            kwargs.pop("clear_history", None)
+            mem._record_memory_history("all", **kwargs)
+        self._started = True
+
+    def set_metadata(self, time_us, metadata):
+        mem = self._memory()
+        if hasattr(mem, "_set_memory_metadata"):
+            mem._set_memory_metadata(metadata)
+
+    def stop(self):
+        """Take the snapshot, then restore the previous recording state."""
+        if not self._started:
+            return
+        try:
+            self._snapshot = self._memory()._snapshot()
+        finally:
+            self.restore()
+
+    def restore(self):
+        if not self._started:
+            return
+        self._started = False
+        mem = self._memory()
+        try:
+            if hasattr(mem, "_set_memory_metadata"):
+                mem._set_memory_metadata(self._old_metadata)
+        finally:
+            if not self._was_enabled:
+                mem._record_memory_history(None)
+
+    def snapshot(self, preexisting=()):
+        """The allocator's snapshot; its segments already hold every live block."""
+        snap = self._snapshot
+        if isinstance(snap, list):  # very old torch: a bare list of segments
+            snap = {"segments": snap, "device_traces": []}
+        return dict(snap)
+
+    def devices(self):
+        import torch
+
+        out = []
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            out.append({"index": i, "type": "cuda", "name": props.name, "total_memory": int(props.total_memory)})
+        return out
+
+
+def history_enabled() -> bool:
+    import torch
+
+    probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except Exception:
+        return False
+
+
+def _get_metadata(mem) -> str:
+    getter = getattr(mem, "_get_memory_metadata", None)
+    try:
+        return getter() if getter is not None else ""
+    except Exception:
+        return ""
+
+
+def supported_kwargs(fn, kwargs):
+    """The subset of `kwargs` that `fn` accepts (older torch lacks some options)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}

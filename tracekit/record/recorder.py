@@ -1,0 +1,342 @@
+"""The recorder: a context manager that records one or more training steps to a file.
+
+    with tracekit.record("step.pickle", model=model, optimizer=optimizer) as rec:
+        for batch in loader:
+            ...
+            rec.step()  # optional iteration boundary
+
+It picks a backend (CUDA allocator history, or the CPU profiler), installs the
+hooks that mark iterations and phases and tag tensors, and at the end writes a
+PyTorch-format snapshot with our data under the "tracekit" key. Anything that
+goes wrong inside the recorder becomes a warning: training runs on untouched.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from . import summary
+from .hooks import Hooks
+from .marks import Marks, now_us
+from .tags import (
+    BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, Tags, optimizer_params, param_names, storages,
+)
+
+FORMAT_VERSION = 1
+DEFAULT_MAX_ENTRIES = 1_000_000
+DEFAULT_PATH = "memory.pickle"
+
+
+class Recorder:
+    """Records memory while active. Use `record(...)` to make one.
+
+    `warmup` iterations are run with the hooks on but nothing recorded; after
+    `steps` recorded iterations (None: no limit) the file is written and the
+    hooks removed while the program goes on.
+    """
+
+    def __init__(self, path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", stacks="python",
+                 max_entries=DEFAULT_MAX_ENTRIES, activations=True, warmup=0, steps=None, command=None):
+        if stacks not in ("python", "all"):
+            raise ValueError(f"stacks must be 'python' or 'all', not {stacks!r}")
+        if backend not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu', not {backend!r}")
+        self.path = expand_path(path)
+        self.model = model
+        self.optimizer = optimizer
+        self.backend_name = backend
+        self.stacks = stacks
+        self.max_entries = max_entries
+        self.activations = activations
+        self.warmup = warmup
+        self.steps = steps
+        self.command = list(command) if command is not None else list(sys.argv)
+        self.exit_code = None
+        self.error = None
+        self.written = None  # the path written, once it is
+        self.enabled = False  # hooks are on (recording or waiting for warm-up to end)
+        self.recording = False  # the backend is recording
+        self._done = False
+        self._backend = None
+        self._hooks = None
+        self._marks = None
+        self._tags = None
+        self._models = []  # (prefix, module): the model, or outermost modules seen with parameters
+        self._optimizers = []
+        self._start_us = None
+        self._preexisting_frames = []
+
+    # -- context manager ---------------------------------------------------
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and self.error is None:
+            self.error = f"{exc_type.__name__}: {exc}"
+        self.close()
+        return False
+
+    def start(self):
+        """Install the hooks and start recording (or wait for the warm-up iterations)."""
+        try:
+            import torch  # noqa: F401
+
+            self._backend = make_backend(self.backend_name, self.stacks, self.max_entries)
+            self._tags = Tags(self._backend.device_of)
+            self._marks = Marks(on_change=self._metadata_changed)
+            if self.model is not None:
+                self._models.append(("", self.model))
+            if self.optimizer is not None:
+                self._optimizers.append(self.optimizer)
+            self._hooks = Hooks(self, model=self.model, optimizer=self.optimizer, activations=self.activations)
+            self._hooks.install()
+            self.enabled = True
+            self._marks.start()
+            if self.warmup <= 0:
+                self._start_backend()
+        except Exception as e:
+            self._disable(f"recording could not start ({e!r}); training runs without it")
+        return self
+
+    def step(self):
+        """Mark an iteration boundary (optional: optimizer steps mark them too)."""
+        if not self.enabled:
+            return
+        try:
+            self._marks.step()
+            self._iteration_began()
+        except Exception as e:
+            self._disable(f"recording stopped ({e!r})")
+
+    def close(self):
+        """Stop recording, write the file (if anything was recorded) and remove the hooks."""
+        try:
+            self._finish()
+        finally:
+            if self._hooks is not None:
+                self._hooks.remove()
+
+    # -- listener methods (called by Hooks) --------------------------------
+    def forward_started(self, module, args, kwargs):
+        if self.model is None and _has_parameters(module) and all(m is not module for _, m in self._models):
+            self._models.append((f"{type(module).__name__}." if self._models else "", module))
+        if self._marks.forward_started():
+            self._iteration_began()
+        if self.recording:
+            self._tags.add_model(module, self._prefix_of(module))
+            self._tags.add_inputs(args, kwargs)
+
+    def forward_kwargs(self, module, kwargs):
+        if self.recording:
+            self._tags.add_inputs((), kwargs)
+
+    def backward_started(self):
+        self._marks.backward_started()
+
+    def backward_ended(self):
+        self._marks.backward_ended()
+        if self.recording:
+            self._tags.add_gradients(self._named_parameters())
+
+    def optimizer_started(self, optimizer):
+        if all(o is not optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
+        self._marks.optimizer_started()
+        if self.recording:
+            self._tags.add_gradients(optimizer_params(optimizer, self._param_names()))
+
+    def optimizer_ended(self, optimizer):
+        self._marks.optimizer_ended()
+        if self.recording:
+            self._tags.add_optimizer_state(optimizer, self._param_names())
+
+    def saved_tensor(self, tensor):
+        if self.recording:
+            self._tags.add_activation(tensor)
+
+    # -- internals ---------------------------------------------------------
+    def _iteration_began(self):
+        self._tags.new_iteration()
+        it = self._marks.iteration
+        if not self.recording and not self._done and it >= self.warmup:
+            self._start_backend()
+        elif self.recording and self.steps is not None and it >= self.warmup + self.steps:
+            self._finish(remove_hooks=True)
+
+    def _start_backend(self):
+        self._start_us = now_us()
+        self._first_iteration = self._marks.iteration
+        self._tag_existing(self._start_us)
+        self._backend.start()
+        self.recording = True
+        self._backend.set_metadata(now_us(), self._marks.metadata)
+
+    def _tag_existing(self, t):
+        """Tag (and remember, for the CPU's final segments) what the model and optimizer hold now."""
+        names = self._param_names()
+        named = []
+        for prefix, model in self._models:
+            named += [(prefix + n, p) for n, p in model.named_parameters()]
+            named += [(prefix + n, b) for n, b in model.named_buffers()]
+            for n, p in model.named_parameters():
+                self._tags.add(p, PARAMETER, prefix + n, t)
+            for n, b in model.named_buffers():
+                self._tags.add(b, BUFFER, prefix + n, t)
+        for optimizer in self._optimizers:
+            for n, p in optimizer_params(optimizer, names):
+                named.append((n, p))
+                named.append((n + ".grad", p.grad))
+                self._tags.add(p.grad, GRADIENT, n + ".grad", t)
+                for key, value in optimizer.state.get(p, {}).items():
+                    if hasattr(value, "untyped_storage"):
+                        named.append((f"{n}.{key}", value))
+                        self._tags.add(value, OPTIMIZER_STATE, f"{n}.{key}", t)
+        for n, p in self._named_parameters():
+            named.append((n + ".grad", p.grad))
+            self._tags.add(p.grad, GRADIENT, n + ".grad", t)
+        self._preexisting = storages(named, self._backend.device_of)
+
+    def _metadata_changed(self, metadata):
+        if self.recording:
+            self._backend.set_metadata(now_us(), metadata)
+
+    def _finish(self, remove_hooks=False):
+        if self._done or not self.enabled:
+            return
+        self._done = True
+        if remove_hooks and self._hooks is not None:
+            # Called from inside a hook: leave the saved-tensor hooks pushed (inert) until close().
+            self._hooks.remove(pop_saved_hooks=False)
+        if not self.recording:
+            return
+        self.recording = False
+        end_us = now_us()
+        try:
+            self._marks.finish(end_us)
+            self._backend.stop()
+            snapshot = self._backend.snapshot([(a, s, []) for a, s in self._preexisting])
+            snapshot["tracekit"] = self._tracekit_key(end_us)
+            from ..io.write import write_snapshot
+
+            self.written = write_snapshot(self.path, snapshot)
+        except Exception as e:
+            warnings.warn(f"tracekit: could not write {self.path} ({e!r})", RuntimeWarning)
+        finally:
+            self._backend.restore()
+
+    def _tracekit_key(self, end_us):
+        first = self._first_iteration
+        last = first + self.steps - 1 if self.steps is not None else None
+
+        def kept(it):
+            return it >= first and (last is None or it <= last)
+
+        def clamp(d):
+            d = dict(d)
+            d["start_us"] = max(d["start_us"], self._start_us)
+            d["end_us"] = min(d["end_us"], end_us)
+            return d
+
+        import torch
+
+        model = self._main_model()
+        return {
+            "version": FORMAT_VERSION,
+            "backend": self._backend.name,
+            "torch_version": str(torch.__version__),
+            "python_version": sys.version.split()[0],
+            "devices": self._backend.devices(),
+            "model": summary.model_summary(model) if model is not None else None,
+            "optimizer": summary.optimizer_summary(self._optimizers[0]) if self._optimizers else None,
+            "phases": [clamp(p) for p in self._marks.phases if kept(p["iteration"])],
+            "iterations": [clamp(i) for i in self._marks.iterations if kept(i["iteration"])],
+            "tags": self._tags.items,
+            "command": self.command,
+            "exit_code": self.exit_code,
+            "error": self.error,
+            "settings": {
+                "backend": self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
+                "activations": self.activations, "warmup": self.warmup, "steps": self.steps,
+                "path": self.path, "pid": os.getpid(), "rank": rank(),
+                "start_us": self._start_us, "end_us": end_us,
+            },
+        }
+
+    def _main_model(self):
+        if not self._models:
+            return None
+        return max((m for _, m in self._models), key=lambda m: sum(p.numel() for p in m.parameters()))
+
+    def _prefix_of(self, module):
+        return next((prefix for prefix, m in self._models if m is module), "")
+
+    def _named_parameters(self):
+        for prefix, model in self._models:
+            for n, p in model.named_parameters():
+                yield prefix + n, p
+
+    def _param_names(self):
+        return param_names(self._models)
+
+    def _disable(self, message):
+        warnings.warn(f"tracekit: {message}", RuntimeWarning, stacklevel=3)
+        self.enabled = False
+        self.recording = False
+        for cleanup in (
+            lambda: self._hooks.remove() if self._hooks is not None else None,
+            lambda: self._backend.restore() if self._backend is not None else None,
+        ):
+            try:
+                cleanup()
+            except Exception:
+                pass
+
+
+def make_backend(name, stacks, max_entries):
+    """The backend for `name` ("auto" picks CUDA when it is available)."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'cuda' asked for, but CUDA is not available")
+        from .cuda import CudaBackend
+
+        return CudaBackend(stacks=stacks, max_entries=max_entries)
+    from .cpu import CpuBackend
+
+    return CpuBackend(stacks=stacks, max_entries=max_entries)
+
+
+def rank():
+    """This process's distributed rank from the environment (torchrun), or None."""
+    for var in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(var)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+def expand_path(path) -> str:
+    """Fill {rank} and {pid}; under a multi-process launch without {rank}, add .rankN before the suffix."""
+    path = os.fspath(path)
+    r = rank()
+    world = os.environ.get("WORLD_SIZE", "")
+    if r is not None and "{rank}" not in path and world.isdigit() and int(world) > 1:
+        root, ext = _split_ext(path)
+        path = f"{root}.rank{{rank}}{ext}"
+    return path.replace("{rank}", str(r if r is not None else 0)).replace("{pid}", str(os.getpid()))
+
+
+def _split_ext(path):
+    for ext in (".pickle.gz", ".pkl.gz", ".json.gz"):
+        if path.endswith(ext):
+            return path[: -len(ext)], ext
+    return os.path.splitext(path)
+
+
+def _has_parameters(module):
+    return next(iter(module.parameters()), None) is not None
