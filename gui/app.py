@@ -1,0 +1,351 @@
+"""The main window: tabs of opened files, menus, shortcuts, recent files, drag and drop."""
+from __future__ import annotations
+
+import os
+import sys
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QApplication, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget, QVBoxLayout,
+                               QWidget)
+
+from tracekit.errors import TracekitError
+
+from . import export
+from .docview import DocumentView, LoadingView
+from .loader import LoadThread
+
+MAX_RECENT = 10
+FILE_FILTER = "Memory files (*.pickle *.pkl *.json *.gz *.pt.trace.json);;All files (*)"
+
+
+def settings() -> QSettings:
+    """The viewer's settings; $TRACEKIT_SETTINGS names an INI file instead (tests, portable installs)."""
+    path = os.environ.get("TRACEKIT_SETTINGS")
+    return QSettings(path, QSettings.IniFormat) if path else QSettings("tracekit", "tracekit-viewer")
+
+
+class Welcome(QWidget):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        text = QLabel("<h2>tracekit</h2><p>Open a PyTorch memory snapshot or profiler trace:<br>"
+                      "<b>File ▸ Open</b> (Ctrl+O), or drop files here.</p>"
+                      "<p>Make one with <code>tracekit record -- python train.py</code>, "
+                      "or <code>torch.cuda.memory._dump_snapshot()</code>.</p>")
+        text.setAlignment(Qt.AlignCenter)
+        layout = QVBoxLayout(self)
+        layout.addWidget(text)
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, remember=True):
+        super().__init__()
+        self.remember = remember  # False: leave settings untouched (screenshots)
+        self.threads: dict = {}  # LoadingView -> LoadThread
+        self.last_error = None  # the last message shown in an error dialog
+        self.error_box = None
+        self.setWindowTitle("tracekit")
+        self.setAcceptDrops(True)
+        self.tabs = QTabWidget(tabsClosable=True, movable=True, documentMode=True)
+        self.tabs.tabCloseRequested.connect(self.close_tab)
+        self.welcome = Welcome()
+        self.tabs.addTab(self.welcome, "Welcome")
+        self.setCentralWidget(self.tabs)
+        self.file_label = QLabel()
+        self.statusBar().addPermanentWidget(self.file_label)
+        self._build_menus()
+        self.tabs.currentChanged.connect(self._tab_changed)
+        self.resize(1440, 900)
+        if remember:
+            s = settings()
+            geometry, state = s.value("geometry"), s.value("state")
+            if isinstance(geometry, QByteArray):
+                self.restoreGeometry(geometry)
+            if isinstance(state, QByteArray):
+                self.restoreState(state)
+
+    # ---- menus ----------------------------------------------------------------------------------
+
+    def _action(self, menu, text, slot, shortcut=None, tip=None):
+        action = QAction(text, self)
+        if shortcut:
+            action.setShortcut(QKeySequence(shortcut))
+        if tip:
+            action.setStatusTip(tip)
+        action.triggered.connect(slot)
+        menu.addAction(action)
+        return action
+
+    def _build_menus(self):
+        m = self.menuBar().addMenu("&File")
+        self._action(m, "&Open…", self.open_dialog, QKeySequence.Open, "Open memory snapshots or profiler traces")
+        self.recent_menu = m.addMenu("Open &Recent")
+        self.recent_menu.aboutToShow.connect(self._fill_recent)
+        m.addSeparator()
+        self.export_png_action = self._action(m, "Export Timeline as &PNG…", self.export_png, "Ctrl+Shift+P")
+        self.export_csv_action = self._action(m, "Export Allocations as &CSV…", self.export_csv, "Ctrl+Shift+C")
+        m.addSeparator()
+        self._action(m, "&Close Tab", lambda: self.close_tab(self.tabs.currentIndex()), QKeySequence.Close)
+        self._action(m, "&Quit", self.close, QKeySequence.Quit)
+        v = self.menuBar().addMenu("&View")
+        self._action(v, "Zoom &In", lambda: self._timeline_do("zoom", 0.5), QKeySequence.ZoomIn)
+        self._action(v, "Zoom In", lambda: self._timeline_do("zoom", 0.5), "Ctrl+=")
+        self._action(v, "Zoom &Out", lambda: self._timeline_do("zoom", 2.0), QKeySequence.ZoomOut)
+        self._action(v, "&Reset Zoom", lambda: self._timeline_do("reset_zoom"), "Ctrl+0")
+        self._action(v, "Jump to &Peak", self._jump_to_peak, "Ctrl+P")
+        h = self.menuBar().addMenu("&Help")
+        self._action(h, "&How to read this", self._help)
+
+    def _help(self):
+        QMessageBox.information(self, "tracekit viewer", (
+            "The timeline shows allocated memory stacked by category; the dashed line is reserved memory "
+            "(what the caching allocator holds). Markers show the peak, spikes, leaks and OOMs: click one, "
+            "or a finding on the right, to jump there.\n\n"
+            "Mouse wheel zooms, drag pans. Hover to see the breakdown under the mouse; click to pin the cursor "
+            "(and tick 'Live at cursor' to list what was live there).\n\n"
+            "Select an allocation to see its lifetime on the timeline and its stack, your own code first."))
+
+    # ---- opening ------------------------------------------------------------------------------------
+
+    def open_dialog(self):
+        paths, _ = QFileDialog.getOpenFileNames(self, "Open memory files", self._last_dir(), FILE_FILTER)
+        for p in paths:
+            self.open_file(p)
+
+    def _last_dir(self):
+        recent = self.recent_files()
+        return os.path.dirname(recent[0]) if recent else os.getcwd()
+
+    def open_file(self, path, use_cache=True) -> LoadingView:
+        """Start loading `path` in a new tab (in the background); returns the tab's loading view."""
+        path = os.path.abspath(os.fspath(path))
+        view = LoadingView(path)
+        index = self.tabs.addTab(view, os.path.basename(path))
+        self.tabs.setTabToolTip(index, path)
+        self.tabs.setCurrentIndex(index)
+        if self.tabs.indexOf(self.welcome) >= 0:
+            self.tabs.removeTab(self.tabs.indexOf(self.welcome))
+        thread = LoadThread(path, use_cache=use_cache)
+        thread.progress.connect(view.set_progress)
+        thread.loaded.connect(lambda doc: self._loaded(view, doc))
+        thread.failed.connect(lambda msg: self._failed(view, msg))
+        thread.cancelled.connect(lambda: self._drop(view, "cancelled"))
+        view.cancel_button.clicked.connect(thread.cancel)
+        self.threads[view] = thread
+        thread.start()
+        return view
+
+    def _loaded(self, view, doc):
+        self._forget_thread(view)
+        index = self.tabs.indexOf(view)
+        if index < 0:  # the tab was closed while loading
+            return
+        dv = DocumentView(doc)
+        dv.status.connect(self.statusBar().showMessage)
+        self.tabs.removeTab(index)
+        self.tabs.insertTab(index, dv, os.path.basename(doc.path))
+        self.tabs.setTabToolTip(index, doc.path)
+        self.tabs.setCurrentIndex(index)
+        view.deleteLater()
+        self.add_recent(doc.path)
+        self._tab_changed(index)
+
+    def _failed(self, view, message):
+        self._drop(view, "failed")
+        self.show_error("Cannot open file", message)
+
+    def _drop(self, view, why):
+        self._forget_thread(view)
+        index = self.tabs.indexOf(view)
+        if index >= 0:
+            self.tabs.removeTab(index)
+            view.deleteLater()
+        self.statusBar().showMessage(f"{os.path.basename(view.path)}: {why}", 5000)
+        self._ensure_welcome()
+
+    def _forget_thread(self, view):
+        thread = self.threads.pop(view, None)
+        if thread is not None:
+            thread.wait()
+            thread.deleteLater()
+
+    def show_error(self, title, message):
+        """A non-blocking error dialog with the loader's message (kept in `last_error`)."""
+        self.last_error = message
+        self.error_box = QMessageBox(QMessageBox.Critical, title, message, QMessageBox.Ok, self)
+        self.error_box.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.error_box.open()
+
+    def close_tab(self, index):
+        widget = self.tabs.widget(index)
+        if widget is None or widget is self.welcome:
+            return
+        if isinstance(widget, LoadingView) and widget in self.threads:
+            self.threads[widget].cancel()  # its cancelled signal removes the tab
+            return
+        self.tabs.removeTab(index)
+        widget.deleteLater()
+        self._ensure_welcome()
+
+    def _ensure_welcome(self):
+        if self.tabs.count() == 0:
+            self.tabs.addTab(self.welcome, "Welcome")
+
+    # ---- current document ---------------------------------------------------------------------------
+
+    def current_view(self) -> DocumentView | None:
+        w = self.tabs.currentWidget()
+        return w if isinstance(w, DocumentView) else None
+
+    def document_views(self) -> list[DocumentView]:
+        return [w for w in (self.tabs.widget(i) for i in range(self.tabs.count())) if isinstance(w, DocumentView)]
+
+    def _tab_changed(self, index):
+        view = self.current_view()
+        self.export_png_action.setEnabled(view is not None)
+        self.export_csv_action.setEnabled(view is not None)
+        if view is not None:
+            self.setWindowTitle(f"{os.path.basename(view.doc.path)} — tracekit")
+            self.file_label.setText(f"{view.doc.path}")
+            self.statusBar().showMessage(view.status_text())
+        else:
+            self.setWindowTitle("tracekit")
+            self.file_label.setText("")
+
+    def _timeline_do(self, method, *args):
+        view = self.current_view()
+        if view is not None:
+            getattr(view.timeline, method)(*args)
+
+    def _jump_to_peak(self):
+        view = self.current_view()
+        if view is not None:
+            peak = view.doc.replays[view.device].peak_index
+            view.timeline.show_entries(max(peak, 0))
+            view.pin_cursor(peak)
+
+    # ---- export ------------------------------------------------------------------------------------
+
+    def export_png(self, path=None):
+        view = self.current_view()
+        if view is None:
+            return None
+        if not path:
+            base = os.path.splitext(os.path.basename(view.doc.path))[0]
+            path, _ = QFileDialog.getSaveFileName(self, "Export timeline", f"{base}-timeline.png", "PNG (*.png)")
+        if path:
+            try:
+                export.save_png(view.timeline, path)
+                self.statusBar().showMessage(f"Saved {path}", 5000)
+            except TracekitError as e:
+                self.show_error("Export failed", str(e))
+        return path
+
+    def export_csv(self, path=None):
+        view = self.current_view()
+        if view is None:
+            return None
+        if not path:
+            base = os.path.splitext(os.path.basename(view.doc.path))[0]
+            path, _ = QFileDialog.getSaveFileName(self, "Export allocations", f"{base}-allocations.csv",
+                                                  "CSV (*.csv)")
+        if path:
+            try:
+                rows = export.save_csv(view.model, path)
+                self.statusBar().showMessage(f"Saved {rows:,} allocations to {path}", 5000)
+            except TracekitError as e:
+                self.show_error("Export failed", str(e))
+        return path
+
+    # ---- recent files, drag and drop, closing ----------------------------------------------------------
+
+    def recent_files(self) -> list[str]:
+        value = settings().value("recent", [])
+        if isinstance(value, str):
+            value = [value]
+        return [p for p in (value or []) if isinstance(p, str)]
+
+    def add_recent(self, path):
+        if not self.remember:
+            return
+        recent = [path] + [p for p in self.recent_files() if p != path]
+        settings().setValue("recent", recent[:MAX_RECENT])
+
+    def _fill_recent(self):
+        self.recent_menu.clear()
+        recent = self.recent_files()
+        for p in recent:
+            self.recent_menu.addAction(p, lambda p=p: self.open_file(p))
+        if not recent:
+            self.recent_menu.addAction("(none)").setEnabled(False)
+
+    def dragEnterEvent(self, event):
+        if event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event):
+        for url in event.mimeData().urls():
+            if url.isLocalFile():
+                self.open_file(url.toLocalFile())
+        event.acceptProposedAction()
+
+    def closeEvent(self, event):
+        for view, thread in list(self.threads.items()):
+            thread.cancel()
+            thread.wait()
+        if self.remember:
+            s = settings()
+            s.setValue("geometry", self.saveGeometry())
+            s.setValue("state", self.saveState())
+        super().closeEvent(event)
+
+
+def wait_loaded(window, timeout_s=600) -> bool:
+    """Process events until no file is loading (for screenshots and scripts)."""
+    import time
+
+    app = QApplication.instance()
+    deadline = time.monotonic() + timeout_s
+    while window.threads and time.monotonic() < deadline:
+        app.processEvents()
+        time.sleep(0.01)
+    for _ in range(5):
+        app.processEvents()
+    return not window.threads
+
+
+def screenshot(files, out, size=(1440, 900)) -> int:
+    """Open files, render the window offscreen at `size` and write a PNG. Returns an exit code."""
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    window = MainWindow(remember=False)
+    window.resize(*size)
+    window.show()
+    for f in files:
+        window.open_file(f)
+    wait_loaded(window)
+    if window.last_error:
+        print(f"tracekit: {window.last_error}", file=sys.stderr)
+        return 2
+    for view in window.document_views():
+        view.timeline.refresh()
+    app.processEvents()
+    export.save_png(window, out)
+    window.close()
+    return 0
+
+
+def main(files=(), screenshot_path=None) -> int:
+    """Run the viewer on `files` (or render a screenshot and exit)."""
+    if screenshot_path:
+        if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+            os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+        os.environ.setdefault("QT_LOGGING_RULES", "qt.qpa.*=false")
+        return screenshot(files, screenshot_path)
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setApplicationName("tracekit")
+    app.setOrganizationName("tracekit")
+    window = MainWindow()
+    window.show()
+    for f in files:
+        QTimer.singleShot(0, lambda f=f: window.open_file(f))
+    return app.exec()

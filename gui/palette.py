@@ -1,0 +1,60 @@
+"""Colours and number formats shared by every widget.
+
+Categories use the Okabe–Ito palette, which stays distinguishable for the
+common kinds of colour blindness; the same category always has the same colour.
+"""
+from __future__ import annotations
+
+from tracekit.analysis.units import fmt_bytes  # noqa: F401  (re-exported for the widgets)
+
+# Okabe & Ito (2008), "Color Universal Design".
+BLACK, ORANGE, SKY, GREEN, YELLOW, BLUE, VERMILLION, PURPLE = (
+    "#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
+GREY = "#9A9A9A"
+
+CATEGORY_COLORS = {
+    "parameter": BLUE,
+    "gradient": ORANGE,
+    "optimizer_state": PURPLE,
+    "activation": GREEN,
+    "temporary": VERMILLION,
+    "input": SKY,
+    "other": GREY,
+    "allocated": BLUE,  # shown when a file has no categories
+}
+# User-defined categories (kv_cache, ...) take these in order of appearance.
+EXTRA_COLORS = (YELLOW, "#7F3C8D", "#11A579", "#3969AC", "#F2B701", "#80BA5A", "#E68310")
+
+PHASE_COLORS = {"forward": SKY, "backward": ORANGE, "optimizer": PURPLE}
+FINDING_COLORS = {"peak": BLACK, "spike": VERMILLION, "leak": PURPLE, "oom": "#C00000",
+                  "fragmentation": "#666666", "advice": BLUE}
+RESERVED_COLOR = "#444444"
+HIGHLIGHT_COLOR = "#000000"
+
+
+def category_color(name: str, names=()) -> str:
+    """The colour of a category; unknown ones get a stable extra colour by position in `names`."""
+    if name in CATEGORY_COLORS:
+        return CATEGORY_COLORS[name]
+    extra = [n for n in names if n not in CATEGORY_COLORS]
+    i = extra.index(name) if name in extra else abs(hash(name))
+    return EXTRA_COLORS[i % len(EXTRA_COLORS)]
+
+
+def byte_unit(peak: int) -> tuple[str, float]:
+    """The axis unit for a curve that peaks at `peak` bytes: ("GiB", 2**30), ("MiB", 2**20)..."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if peak >= 2 * scale:
+            return unit, float(scale)
+    return "bytes", 1.0
+
+
+def fmt_duration_us(us) -> str:
+    if us is None:
+        return "n/a"
+    us = float(us)
+    if abs(us) >= 1e6:
+        return f"{us / 1e6:.3f} s"
+    if abs(us) >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us:.0f} µs"

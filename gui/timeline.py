@@ -1,0 +1,379 @@
+"""The timeline: memory over time stacked by category, reserved memory, phases and findings.
+
+Only what can be seen is drawn: after every pan or zoom the visible entry range
+is re-queried from the analysis (`Document.series`) with about one point per
+pixel, so a million-entry trace costs the same to draw as a small one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF, Qt, QTimer, Signal
+from PySide6.QtGui import QBrush, QColor, QPen
+from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+
+from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, PHASE_COLORS, RESERVED_COLOR, byte_unit, category_color,
+                      fmt_bytes)
+
+REFRESH_MS = 25  # debounce between a view change and the re-query
+MAX_PHASE_LABELS = 40
+MAX_ITERATION_LINES = 200
+MARKER_SYMBOLS = {"peak": "t", "spike": "t", "leak": "d", "oom": "x", "fragmentation": "s"}
+
+
+def _color(hex_color, alpha=255) -> QColor:
+    c = QColor(hex_color)
+    c.setAlpha(alpha)
+    return c
+
+
+class Legend(QWidget):
+    """A row of colour swatches above the plot (part of the exported PNG)."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.row = QHBoxLayout(self)
+        self.row.setContentsMargins(8, 2, 8, 2)
+        self.row.setSpacing(14)
+
+    def set_entries(self, entries):
+        """entries: [(text, colour, style)] with style "fill", "line" or "band"."""
+        while self.row.count():
+            w = self.row.takeAt(0).widget()
+            if w:
+                w.deleteLater()
+        for text, colour, style in entries:
+            swatch = {"fill": "■", "line": "┅", "band": "▬"}[style]
+            label = QLabel(f'<span style="color:{colour}; font-size:15px">{swatch}</span>&nbsp;{text}')
+            label.setTextFormat(Qt.RichText)
+            self.row.addWidget(label)
+        self.row.addStretch(1)
+
+
+class TimelineWidget(QWidget):
+    """Stacked category timeline of one device of a Document."""
+
+    hovered = Signal(int)  # trace entry under the mouse (-1 before the first)
+    clicked = Signal(int)  # trace entry clicked
+    finding_clicked = Signal(int)  # position in Document.findings(device)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.doc = None
+        self.device = None
+        self.names: list[str] = []
+        self.scale, self.unit = 1.0, "bytes"
+        self._fills: dict[str, pg.PlotDataItem] = {}
+        self._decor: list = []  # per-document items: phases, iterations, markers
+        self._highlight = []
+        self._timer = QTimer(self, singleShot=True, interval=REFRESH_MS, timeout=self.refresh)
+        self.last_query = None  # (start, end, max_points, points drawn): for tests and the benchmark
+
+        self.legend = Legend(self)
+        self.graphics = pg.GraphicsLayoutWidget(self)
+        self.graphics.setBackground("w")
+        self.graphics.ci.setContentsMargins(4, 4, 12, 4)
+        self.graphics.ci.setSpacing(0)
+
+        self.lane = self.graphics.addPlot(row=0, col=0)
+        self.lane.setMaximumHeight(26)
+        self.lane.hideAxis("bottom")
+        self.lane.getAxis("left").setWidth(70)
+        self.lane.getAxis("left").setTicks([[]])
+        self.lane.getAxis("left").setPen(pg.mkPen(None))
+        self.lane.getAxis("left").setLabel("phases", **{"font-size": "8pt"})
+        self.lane.setMouseEnabled(x=False, y=False)
+        self.lane.setYRange(0, 1, padding=0)
+        self.lane.hideButtons()
+        self.lane.setMenuEnabled(False)
+
+        self.plot = self.graphics.addPlot(row=1, col=0)
+        self.plot.getAxis("left").setWidth(70)
+        self.plot.getAxis("left").enableAutoSIPrefix(False)
+        self.plot.hideButtons()
+        self.plot.showGrid(x=False, y=True, alpha=0.25)
+        self.plot.setMouseEnabled(x=True, y=False)
+        self.plot.setClipToView(True)
+        self.lane.setXLink(self.plot)
+        self.vb = self.plot.getViewBox()
+        self.vb.sigXRangeChanged.connect(lambda *_: self._timer.start())
+        self.vb.sigResized.connect(lambda *_: self._timer.start())
+
+        self.total_line = self.plot.plot(pen=pg.mkPen("#222222", width=1))
+        self.total_line.setZValue(50)
+        self.reserved_line = self.plot.plot(pen=pg.mkPen(RESERVED_COLOR, width=1.5, style=Qt.DashLine))
+        self.reserved_line.setZValue(51)
+        self.hover_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#888888", width=1))
+        self.hover_line.setZValue(60)
+        self.hover_line.hide()
+        self.cursor_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(HIGHLIGHT_COLOR, width=1.5))
+        self.cursor_line.setZValue(61)
+        self.cursor_line.hide()
+        self.plot.addItem(self.hover_line, ignoreBounds=True)
+        self.plot.addItem(self.cursor_line, ignoreBounds=True)
+        self.markers = pg.ScatterPlotItem(size=13, hoverable=True, tip=self._marker_tip)
+        self.markers.setZValue(70)
+        self.markers.sigClicked.connect(self._marker_clicked)
+        self.plot.addItem(self.markers)
+
+        self._mouse = pg.SignalProxy(self.plot.scene().sigMouseMoved, rateLimit=30, slot=self._mouse_moved)
+        self.plot.scene().sigMouseClicked.connect(self._mouse_clicked)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        layout.addWidget(self.legend)
+        layout.addWidget(self.graphics, 1)
+
+    # ---- content ---------------------------------------------------------------
+
+    def set_document(self, doc, device):
+        """Show `device` of `doc`; resets the view to the whole trace."""
+        self.doc, self.device = doc, device
+        for item in self._fills.values():
+            self.plot.removeItem(item)
+        for owner, item in self._decor:
+            owner.removeItem(item)
+        self._fills.clear()
+        self._decor.clear()
+        self.clear_highlight()
+        self.cursor_line.hide()
+        rep = doc.replays[device]
+        top = max(rep.peak_allocated or 0, rep.peak_reserved or 0)
+        self.unit, self.scale = byte_unit(top)
+        self.names = doc.category_names(device)
+        is_time = doc.has_time(device)
+        self.plot.setLabel("left", f"memory ({self.unit})")
+        if is_time:
+            self.plot.setLabel("bottom", "time since the first entry", units="s")
+        else:
+            self.plot.setLabel("bottom", "trace entry")
+        self.plot.getAxis("bottom").enableAutoSIPrefix(is_time)
+
+        full = doc.series(device, max_points=2000)
+        present = [n for n in self.names if len(full.by_category.get(n, [])) and np.any(full.by_category[n])]
+        for z, name in enumerate(self.names):
+            item = pg.PlotDataItem(pen=None, fillLevel=0, brush=pg.mkBrush(category_color(name, self.names)))
+            item.setZValue(len(self.names) - z)  # lower categories paint over the higher cumulative fills
+            self.plot.addItem(item)
+            self._fills[name] = item
+        entries = [(n.replace("_", " "), category_color(n, self.names), "fill") for n in present or self.names]
+        if full.reserved is not None:
+            entries.append(("reserved", RESERVED_COLOR, "line"))
+        self._add_phases(entries)
+        self._add_markers()
+        self.legend.set_entries(entries)
+
+        lo, hi = doc.x_range(device)
+        pad = (hi - lo) * 0.01
+        self.vb.setLimits(xMin=lo - pad, xMax=hi + pad)
+        self.reset_zoom()
+        self.refresh()
+
+    def _add_phases(self, legend_entries):
+        spans = self.doc.phase_spans(self.device)
+        seen = []
+        for phase, iteration, x0, x1 in spans:
+            colour = PHASE_COLORS.get(phase, "#BBBBBB")
+            rect = QGraphicsRectItem(QRectF(x0, 0.1, max(x1 - x0, 0), 0.8))
+            rect.setBrush(QBrush(_color(colour, 200)))
+            rect.setPen(QPen(Qt.NoPen))
+            rect.setToolTip(f"{phase}, iteration {iteration}")
+            self.lane.addItem(rect)
+            self._decor.append((self.lane, rect))
+            if phase not in seen:
+                seen.append(phase)
+        if len(spans) <= MAX_PHASE_LABELS:
+            for phase, iteration, x0, x1 in spans:
+                text = pg.TextItem(phase[:3], color="#222222", anchor=(0, 0.5))
+                text.setPos(x0, 0.5)
+                self.lane.addItem(text)
+                self._decor.append((self.lane, text))
+        for phase in seen:
+            legend_entries.append((phase, PHASE_COLORS.get(phase, "#BBBBBB"), "band"))
+        starts = self.doc.iteration_starts(self.device)
+        if len(starts) <= MAX_ITERATION_LINES:
+            for iteration, x in starts:
+                line = pg.InfiniteLine(x, angle=90, pen=pg.mkPen("#777777", width=1, style=Qt.DotLine),
+                                       label=f"iter {iteration}" if len(starts) <= 30 else None,
+                                       labelOpts={"position": 0.97, "color": "#555555", "anchors": [(0, 0), (0, 0)]})
+                line.setZValue(40)
+                self.plot.addItem(line, ignoreBounds=True)
+                self._decor.append((self.plot, line))
+        self.lane.setVisible(bool(spans))
+
+    def _add_markers(self):
+        """Findings that point at a trace entry become clickable markers on the curve."""
+        rep = self.doc.replays[self.device]
+        spots = []
+        for i, f in enumerate(self.doc.findings(self.device)):
+            index = f.get("index")
+            if index is None or f.get("kind") in ("advice", "fragmentation"):
+                continue
+            kind = f.get("kind", "")
+            colour = FINDING_COLORS.get(kind, "#000000")
+            y = rep.allocated_at(index) / self.scale
+            spots.append({"pos": (self.doc.x_of(self.device, index), y), "data": i,
+                          "symbol": MARKER_SYMBOLS.get(kind, "o"), "brush": pg.mkBrush(colour),
+                          "pen": pg.mkPen("w", width=1)})
+            if kind in ("peak", "oom"):
+                label = pg.TextItem(f"{kind} {fmt_bytes(f.get('bytes'))}" if kind == "peak" else "OOM",
+                                    color=colour, anchor=(0.5, 1.6))
+                label.setPos(*spots[-1]["pos"])
+                label.setZValue(71)
+                self.plot.addItem(label, ignoreBounds=True)
+                self._decor.append((self.plot, label))
+            if kind == "oom":
+                line = pg.InfiniteLine(spots[-1]["pos"][0], angle=90, pen=pg.mkPen(colour, width=2))
+                self.plot.addItem(line, ignoreBounds=True)
+                self._decor.append((self.plot, line))
+        self.markers.setData(spots)
+
+    def _marker_tip(self, x, y, data):
+        f = self.doc.findings(self.device)[data]
+        return f"{f.get('kind', '').upper()}: {f.get('summary', '')}"
+
+    def _marker_clicked(self, item, points, *args):
+        if len(points):
+            self.finding_clicked.emit(int(points[0].data()))
+
+    # ---- drawing ---------------------------------------------------------------
+
+    def visible_entries(self) -> tuple[int, int]:
+        """[start, end) of the trace entries in view, one either side to draw the edges."""
+        (x0, x1), _ = self.vb.viewRange()
+        n = self.doc.replays[self.device].n
+        start = max(self.doc.index_at(self.device, x0), 0)
+        end = min(self.doc.index_at(self.device, x1) + 2, n)
+        return start, max(end, min(start + 1, n))
+
+    def refresh(self):
+        """Re-query the visible range at about one point per pixel and redraw."""
+        if self.doc is None:
+            return
+        rep = self.doc.replays[self.device]
+        if rep.n == 0:
+            self._draw_constant(rep)
+            return
+        start, end = self.visible_entries()
+        width = max(int(self.vb.width()), 200)
+        s = self.doc.series(self.device, start=start, end=end, max_points=width)
+        xs = self.doc.xs(self.device)[0]
+        x_end = xs[end] if end < len(xs) else self.doc.x_range(self.device)[1]
+        x = np.append(xs[s.index], x_end)
+        step_x = np.repeat(x, 2)[1:-1]
+
+        def step(y):
+            return np.repeat(np.asarray(y, dtype=np.float64) / self.scale, 2)
+
+        cum = np.zeros(len(s.index))
+        for name in self.names:
+            values = s.by_category.get(name)
+            if values is not None and len(values):
+                cum = cum + values
+            self._fills[name].setData(step_x, step(cum))
+        self.total_line.setData(step_x, step(s.total))
+        top = float(np.max(s.total)) if len(s.total) else 0.0
+        if s.reserved is not None and len(s.reserved):
+            self.reserved_line.setData(step_x, step(s.reserved))
+            top = max(top, float(np.max(s.reserved)))
+        else:
+            self.reserved_line.setData([], [])
+        self.vb.setYRange(0, max(top / self.scale, 1e-9) * 1.12, padding=0)
+        self.last_query = (start, end, width, len(s.index))
+
+    def _draw_constant(self, rep):
+        """A file with no trace entries (a bare snapshot): one bar of what is live."""
+        parts = self.doc.breakdown_at(self.device, -1)
+        cum = 0.0
+        for name in self.names:
+            cum += parts.get(name, 0)
+            self._fills[name].setData([0.0, 1.0], [cum / self.scale] * 2)
+        self.total_line.setData([0.0, 1.0], [cum / self.scale] * 2)
+        reserved = rep.initial_reserved
+        self.reserved_line.setData(*(([0.0, 1.0], [reserved / self.scale] * 2) if reserved else ([], [])))
+        self.vb.setYRange(0, max(cum, reserved or 0, 1) / self.scale * 1.12, padding=0)
+        self.last_query = (0, 0, 0, 1)
+
+    # ---- navigation -------------------------------------------------------------
+
+    def reset_zoom(self):
+        if self.doc is not None:
+            self.vb.setXRange(*self.doc.x_range(self.device), padding=0.005)
+
+    def zoom(self, factor):
+        """factor < 1 zooms in around the centre (or the pinned cursor when it is in view)."""
+        (x0, x1), _ = self.vb.viewRange()
+        centre = (x0 + x1) / 2
+        if self.cursor_line.isVisible() and x0 <= self.cursor_line.value() <= x1:
+            centre = self.cursor_line.value()
+        self.vb.scaleBy(x=factor, center=(centre, 0))
+
+    def show_entries(self, start, end=None):
+        """Zoom to trace entries [start, end] (or around `start`), with a margin."""
+        rep = self.doc.replays[self.device]
+        if rep.n == 0:
+            return
+        end = start if end is None else end
+        start, end = max(min(start, end), 0), min(max(start, end), rep.n - 1)
+        margin = max((end - start) // 4, 25, rep.n // 100)
+        x0 = self.doc.x_of(self.device, max(start - margin, 0))
+        x1 = self.doc.x_of(self.device, min(end + margin, rep.n - 1))
+        if x1 <= x0:
+            x1 = x0 + (1e-6 if self.doc.has_time(self.device) else 1)
+        self.vb.setXRange(x0, x1, padding=0)
+
+    def set_cursor(self, index):
+        """Pin the cursor line at a trace entry (None hides it)."""
+        if index is None:
+            self.cursor_line.hide()
+            return
+        self.cursor_line.setValue(self.doc.x_of(self.device, index))
+        self.cursor_line.show()
+
+    def highlight(self, alloc_index, free_index, size, text=""):
+        """Shade an allocation's lifetime (entry -1 = before the trace / live at the end)."""
+        self.clear_highlight()
+        lo, hi = self.doc.x_range(self.device)
+        x0 = lo if alloc_index < 0 else self.doc.x_of(self.device, alloc_index)
+        x1 = hi if free_index < 0 else self.doc.x_of(self.device, free_index)
+        region = pg.LinearRegionItem((x0, max(x1, x0)), movable=False, brush=pg.mkBrush(_color("#000000", 45)),
+                                     pen=pg.mkPen(HIGHLIGHT_COLOR, width=1.5))
+        region.setZValue(55)
+        label = pg.TextItem(f"{fmt_bytes(size)} {text}".strip(), color=HIGHLIGHT_COLOR, anchor=(0, 0),
+                            fill=pg.mkBrush(255, 255, 255, 200))
+        label.setZValue(72)
+        label.setPos(x0, self.vb.viewRange()[1][1])
+        for item in (region, label):
+            self.plot.addItem(item, ignoreBounds=True)
+        self._highlight = [region, label]
+
+    def clear_highlight(self):
+        for item in self._highlight:
+            self.plot.removeItem(item)
+        self._highlight = []
+
+    # ---- mouse ------------------------------------------------------------------
+
+    def _entry_at_scene(self, pos):
+        if self.doc is None or not self.plot.sceneBoundingRect().contains(pos):
+            return None
+        x = self.vb.mapSceneToView(pos).x()
+        return x, self.doc.index_at(self.device, x)
+
+    def _mouse_moved(self, event):
+        hit = self._entry_at_scene(event[0])
+        if hit is None:
+            self.hover_line.hide()
+            return
+        self.hover_line.setValue(hit[0])
+        self.hover_line.show()
+        self.hovered.emit(hit[1])
+
+    def _mouse_clicked(self, event):
+        if event.button() != Qt.LeftButton or event.double():
+            return
+        hit = self._entry_at_scene(event.scenePos())
+        if hit is not None:
+            self.set_cursor(max(hit[1], 0))
+            self.clicked.emit(hit[1])
