@@ -143,7 +143,7 @@ def _read_pickle(stream, path, zipped):
         raise LoadError(path, f"it is a pickle that asks to import {e.module}.{e.name}; refused, nothing was "
                               "executed (memory snapshots hold only plain data, so this file is not one)") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        if zipped and not isinstance(e, EOFError):
+        if zipped and (str(e) or not isinstance(e, EOFError)):  # the compressed stream broke, not the pickle
             raise LoadError(path, f"it is a gzip file that is truncated or corrupt ({e})") from None
         raise LoadError(path, "it is truncated: the pickle data ends before its end marker") from None
     except pickle.UnpicklingError as e:

@@ -7,6 +7,8 @@ raise `SnapshotError` with a sentence saying where and what.
 """
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 
 from ..model import (ACTION, BLOCK_STATE, NO_TIME, OOM, OTHER, Blocks, Events, Segments, Trace)
@@ -70,31 +72,54 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
 
 def _events_of(device, entries, it, present, unknown) -> dict:
     n = len(entries)
-    actions = [e["action"] for e in entries]
-    names = set(actions)
-    unknown.update(str(a) for a in names if a not in ACTION)
-    code = {a: ACTION.get(a, OTHER) for a in names}
-    present.update(set().union(*entries))
-    intern = it.strings.intern
-    stack_id = it.stack_id
-    action = np.array([code[a] for a in actions], dtype=np.int8)
+    keys = set().union(*entries)
+    present.update(keys)
+    actions = _values(entries, "action", keys, None)
+    code = {a: ACTION.get(a, OTHER) for a in set(actions)}
+    unknown.update(str(a) for a in code if code[a] == OTHER and a != "other")
+    action = np.fromiter(map(code.__getitem__, actions), dtype=np.int8, count=n)
+    what = f"device {device} entry"
     col = {
         "device": np.full(n, device, dtype=np.int32),
         "index": np.arange(n, dtype=np.int64),
         "action": action,
-        "addr": int_column([e.get("addr", 0) for e in entries], np.uint64, f"device {device} entry"),
-        "size": int_column([e.get("size", 0) for e in entries], np.int64, f"device {device} entry"),
-        "stream": _stream_column([e.get("stream", 0) for e in entries]),
-        "time_us": int_column([e.get("time_us", NO_TIME) for e in entries], np.int64, f"device {device} entry time_us"),
-        "stack_id": np.array([stack_id(e.get("frames")) for e in entries], dtype=np.int32),
-        "user_metadata": np.array([intern(str(e.get("user_metadata", ""))) for e in entries], dtype=np.int32),
-        "compile_context": np.array([intern(str(e.get("compile_context", ""))) for e in entries], dtype=np.int32),
-        "category": np.array([intern(str(e.get("category", ""))) for e in entries], dtype=np.int32),
+        "addr": int_column(_values(entries, "addr", keys, 0), np.uint64, what),
+        "size": int_column(_values(entries, "size", keys, 0), np.int64, what),
+        "stream": _stream_column(_values(entries, "stream", keys, 0)),
+        "time_us": int_column(_values(entries, "time_us", keys, NO_TIME), np.int64, what + " time_us"),
+        "stack_id": _stack_column(_values(entries, "frames", keys, None), it),
+        "user_metadata": _string_column(_values(entries, "user_metadata", keys, ""), it),
+        "compile_context": _string_column(_values(entries, "compile_context", keys, ""), it),
+        "category": _string_column(_values(entries, "category", keys, ""), it),
         "device_free": np.zeros(n, dtype=np.int64),
     }
     for i in np.flatnonzero(action == OOM):
         col["device_free"][i] = int(entries[i].get("device_free", 0) or 0)
     return col
+
+
+def _values(entries, key, keys, default) -> list:
+    """entries[i][key] for all i, fast when every entry has the key."""
+    if key not in keys:
+        return [default] * len(entries)
+    try:
+        return list(map(itemgetter(key), entries))
+    except KeyError:
+        return [e.get(key, default) for e in entries]
+
+
+def _string_column(values, it) -> np.ndarray:
+    """Intern only the distinct values (most entries share a handful)."""
+    ids = {v: it.strings.intern(v if isinstance(v, str) else str(v)) for v in set(values)}
+    return np.fromiter(map(ids.__getitem__, values), dtype=np.int32, count=len(values))
+
+
+def _stack_column(frames, it) -> np.ndarray:
+    out = np.full(len(frames), -1, dtype=np.int32)
+    stack_id = it.stack_id
+    for i in [i for i, f in enumerate(frames) if f]:
+        out[i] = stack_id(frames[i])
+    return out
 
 
 def _stream_column(values):

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Opening speed: `tracekit report --json` against the floor (DESIGN.md §9).
+
+Makes a 1,000,000-entry snapshot from a real fixture with
+../shared/bench/tile_snapshot.py (kept in bench/out/), then measures in one run,
+each in a fresh process, the median of --repeat runs of:
+
+  floor        restricted unpickle of the file (nothing else)
+  first open   tracekit report --json with an empty cache (parses, writes the cache)
+  second open  tracekit report --json again (reads the columnar cache)
+
+and prints wall time and peak memory (max RSS) as ratios to the floor.
+Targets: first ≤ 1.6× time and ≤ 1.5× memory; second ≤ 0.2× time.
+
+Usage: python bench/bench_open.py [--entries 1000000] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+SOURCE = SHARED / "fixtures/real/snapshot_newest_format_windows_paths.pickle"
+FLOOR = ("import sys; from tracekit.io.unpickle import restricted_load; "
+         "f = open(sys.argv[1], 'rb'); restricted_load(f)")
+
+
+def run(cmd, env=None):
+    """Wall seconds and max RSS (MiB) of one child process; fails loudly if it fails."""
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    if status != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed: {p.stderr.read().decode()}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--entries", type=int, default=1_000_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    out = ROOT / "bench/out"
+    out.mkdir(parents=True, exist_ok=True)
+    big = out / f"tiled_{args.entries}.pickle"
+    if not big.exists():
+        subprocess.run([sys.executable, str(SHARED / "bench/tile_snapshot.py"), str(SOURCE), str(big),
+                        "--entries", str(args.entries)], check=True)
+    report = [sys.executable, "-m", "tracekit.cli", "report", "--json", str(big)]
+    floor, first, second = [], [], []
+    for _ in range(args.repeat):
+        floor.append(run([sys.executable, "-c", FLOOR, str(big)]))
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TRACEKIT_CACHE_DIR=cache)
+            first.append(run(report, env))
+            second.append(run(report, env))
+
+    def med(rows, i):
+        return statistics.median(r[i] for r in rows)
+
+    f_t, f_m = med(floor, 0), med(floor, 1)
+    print(f"file: {big} ({big.stat().st_size / 2**20:.0f} MiB, {args.entries} entries), median of {args.repeat}")
+    print(f"{'':14}{'seconds':>9}{'x floor':>9}{'max RSS MiB':>13}{'x floor':>9}  target")
+    print(f"{'floor':14}{f_t:9.2f}{1:9.2f}{f_m:13.0f}{1:9.2f}")
+    for name, rows, target in (("first open", first, "<= 1.6x time, <= 1.5x memory"),
+                               ("second open", second, "<= 0.2x time")):
+        t, m = med(rows, 0), med(rows, 1)
+        print(f"{name:14}{t:9.2f}{t / f_t:9.2f}{m:13.0f}{m / f_m:9.2f}  {target}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""`tracekit report` and `tracekit info` as a user runs them."""
+import json
+import pickle
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from tracekit.cli import cli
+from tracekit.io.progress import StderrProgress
+
+from .conftest import FIXTURES, fixture
+from .oracle import naive_replay
+from .synth import MiB, Sim
+
+NEWEST = "snapshot_newest_format_windows_paths.pickle"
+
+
+def run(*args):
+    r = subprocess.run([sys.executable, "-m", "tracekit.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=120)
+    return r
+
+
+def test_report_json_shape_and_figures():
+    r = run("report", "--json", fixture(NEWEST))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    with open(fixture(NEWEST), "rb") as f:
+        from tracekit.io.unpickle import restricted_load
+
+        naive = naive_replay(restricted_load(f))
+    (d,) = out["devices"]
+    assert d["device"] == 0
+    assert d["peak_allocated_bytes"] == naive["peak"] and d["peak_event_index"] == naive["peak_index"] == 1402
+    assert d["allocated_before_trace_bytes"] == naive["start"]
+    assert d["final_allocated_bytes"] == naive["final"] and d["final_reserved_bytes"] == naive["reserved_end"]
+    assert isinstance(d["peak_time_us"], int) and isinstance(d["peak_reserved_bytes"], int)
+    for f in out["findings"]:
+        assert {"kind", "device", "bytes", "summary", "frames"} <= set(f)
+        assert isinstance(f["bytes"], int)
+        for fr in f["frames"]:
+            assert set(fr) == {"filename", "line", "name"}
+    peak = [f for f in out["findings"] if f["kind"] == "peak"][0]
+    assert peak["frames"][0]["filename"].endswith("model.py")  # user code first, not torch internals
+
+
+def test_report_text_is_readable():
+    r = run("report", fixture(NEWEST))
+    assert r.returncode == 0
+    assert "peak allocated      13.0 GiB  at entry 1402" in r.stdout
+    assert "live at the peak, by allocation site" in r.stdout and "model.py:39 in forward" in r.stdout
+
+
+def test_report_on_every_fixture():
+    for path in sorted(FIXTURES.glob("*")):
+        if path.suffix == ".md":
+            continue
+        r = run("report", "--json", path)
+        assert r.returncode == 0, (path, r.stderr)
+        assert json.loads(r.stdout)["devices"]
+
+
+def test_info_facts():
+    r = run("info", "--json", fixture(NEWEST))
+    info = json.loads(r.stdout)
+    (d,) = info["devices"]
+    assert d["entries"] == 5163 and d["entries_with_frames"] == 1421  # SOURCES.md
+    assert d["actions"] == {"alloc": 1721, "free_requested": 1721, "free_completed": 1721}
+    assert "time_us" in info["present_fields"] and "allocator_settings" in info["top_level"]
+    assert d["replay_check"].startswith("ok")
+    text = run("info", fixture("snapshot_legacy_torch20_oom_observer.pickle")).stdout
+    assert "no trace entries" not in text and "176 (" in text
+
+
+def test_oom_and_multi_device_report(tmp_path):
+    sim = Sim(devices=2)
+    sim.alloc(6 * MiB, device=1, frames=[{"filename": "/home/me/train.py", "line": 42, "name": "forward"},
+                                         {"filename": "/usr/lib/python3/site-packages/torch/nn/modules/module.py",
+                                          "line": 1, "name": "_call_impl"}])
+    sim.alloc(MiB)
+    sim.oom(64 * MiB, device_free=2 * MiB, device=1)
+    p = tmp_path / "oom.pickle"
+    p.write_bytes(pickle.dumps(sim.snapshot(), protocol=4))
+    out = json.loads(CliRunner().invoke(cli, ["report", "--json", str(p)]).output)
+    assert [d["device"] for d in out["devices"]] == [0, 1]
+    assert out["devices"][1]["oom_count"] == 1
+    (oom,) = [f for f in out["findings"] if f["kind"] == "oom"]
+    assert oom["device"] == 1 and oom["bytes"] == 64 * MiB and oom["device_free_bytes"] == 2 * MiB
+    assert oom["allocated_bytes"] == 6 * MiB
+    assert oom["top_stacks"][0]["frames"][0] == {"filename": "/home/me/train.py", "line": 42, "name": "forward"}
+
+
+def test_progress_appears_only_after_a_second(capsys):
+    import io
+    import time
+
+    stream = io.StringIO()
+    p = StderrProgress("opening x", delay=0.05, stream=stream)
+    p(0.1, "reading")
+    assert stream.getvalue() == ""
+    time.sleep(0.06)
+    p(0.5, "reading")
+    assert "50%" in stream.getvalue()
+    p.close()
+
+
+def test_help_lists_commands():
+    r = run("--help")
+    assert "report" in r.stdout and "info" in r.stdout
