@@ -53,7 +53,7 @@ class BreakdownPanel(QWidget):
         values = [parts.get(n) for n in self.names] + [total, reserved]
         for r, v in enumerate(values):
             item = QTableWidgetItem("" if v is None else fmt_bytes(v))
-            item.setTextAlignment(int(Qt.AlignRight | Qt.AlignVCenter))
+            item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
             if v is not None:
                 item.setToolTip(f"{int(v):,} bytes")
             self.table.setItem(r, col, item)

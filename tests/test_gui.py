@@ -1,0 +1,277 @@
+"""The desktop viewer, offscreen: opening files, errors, selection, findings, export, CLI."""
+from __future__ import annotations
+
+import csv
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("QT_LOGGING_RULES", "qt.qpa.*=false")
+pytest.importorskip("PySide6")
+pytest.importorskip("pyqtgraph")
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl  # noqa: E402
+from PySide6.QtGui import QDropEvent  # noqa: E402
+
+from gui.app import MainWindow  # noqa: E402
+from gui.docview import DocumentView  # noqa: E402
+from gui.tables import SIZE, WHERE  # noqa: E402
+
+pytestmark = pytest.mark.gui
+
+ROOT = Path(__file__).parents[1]
+REAL = ROOT / ".." / "shared" / "fixtures" / "real"
+NEWEST = REAL / "snapshot_newest_format_windows_paths.pickle"
+KINETO = REAL / "kineto_trace_memory_v100_rank1.json.gz"
+REAL_FILES = sorted(p for p in REAL.glob("*") if p.suffix != ".md") if REAL.is_dir() else []
+SAMPLES = sorted(p for p in (ROOT / "samples").glob("*") if p.is_file() and p.suffix in (".pickle", ".gz", ".json"))
+
+
+def needs(path):
+    return pytest.mark.skipif(not path.exists(), reason=f"{path.name} not present")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    old = os.environ.get("TRACEKIT_CACHE_DIR")
+    os.environ["TRACEKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("TRACEKIT_CACHE_DIR", None)
+    else:
+        os.environ["TRACEKIT_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def settings_file(tmp_path, monkeypatch):
+    path = tmp_path / "settings.ini"
+    monkeypatch.setenv("TRACEKIT_SETTINGS", str(path))
+    return path
+
+
+@pytest.fixture
+def window(qtbot, settings_file):
+    w = MainWindow()
+    qtbot.addWidget(w)
+    w.resize(1400, 900)
+    w.show()
+    return w
+
+
+def open_and_wait(window, qtbot, path, **kw) -> DocumentView | None:
+    window.open_file(path, **kw)
+    qtbot.waitUntil(lambda: not window.threads, timeout=60_000)
+    return window.current_view()
+
+
+@pytest.fixture
+def newest(window, qtbot):
+    if not NEWEST.exists():
+        pytest.skip("real fixtures not present")
+    return open_and_wait(window, qtbot, NEWEST)
+
+
+# ---- opening -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", REAL_FILES + SAMPLES, ids=lambda p: p.name)
+def test_opens_file(window, qtbot, path):
+    view = open_and_wait(window, qtbot, path)
+    assert window.last_error is None
+    assert isinstance(view, DocumentView)
+    rep = view.doc.replays[view.device]
+    assert view.timeline.last_query is not None  # the curve was drawn
+    assert view.model.rowCount() == len(rep.allocations)
+    assert path.name in window.statusBar().currentMessage()
+    assert path.name in window.windowTitle()
+
+
+@needs(KINETO)
+def test_device_selector(window, qtbot):
+    view = open_and_wait(window, qtbot, KINETO)
+    assert view.device_box.isVisibleTo(window) and view.device_box.count() == 2
+    other = [d for d in view.doc.devices if d != view.device][0]
+    view.device_box.setCurrentIndex(view.doc.devices.index(other))
+    assert view.device == other and view.timeline.device == other
+    assert view.model.rowCount() == len(view.doc.replays[other].allocations)
+
+
+def test_several_files_in_tabs_and_close(window, qtbot, newest):
+    open_and_wait(window, qtbot, NEWEST)
+    assert len(window.document_views()) == 2
+    window.close_tab(window.tabs.currentIndex())
+    assert len(window.document_views()) == 1
+    window.close_tab(window.tabs.currentIndex())
+    assert window.tabs.count() == 1 and window.current_view() is None  # back to the welcome page
+
+
+def test_drop_opens_file(window, qtbot):
+    if not NEWEST.exists():
+        pytest.skip("real fixtures not present")
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(NEWEST))])
+    event = QDropEvent(QPointF(10, 10), Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier)
+    window.dropEvent(event)
+    qtbot.waitUntil(lambda: not window.threads, timeout=60_000)
+    assert window.current_view() is not None
+
+
+def test_cancel_loading(window, qtbot):
+    if not NEWEST.exists():
+        pytest.skip("real fixtures not present")
+    loading = window.open_file(NEWEST, use_cache=False)
+    window.threads[loading].cancel()
+    qtbot.waitUntil(lambda: not window.threads, timeout=60_000)
+    assert window.current_view() is None and window.last_error is None
+    assert "cancelled" in window.statusBar().currentMessage()
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+def test_empty_file_shows_error(window, qtbot, tmp_path):
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(b"")
+    assert open_and_wait(window, qtbot, empty) is None
+    assert "empty" in window.last_error and str(empty) in window.last_error
+    assert window.error_box.isVisible() and "empty" in window.error_box.text()
+    assert not window.document_views()
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_is_refused(window, qtbot, tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pickle"
+    evil.write_bytes(pickle.dumps({"segments": [_Evil(marker)]}))
+    assert open_and_wait(window, qtbot, evil) is None
+    assert "refused" in window.last_error and "system" in window.last_error
+    assert not marker.exists()
+
+
+# ---- exploring -----------------------------------------------------------------------------------
+
+def test_select_allocation_shows_stack_and_lifetime(newest):
+    view = newest
+    view.filter_edit.setText("log_softmax")
+    view._apply_filter()
+    assert view.model.rowCount() > 0
+    assert all("log_softmax" in view.model.index(r, WHERE).data() for r in range(view.model.rowCount()))
+    view.table.selectRow(0)
+    text = view.inspector.text.toPlainText()
+    assert "Allocated at" in text and "log_softmax" in text and "nn_utils.py:" in text
+    assert view.timeline._highlight, "the lifetime is shaded on the timeline"
+    region = view.timeline._highlight[0].getRegion()
+    row = view.model.row_of(0)
+    al = view.doc.replays[view.device].allocations
+    assert region[0] == pytest.approx(view.doc.x_of(view.device, al.alloc_index[row]))
+
+
+def test_sort_by_size(newest):
+    view = newest
+    view.model.sort(SIZE, Qt.AscendingOrder)
+    sizes = view.doc.replays[view.device].allocations.size[view.model.order]
+    assert (sizes[:-1] <= sizes[1:]).all()
+
+
+def test_finding_moves_timeline(newest):
+    view = newest
+    findings = view.doc.findings(view.device)
+    peak = next(i for i, f in enumerate(findings) if f["kind"] == "peak")
+    full = view.timeline.vb.viewRange()[0]
+    view.findings.select_finding(peak)
+    (x0, x1), _ = view.timeline.vb.viewRange()
+    x_peak = view.doc.x_of(view.device, findings[peak]["index"])
+    assert x0 <= x_peak <= x1 and (x1 - x0) < (full[1] - full[0]) / 2
+    assert view.cursor_index == findings[peak]["index"]
+    assert "PEAK" in view.inspector.title.text()
+
+
+def test_cursor_breakdown_and_live_filter(newest):
+    view = newest
+    rep = view.doc.replays[view.device]
+    view.pin_cursor(rep.peak_index)
+    assert view.breakdown.cell("total allocated", 1) == view.breakdown.cell("total allocated", 2)
+    view.live_box.setChecked(True)
+    live = rep.allocations.live_at(rep.peak_index)
+    assert view.model.rowCount() == int(live.sum())
+    assert rep.allocations.size[view.model.order].sum() == rep.peak_allocated
+
+
+def test_zoom_requeries_visible_range(window, newest):
+    view = newest
+    view.timeline.refresh()
+    start, end, _, _ = view.timeline.last_query
+    window._timeline_do("zoom", 0.25)
+    view.timeline.refresh()
+    s2, e2, _, _ = view.timeline.last_query
+    assert (e2 - s2) < (end - start)
+    window._timeline_do("reset_zoom")
+    view.timeline.refresh()
+    assert view.timeline.last_query[:2] == (start, end)
+
+
+# ---- export and settings ---------------------------------------------------------------------------
+
+def test_export_png_and_csv(window, newest, tmp_path):
+    png = window.export_png(str(tmp_path / "timeline.png"))
+    assert Path(png).stat().st_size > 1000
+    view = newest
+    view.filter_edit.setText("nn_utils")
+    view._apply_filter()
+    out = window.export_csv(str(tmp_path / "alloc.csv"))
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == view.model.rowCount() > 0
+    assert all("nn_utils" in r["where"] for r in rows)
+
+
+def test_settings_remember_recent_and_geometry(window, newest, settings_file):
+    assert window.recent_files()[0] == str(NEWEST.resolve()) or window.recent_files()[0] == os.path.abspath(NEWEST)
+    window.close()
+    text = settings_file.read_text()
+    assert "geometry" in text and "recent" in text
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+@needs(NEWEST)
+def test_cli_screenshot(tmp_path):
+    out = tmp_path / "shot.png"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", TRACEKIT_SETTINGS=str(tmp_path / "s.ini"))
+    proc = subprocess.run([sys.executable, "-m", "tracekit.cli", "view", str(NEWEST), "--screenshot", str(out)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from PySide6.QtGui import QImage
+
+    image = QImage(str(out))
+    assert image.width() >= 1280 and image.height() >= 800
+
+
+def test_cli_screenshot_error_is_clear(tmp_path):
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(b"")
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", TRACEKIT_SETTINGS=str(tmp_path / "s.ini"))
+    proc = subprocess.run([sys.executable, "-m", "tracekit.cli", "view", str(empty), "--screenshot",
+                           str(tmp_path / "x.png")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "empty" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_without_qt(monkeypatch):
+    from click.testing import CliRunner
+
+    from tracekit.commands.view import command
+
+    monkeypatch.setitem(sys.modules, "PySide6", None)
+    result = CliRunner().invoke(command, ["x.pickle"])
+    assert result.exit_code != 0 and "pip install 'tracekit[gui]'" in result.output
