@@ -4,9 +4,10 @@ The profiler (``profile_memory=True, with_stack=True``) sees every CPU
 allocation and free with its address, size, time and the Python calls around
 it. We walk its event tree once and write the same trace entries the CUDA
 allocator would (``alloc``, ``free_requested``, ``free_completed``). There is
-no caching allocator on the CPU: each allocation is its own segment, so every
-``alloc`` is preceded by a ``segment_alloc`` and every free followed by a
-``segment_free`` (reserved == allocated), and the final ``segments`` are
+no caching allocator on the CPU: each allocation is its own segment, so, in
+the order the CUDA allocator would write them, a ``segment_alloc`` precedes
+each ``alloc`` and a ``segment_free`` follows each ``free_completed`` (at the
+same time_us: reserved == allocated at every time), and the final ``segments`` are
 synthesized the same way: one segment (``segment_type: "cpu"``) per block
 live at the end, including the tensors that existed before recording (known
 from the model and the optimizer) and were not freed during it. Device 0 is

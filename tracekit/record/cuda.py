@@ -10,6 +10,7 @@ previous metadata string put back.
 from __future__ import annotations
 
 import inspect
+import sys
 
 
 class CudaBackend:
@@ -39,7 +40,7 @@ class CudaBackend:
         kwargs = {
             "context": "all",
             "stacks": self.stacks,
-            "max_entries": self.max_entries,
+            "max_entries": self.max_entries if self.max_entries is not None else sys.maxsize,
             # Keep a history someone else started; otherwise start from a clean one.
             "clear_history": not self._was_enabled,
         }

@@ -1,0 +1,50 @@
+"""`tracekit demo`: record a small model's training steps here and open the result."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import click
+
+
+def default_path() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "tracekit", "demo.pickle")
+
+
+def can_show_viewer() -> bool:
+    has_display = bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    return has_display and all(importlib.util.find_spec(m) for m in ("gui", "tracekit.commands.view"))
+
+
+@click.command("demo")
+@click.option("-o", "--output", default=None, help="File to write (default: ~/.cache/tracekit/demo.pickle).")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Training steps recorded.")
+@click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--no-open", is_flag=True, help="Only record; do not open the viewer or print the report.")
+def command(output, steps, backend, no_open):
+    """Record a small GPT-like model's AdamW steps (CUDA if available, else CPU) and open the result.
+
+    The viewer opens when there is a display and it is installed; otherwise
+    the text report is printed.
+    """
+    import torch
+
+    from ..record import record_steps
+    from ..record.toy import make_training
+
+    device = "cuda" if backend != "cpu" and torch.cuda.is_available() else "cpu"
+    path = os.path.abspath(output or default_path())
+    click.echo(f"tracekit demo: recording {steps} training steps of a small GPT on {device}...", err=True)
+    model, optimizer, step = make_training(seed=0, device=device)
+    written = record_steps(step, steps=steps, warmup=1, path=path, model=model, optimizer=optimizer, backend=backend)
+    if not written:
+        raise click.ClickException("the recording could not be written (see the warnings above)")
+    click.echo(f"tracekit demo: wrote {written}", err=True)
+    if no_open:
+        return
+    from ..cli import main as cli_main
+
+    if can_show_viewer():
+        return cli_main(["view", written])
+    return cli_main(["report", written])

@@ -1,0 +1,72 @@
+"""`tracekit record [-o FILE] [options] -- COMMAND [ARGS...]`: record an unmodified training script."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import click
+
+from ..record.recorder import DEFAULT_MAX_ENTRIES, DEFAULT_PATH
+from ..record.script import NotPython, child_command, child_env
+
+
+@click.command(
+    "record",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option("-o", "--output", default=DEFAULT_PATH, show_default=True,
+              help="File to write; {rank} and {pid} are filled in. Under torchrun each rank adds .rankN by default.")
+@click.option("--max-entries", type=click.IntRange(min=1), default=DEFAULT_MAX_ENTRIES, show_default=True,
+              help="Trace entries kept (the newest).")
+@click.option("--stacks", type=click.Choice(["python", "all"]), default="python", show_default=True,
+              help="Python frames only, or also C++ frames (CUDA) / operator names (CPU).")
+@click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Iterations to run before recording starts.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Iterations to record; then the file is written and the script goes on unrecorded. Default: all.")
+@click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="auto: CUDA allocator history if CUDA is available, else the CPU profiler.")
+@click.option("--no-activations", is_flag=True, help="Do not tag tensors saved for backward (no saved-tensor hooks).")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def command(output, max_entries, stacks, warmup, steps, backend, no_activations, command):
+    """Run COMMAND (python SCRIPT ..., python -m MODULE ..., python -c CODE ...) under the recorder.
+
+    The script needs no changes: optimizer steps and the model's forward and
+    backward mark iterations and phases. Its output and exit code are passed
+    through; the file is written even when it fails.
+
+    \b
+    Example:
+      tracekit record -o step.pickle --warmup 1 --steps 3 -- python train.py --lr 3e-4
+    """
+    argv = list(command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    settings = {
+        "output": os.path.abspath(output), "max_entries": max_entries, "stacks": stacks, "warmup": warmup,
+        "steps": steps, "backend": backend, "activations": not no_activations, "command": argv,
+    }
+    try:
+        cmd = child_command(argv, settings)
+    except NotPython as e:
+        raise click.UsageError(f"{e}. Give a Python command, e.g. tracekit record -- python train.py") from None
+    ctx = click.get_current_context()
+    ctx.exit(run_child(cmd, child_env()))
+
+
+def run_child(cmd, env) -> int:
+    """Run the child with Ctrl-C left to it (it writes the file on KeyboardInterrupt); return its exit code."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+        code = proc.wait()
+    except FileNotFoundError:
+        raise click.UsageError(f"cannot run {cmd[0]!r}: not found") from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if code < 0:  # killed by a signal: report it the way a shell does
+        return 128 - code
+    sys.stdout.flush()
+    return code
