@@ -10,20 +10,30 @@ from .replay import DeviceReplay, replay, time_of
 TOP_STACKS = 10
 
 
-def build_report(trace: Trace) -> dict:
-    """Everything `tracekit report` shows, as JSON-ready builtins (sizes in bytes)."""
+def build_report(trace: Trace, rules=None) -> dict:
+    """Everything `tracekit report` shows, as JSON-ready builtins (sizes in bytes).
+
+    `rules`: a user rules file (path) or `Rules`, applied on top of the categories."""
+    from .rules import Rules
+
+    if rules is not None and not isinstance(rules, Rules):
+        rules = Rules.load(rules)
     reps = replay(trace)
-    devices = [device_summary(trace, reps[d]) for d in trace.devices]
+    devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
     findings = []
-    for d in trace.devices:
-        findings += device_findings(trace, reps[d])
+    for d, summary in zip(trace.devices, devices):
+        findings += device_findings(trace, reps[d], rules, summary)
     return {"file": trace.path, "format": trace.format, "devices": devices, "findings": findings}
 
 
-def device_summary(trace: Trace, rep: DeviceReplay) -> dict:
+def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
     p = rep.peak_index
     reserved_at_peak = rep.reserved_at(p)
     ev = trace.events
+    return {**_summary(trace, rep, p, reserved_at_peak, ev), **category_tables(trace, rep, rules)}
+
+
+def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
     return {
         "device": rep.device,
         "label": trace.device_label(rep.device),
@@ -63,13 +73,86 @@ def top_stacks(trace: Trace, rep: DeviceReplay, index: int, limit: int = TOP_STA
     return out
 
 
-def device_findings(trace: Trace, rep: DeviceReplay) -> list[dict]:
-    found = [peak_finding(trace, rep)]
+def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
+    """Categories at the peak and at the end, per phase and per iteration; each row sums to allocated."""
+    from .categories import METHODS, categorize
+    from .phases import NONE, PHASES, phases
+    from .timeline import categories_at
+
+    cats = categorize(trace, rules)[rep.device]
+    ph = phases(trace)[rep.device]
+    live = rep.allocations.live_at(rep.peak_index)
+    method_bytes = np.bincount(cats.method[live].astype(np.int64), weights=rep.allocations.size[live],
+                               minlength=len(METHODS))
+    # the points to read: the peak, the end, each phase's and each iteration's peak and end
+    points = [rep.peak_index, rep.n - 1]
+    phase_rows = []
+    if rep.n and ph.source != "none":
+        for code in range(len(PHASES)):
+            idx = np.flatnonzero(ph.phase == code)
+            if len(idx):
+                i = int(idx[np.argmax(rep.allocated[idx])])
+                phase_rows.append({"phase": PHASES[code] if code != NONE else "between", "entries": int(len(idx)),
+                                   "peak_bytes": int(rep.allocated[i]), "peak_index": i})
+                points.append(i)
+    iteration_rows = []
+    for it, lo, hi in ph.iterations() if rep.n else []:
+        i = lo + int(np.argmax(rep.allocated[lo:hi + 1]))
+        iteration_rows.append({"iteration": it, "start_index": lo, "end_index": hi,
+                               "peak_bytes": int(rep.allocated[i]), "peak_index": i,
+                               "end_bytes": int(rep.allocated[hi])})
+        points += [i, hi]
+    values = categories_at(trace, rep.device, points, rules)
+
+    def at(k):
+        return {name: int(v[k]) for name, v in values.items() if v[k]}
+
+    k = 2
+    for row in phase_rows:
+        row["categories_at_peak"] = at(k)
+        k += 1
+    for row in iteration_rows:
+        row["categories_at_peak"], row["categories_at_end"] = at(k), at(k + 1)
+        k += 2
+    return {
+        "categories_at_peak": at(0),
+        "categories_at_end": at(1) if rep.n else at(0),
+        "classified_at_peak": {m: int(b) for m, b in zip(METHODS, method_bytes)},
+        "category_names": list(cats.names),
+        "phase_source": ph.source,
+        "phases": phase_rows,
+        "iterations": iteration_rows,
+    }
+
+
+def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None) -> list[dict]:
+    from .advice import advice_findings
+    from .leaks import leak_findings
+    from .spikes import spike_findings
+
+    summary = summary or device_summary(trace, rep, rules)
+    peak = peak_finding(trace, rep)
+    peak["by_category"] = summary["categories_at_peak"]
+    if peak["by_category"]:
+        peak["summary"] += f" ({shares(peak['by_category'])})"
+    found = [peak]
+    spikes = spike_findings(trace, rep.device)
+    found += spikes
+    found += leak_findings(trace, rep.device, rules)
     frag = fragmentation_finding(trace, rep)
     if frag:
         found.append(frag)
-    found += oom_findings(trace, rep)
+    found += oom_findings(trace, rep, rules)
+    found += advice_findings(trace, rep.device, summary["categories_at_peak"], rep.peak_allocated,
+                             rep.peak_index, spikes)
     return found
+
+
+def shares(by_category: dict, limit=4) -> str:
+    """"activation 61%, parameter 20%, ..." for the largest categories."""
+    total = sum(by_category.values()) or 1
+    top = sorted(by_category.items(), key=lambda kv: -kv[1])[:limit]
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in top if v > 0)
 
 
 def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
@@ -109,7 +192,8 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
             "frames": []}
 
 
-def oom_findings(trace: Trace, rep: DeviceReplay) -> list[dict]:
+def oom_findings(trace: Trace, rep: DeviceReplay, rules=None) -> list[dict]:
+    from .timeline import categories_at
     from .units import fmt_bytes
 
     ev = trace.events
@@ -121,10 +205,12 @@ def oom_findings(trace: Trace, rep: DeviceReplay) -> list[dict]:
         request, free = int(ev.size[row]), int(ev.device_free[row])
         live = rep.allocated_at(i)
         frames = user_frames(trace, int(ev.stack_id[row]))
+        by_cat = {k: int(v[0]) for k, v in categories_at(trace, rep.device, [i], rules).items() if v[0]}
         out.append({"kind": "oom", "device": rep.device, "bytes": request, "index": i,
                     "time_us": time_of(trace, rep, i), "device_free_bytes": free, "allocated_bytes": live,
-                    "reserved_bytes": rep.reserved_at(i),
+                    "reserved_bytes": rep.reserved_at(i), "live_by_category": by_cat,
                     "summary": (f"out of memory at entry {i}: asked for {fmt_bytes(request)} with "
-                                f"{fmt_bytes(free)} free on the device and {fmt_bytes(live)} allocated"),
+                                f"{fmt_bytes(free)} free on the device and {fmt_bytes(live)} allocated"
+                                f"{' (' + shares(by_cat) + ')' if by_cat else ''}"),
                     "frames": frames, "top_stacks": top_stacks(trace, rep, i, limit=5)})
     return out

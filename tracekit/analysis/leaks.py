@@ -1,0 +1,91 @@
+"""Leaks: memory made in one iteration that is still live iterations later, step after step.
+
+In a clean training loop everything an iteration allocates is gone by the end
+of the next one (gradients live until the next zero_grad, a prefetched batch
+until it is used). An allocation made in iteration k that is still live at
+the end of iteration k+1 is *retained*. The first recorded iteration is
+skipped (optimizer state, lazily built buffers and other one-off warm-up
+live on by design), so are iterations too close to the end to tell. A leak
+is a stack that retains memory in (nearly) every eligible iteration: the
+retained bytes are grouped by allocation stack, the user's own line first.
+Needs at least three iterations.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..model import Trace
+from .categories import ACTIVATION, categorize
+from .frames import user_frames, where
+from .phases import phases
+from .replay import replay
+from .units import fmt_bytes
+
+MAX_GROUPS = 5
+
+
+def retained(trace: Trace, device: int):
+    """(mask of retained allocations, birth position among iterations, iterations list)."""
+    rep = replay(trace)[device]
+    al = rep.allocations
+    its = phases(trace)[device].iterations()
+    m = len(al)
+    if len(its) < 3 or not m:
+        return np.zeros(m, bool), np.full(m, -1), its
+    starts = np.array([s for _, s, _ in its])
+    ends = np.array([e for _, _, e in its])
+    a, f = al.alloc_index, al.free_index
+    pos = np.searchsorted(starts, a, side="right") - 1  # iteration position of the birth
+    pos = np.where((a >= 0) & (pos >= 0) & (a <= ends[np.clip(pos, 0, len(ends) - 1)]), pos, -1)
+    eligible = (pos >= 1) & (pos <= len(its) - 2)
+    next_end = ends[np.clip(pos + 1, 0, len(ends) - 1)]
+    survives = (f < 0) | (f > next_end)
+    return eligible & survives, pos, its
+
+
+def leak_findings(trace: Trace, device: int, rules=None) -> list[dict]:
+    rep = replay(trace)[device]
+    al = rep.allocations
+    mask, pos, its = retained(trace, device)
+    if not mask.any():
+        return []
+    eligible_its = list(range(1, len(its) - 1))
+    need = len(eligible_its) if len(eligible_its) <= 2 else int(np.ceil(2 * len(eligible_its) / 3))
+    sid = al.stack_id.astype(np.int64)
+    groups = []
+    for s in np.unique(sid[mask]).tolist():
+        rows = mask & (sid == s)
+        per_it = np.bincount(pos[rows], weights=al.size[rows].astype(np.float64), minlength=len(its))
+        present = [k for k in eligible_its if per_it[k] > 0]
+        if len(present) >= need:
+            groups.append({"stack_id": s, "rows": rows, "per_iteration": per_it})
+    if not groups:
+        return []
+    groups.sort(key=lambda g: -g["per_iteration"].sum())
+    rows = np.zeros(len(al), bool)
+    for g in groups:
+        rows |= g["rows"]
+    per_it = sum(g["per_iteration"] for g in groups)
+    per_iteration = [int(per_it[k]) for k in eligible_its]
+    rate = int(np.mean(per_iteration))
+    live_end = rows & (al.free_index < 0)
+    cats = categorize(trace, rules)[device]
+    act_share = float(al.size[rows & (cats.labels == ACTIVATION)].sum()) / max(1, float(al.size[rows].sum()))
+    top = [{"bytes": int(g["per_iteration"].sum()), "count": int(g["rows"].sum()),
+            "bytes_per_iteration": [int(g["per_iteration"][k]) for k in eligible_its],
+            "frames": user_frames(trace, g["stack_id"])} for g in groups[:MAX_GROUPS]]
+    boundary = [rep.allocated_at(e) for _, _, e in its]
+    hint = (" Most of it is activations: something keeps each step's autograd graph alive "
+            "(e.g. `total += loss` instead of `total += loss.item()`)." if act_share >= 0.5 else "")
+    where_list = "; ".join(f"{fmt_bytes(t['bytes'])} from {where(t['frames'])}" for t in top[:3])
+    return [{
+        "kind": "leak", "device": device, "bytes": rate, "index": its[-1][2],
+        "start_index": int(al.alloc_index[rows].min()), "end_index": its[-1][2],
+        "bytes_per_iteration": per_iteration, "iterations": [its[k][0] for k in eligible_its],
+        "retained_bytes": int(al.size[rows].sum()), "live_at_end_bytes": int(al.size[live_end].sum()),
+        "allocated_at_iteration_end": boundary, "activation_share": round(act_share, 3),
+        "summary": (f"memory grows by about {fmt_bytes(rate)} per iteration and is never given back "
+                    f"(allocated at iteration ends: {', '.join(fmt_bytes(b) for b in boundary)}): "
+                    f"{where_list}.{hint}"),
+        "frames": top[0]["frames"], "top_stacks": top,
+    }]

@@ -1,0 +1,114 @@
+"""Spikes: short-lived allocations that pile up on top of the long-lived memory.
+
+An allocation is *transient* when it is freed in the same phase run it was
+made in (forward, backward or optimizer step of one iteration; without
+phases: within 1% of the trace). The running baseline is what the other
+allocations hold; a spike is a point where transient bytes rise far above
+it. Each spike names the allocations live at its top, grouped by stack, the
+user's line first: e.g. logits upcast to fp32 inside a loss.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..model import Trace
+from .frames import user_frames, where
+from .phases import PHASES, phases
+from .replay import DeviceReplay, replay
+from .units import fmt_bytes
+
+MIN_SHARE = 0.10  # of the device's peak
+MIN_BYTES = 64 * 1024
+MAX_SPIKES = 3
+
+
+def transient_mask(trace: Trace, rep: DeviceReplay) -> np.ndarray:
+    """Per allocation: made and freed within one phase run (or a short window without phases)."""
+    al = rep.allocations
+    a, f = al.alloc_index, al.free_index
+    both = (a >= 0) & (f >= 0)
+    p = phases(trace)[rep.device]
+    if p.source == "none" or not rep.n:
+        return both & (f - a <= max(16, rep.n // 100))
+    runs = p.runs()
+    return both & (runs[np.maximum(a, 0)] == runs[np.maximum(f, 0)])
+
+
+def transient_curve(rep: DeviceReplay, mask) -> np.ndarray:
+    """Bytes of the masked allocations live just after each entry."""
+    al = rep.allocations
+    delta = np.zeros(rep.n + 1, np.int64)
+    np.add.at(delta, al.alloc_index[mask], al.size[mask])
+    np.add.at(delta, al.free_index[mask], -al.size[mask])
+    return np.cumsum(delta[:-1])
+
+
+def spike_findings(trace: Trace, device: int) -> list[dict]:
+    rep = replay(trace)[device]
+    if not rep.n or not len(rep.allocations):
+        return []
+    mask = transient_mask(trace, rep)
+    curve = transient_curve(rep, mask)
+    peak = max(rep.peak_allocated, 1)
+    floor = max(MIN_SHARE * peak, MIN_BYTES)
+    p = phases(trace)[device]
+    runs = p.runs() if p.source != "none" else np.arange(rep.n) // max(16, rep.n // 100)
+    # the highest point of transient bytes in each run, largest first
+    starts = np.flatnonzero(np.diff(runs, prepend=-1))
+    tops = starts + np.array([int(np.argmax(c)) for c in np.split(curve, starts[1:])])
+    tops = tops[curve[tops] >= floor]
+    tops = tops[np.argsort(-curve[tops], kind="stable")]
+    found, seen = [], {}
+    for i in tops.tolist():
+        groups = _groups_at(trace, rep, mask, i)
+        key = (int(p.phase[i]), groups[0]["stack_id"] if groups else -1)
+        if key in seen:  # the same spike in another iteration
+            seen[key]["repeats"] += 1
+            continue
+        f = _finding(trace, rep, mask, curve, i, groups)
+        seen[key] = f
+        found.append(f)
+        if len(found) >= MAX_SPIKES:
+            break
+    return found
+
+
+def _groups_at(trace, rep, mask, i, limit=5):
+    al = rep.allocations
+    live = mask & al.live_at(i)
+    sid = al.stack_id[live].astype(np.int64)
+    uniq, inv = np.unique(sid, return_inverse=True)
+    nbytes = np.bincount(inv, weights=al.size[live].astype(np.float64))
+    count = np.bincount(inv)
+    out = []
+    for k in np.argsort(-nbytes, kind="stable")[:limit]:
+        rows = np.flatnonzero(live)[inv == k]
+        out.append({"stack_id": int(uniq[k]), "bytes": int(nbytes[k]), "count": int(count[k]),
+                    "frames": user_frames(trace, int(uniq[k])),
+                    "start_index": int(al.alloc_index[rows].min()), "end_index": int(al.free_index[rows].max())})
+    return out
+
+
+def _finding(trace, rep, mask, curve, i, groups):
+    al = rep.allocations
+    live = mask & al.live_at(i)
+    spike = int(curve[i])
+    base = rep.allocated_at(i) - spike
+    p = phases(trace)[rep.device]
+    phase = PHASES[int(p.phase[i])] if p.source != "none" else None
+    when = f"in the {phase} pass" if phase and phase != "none" else "between steps" if phase else ""
+    if phase and p.iteration[i] >= 0:
+        when += f" of iteration {int(p.iteration[i])}"
+    frames = groups[0]["frames"] if groups else []
+    at_peak = rep.allocated_at(i) >= rep.peak_allocated
+    summary = (f"{fmt_bytes(spike)} of short-lived allocations on top of {fmt_bytes(base)} at entry {i}"
+               f"{' ' + when if when else ''}{' (this is the peak)' if at_peak else ''}; "
+               f"largest: {fmt_bytes(groups[0]['bytes'])} from {where(frames)}" if groups else "")
+    return {
+        "kind": "spike", "device": rep.device, "bytes": spike, "index": int(i),
+        "start_index": int(al.alloc_index[live].min()), "end_index": int(al.free_index[live].max()),
+        "baseline_bytes": int(base), "allocated_bytes": rep.allocated_at(i), "phase": phase,
+        "iteration": int(p.iteration[i]) if p.source != "none" else None, "at_peak": bool(at_peak),
+        "repeats": 1, "summary": summary, "frames": frames,
+        "top_stacks": [{k: g[k] for k in ("bytes", "count", "frames", "start_index", "end_index")} for g in groups],
+    }
