@@ -52,8 +52,8 @@ def command(output, max_entries, stacks, warmup, steps, backend, no_activations,
         cmd = child_command(argv, settings)
     except NotPython as e:
         raise click.UsageError(f"{e}. Give a Python command, e.g. tracekit record -- python train.py") from None
-    ctx = click.get_current_context()
-    ctx.exit(run_child(cmd, child_env()))
+    # SystemExit, not click's Exit: the script's exit code must reach the shell however tracekit was started.
+    sys.exit(run_child(cmd, child_env()))
 
 
 def run_child(cmd, env) -> int:
