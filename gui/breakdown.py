@@ -16,6 +16,7 @@ class BreakdownPanel(QWidget):
         self.table = QTableWidget(0, 3)
         self.table.setHorizontalHeaderLabels(["Category", "At cursor", "At peak"])
         self.table.verticalHeader().hide()
+        self.table.verticalHeader().setDefaultSectionSize(21)
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
         self.table.setSelectionMode(QTableWidget.NoSelection)
         self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.Stretch)

@@ -30,6 +30,15 @@ def _optional(module: str):
         return None
 
 
+def _call(module: str, function: str, *args):
+    """module.function(*args), or None while that analysis is not (fully) in this checkout."""
+    mod = _optional(module)
+    try:
+        return getattr(mod, function)(*args) if mod is not None and hasattr(mod, function) else None
+    except ImportError:
+        return None
+
+
 @dataclass
 class Document:
     path: str
@@ -37,6 +46,7 @@ class Document:
     replays: dict
     report: dict
     categories: dict | None  # device -> DeviceCategories, None when unavailable
+    phases: dict | None = None  # device -> DevicePhases (tracekit.analysis.phases)
     _xs: dict = field(default_factory=dict)
     _where: dict = field(default_factory=dict)
 
@@ -57,12 +67,11 @@ class Document:
         step(0.7, 1)(0.0, "replaying allocations")
         replays = replay(trace)
         step(0.75, 1)(0.0, "classifying memory")
-        cat_mod = _optional("tracekit.analysis.categories")
-        categories = cat_mod.categorize(trace) if cat_mod else None
+        categories = _call("tracekit.analysis.categories", "categorize", trace)
         step(0.85, 1)(0.0, "finding peaks, spikes and leaks")
-        report_mod = _optional("tracekit.analysis.report")
-        report = report_mod.build_report(trace) if report_mod else {"devices": [], "findings": []}
-        doc = cls(str(path), trace, replays, report, categories)
+        report = _call("tracekit.analysis.report", "build_report", trace) or {"devices": [], "findings": []}
+        phases = _call("tracekit.analysis.phases", "phases", trace)
+        doc = cls(str(path), trace, replays, report, categories, phases)
         step(0.95, 1)(0.0, "preparing tables")
         for d in trace.devices:
             doc.where_table(d)
@@ -119,7 +128,13 @@ class Document:
         return (float(time_us) - float(all_t[all_t != NO_TIME].min())) / 1e6
 
     def phase_spans(self, device) -> list[tuple]:
-        """(phase, iteration, x0, x1) of the recorder's phase marks, on this device's x axis."""
+        """(phase, iteration, x0, x1) of each run of a training phase, on this device's x axis."""
+        if self.phases is not None:
+            from tracekit.analysis.phases import PHASES
+
+            p = self.phases[device]
+            return [(PHASES[code], it, self.x_of(device, first), self._x_after(device, last))
+                    for it, code, first, last in p.intervals()]
         out = []
         for p in (self.trace.recorder or {}).get("phases") or []:
             x0, x1 = self.x_of_time(device, p["start_us"]), self.x_of_time(device, p["end_us"])
@@ -127,8 +142,21 @@ class Document:
                 out.append((p.get("phase", ""), p.get("iteration"), x0, x1))
         return out
 
+    def phase_at(self, device, index) -> str:
+        """"forward, iteration 3" at a trace entry ("" when unknown)."""
+        if self.phases is None or index < 0 or index >= self.phases[device].n:
+            return ""
+        from tracekit.analysis.phases import PHASES
+
+        p = self.phases[device]
+        name, it = PHASES[int(p.phase[index])], int(p.iteration[index])
+        text = "" if name == "none" else name
+        return f"{text}, iteration {it}" if it >= 0 and text else (text or (f"iteration {it}" if it >= 0 else ""))
+
     def iteration_starts(self, device) -> list[tuple]:
-        """(iteration, x) where each recorded iteration begins."""
+        """(iteration, x) where each iteration begins."""
+        if self.phases is not None:
+            return [(it, self.x_of(device, first)) for it, first, _ in self.phases[device].iterations()]
         out = []
         for it in (self.trace.recorder or {}).get("iterations") or []:
             x = self.x_of_time(device, it["start_us"])
@@ -141,6 +169,11 @@ class Document:
         if len(x) == 0:
             return 0.0
         return float(x[min(max(int(index), 0), len(x) - 1)])
+
+    def _x_after(self, device, index) -> float:
+        """x where entry `index` stops being the latest (the next entry, or the end)."""
+        n = self.replays[device].n
+        return self.x_of(device, index + 1) if index + 1 < n else self.x_range(device)[1]
 
     def x_range(self, device) -> tuple[float, float]:
         x, is_time = self.xs(device)
@@ -157,7 +190,8 @@ class Document:
     # ---- curves --------------------------------------------------------------
 
     def category_names(self, device) -> list[str]:
-        if self.categories is not None:
+        """The stacked curves: the categories, or one "allocated" curve without them."""
+        if self.categories is not None and _optional("tracekit.analysis.timeline") is not None:
             return list(self.categories[device].names)
         return ["allocated"]
 
@@ -171,21 +205,11 @@ class Document:
     def breakdown_at(self, device, index) -> dict:
         """Bytes by category just after entry `index` (-1: before the first)."""
         rep = self.replays[device]
-        if index < 0 or rep.n == 0:
-            if self.categories is not None:
-                return self._breakdown_live(device, -1)
-            return {"allocated": rep.initial_allocated}
         index = min(index, rep.n - 1)
-        s = self.series(device, start=index, end=index + 1)
-        return {k: int(v[-1]) for k, v in s.by_category.items() if len(v)}
-
-    def _breakdown_live(self, device, index) -> dict:
-        # TEMPORARY (gui): sums live allocations by label; ask analysis for breakdown_at(trace, device, index).
-        al = self.replays[device].allocations
-        cats = self.categories[device]
-        live = al.live_at(index)
-        sums = np.bincount(cats.labels[live].astype(np.int64), weights=al.size[live], minlength=len(cats.names))
-        return {n: int(b) for n, b in zip(cats.names, sums)}
+        if self.categories is None:
+            return {"allocated": rep.allocated_at(index)}
+        al = rep.allocations
+        return self.categories[device].bytes_by_category(al.size, al.live_at(index))
 
     # ---- allocations ---------------------------------------------------------
 

@@ -155,8 +155,9 @@ class DocumentView(QWidget):
         info = doc.device_report(device)
         names = doc.category_names(device)
         self.timeline.set_document(doc, device)
-        self.breakdown.set_categories(names, info.get("categories_at_peak") or {"allocated": rep.peak_allocated},
-                                      info.get("reserved_at_peak_bytes"))
+        at_peak = info.get("categories_at_peak") or doc.breakdown_at(device, rep.peak_index)
+        self.breakdown.set_categories(names if doc.categories is None else list(at_peak), at_peak,
+                                      rep.reserved_at(rep.peak_index))
         self.findings.set_findings(doc.findings(device))
         self.inspector.clear()
         self.cursor_index = None
@@ -208,7 +209,8 @@ class DocumentView(QWidget):
         where = "before the first entry" if index < 0 else f"entry {index:,}"
         if index >= 0 and doc.has_time(d):
             where += f" ({doc.x_of(d, index):.4f} s)"
-        self.breakdown.set_cursor(f"{what}: {where}", parts, rep.reserved_at(index))
+        phase = doc.phase_at(d, index)
+        self.breakdown.set_cursor(f"{what}: {where}" + (f" · {phase}" if phase else ""), parts, rep.reserved_at(index))
         self.status.emit(self.status_text(f"{where}: {fmt_bytes(rep.allocated_at(index))} allocated"))
 
     # ---- selection --------------------------------------------------------------------------

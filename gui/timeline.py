@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF, Qt, QTimer, Signal
-from PySide6.QtGui import QBrush, QColor, QPen
-from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, PHASE_COLORS, RESERVED_COLOR, byte_unit, category_color,
                       fmt_bytes)
@@ -43,7 +43,7 @@ class Legend(QWidget):
             if w:
                 w.deleteLater()
         for text, colour, style in entries:
-            swatch = {"fill": "■", "line": "┅", "band": "▬"}[style]
+            swatch = {"fill": "■", "line": "┅", "band": "■"}[style]
             label = QLabel(f'<span style="color:{colour}; font-size:15px">{swatch}</span>&nbsp;{text}')
             label.setTextFormat(Qt.RichText)
             self.row.addWidget(label)
@@ -172,17 +172,15 @@ class TimelineWidget(QWidget):
 
     def _add_phases(self, legend_entries):
         spans = self.doc.phase_spans(self.device)
-        seen = []
-        for phase, iteration, x0, x1 in spans:
-            colour = PHASE_COLORS.get(phase, "#BBBBBB")
-            rect = QGraphicsRectItem(QRectF(x0, 0.1, max(x1 - x0, 0), 0.8))
-            rect.setBrush(QBrush(_color(colour, 200)))
-            rect.setPen(QPen(Qt.NoPen))
-            rect.setToolTip(f"{phase}, iteration {iteration}")
-            self.lane.addItem(rect)
-            self._decor.append((self.lane, rect))
-            if phase not in seen:
-                seen.append(phase)
+        seen = list(dict.fromkeys(phase for phase, *_ in spans))
+        if spans:
+            # One BarGraphItem for all spans: cheap, and (unlike QGraphicsRectItems) safe with PySide6 6.12.
+            x0 = np.array([s[2] for s in spans], dtype=float)
+            width = np.maximum(np.array([s[3] for s in spans], dtype=float) - x0, 0)
+            bars = pg.BarGraphItem(x0=x0, width=width, y0=0.1, height=0.8, pen=pg.mkPen(None),
+                                   brushes=[pg.mkBrush(PHASE_COLORS.get(s[0], "#BBBBBB")) for s in spans])
+            self.lane.addItem(bars)
+            self._decor.append((self.lane, bars))
         if len(spans) <= MAX_PHASE_LABELS:
             for phase, iteration, x0, x1 in spans:
                 text = pg.TextItem(phase[:3], color="#222222", anchor=(0, 0.5))
