@@ -48,6 +48,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
             total = sum(d["categories_at_peak"].values()) or 1
             cats = sorted(d["categories_at_peak"].items(), key=lambda kv: -kv[1])
             out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}") for c, b in cats if b], indent="    ")
+        out += _phase_rows(d)
         if d["top_stacks_at_peak"]:
             out.append("  live at the peak, by allocation site:")
             out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {where(s['frames'])}")
@@ -57,11 +58,47 @@ def report_text(report: dict, t0_by_device=None) -> str:
     if others:
         out.append("Findings")
         for f in others:
-            out.append(f"  [{f['kind']}] {f['summary']}")
-            if f.get("frames"):
-                out.append(f"      at {where(f['frames'])}")
+            out += finding_lines(f)
         out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _shares(by_category: dict, limit=3) -> str:
+    total = sum(by_category.values()) or 1
+    top = sorted(by_category.items(), key=lambda kv: -kv[1])[:limit]
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in top if v > 0)
+
+
+def _phase_rows(d: dict) -> list[str]:
+    out = []
+    if d.get("phases"):
+        out.append(f"  by phase ({d.get('phase_source', '')}):")
+        out += _rows([(p["phase"], f"peak {fmt_bytes(p['peak_bytes']):>10}  {_shares(p['categories_at_peak'])}")
+                      for p in d["phases"]], indent="    ")
+    its = d.get("iterations") or []
+    if len(its) > 1:
+        out.append("  by iteration:")
+        rows = [(f"{it['iteration']}", f"peak {fmt_bytes(it['peak_bytes']):>10}   end {fmt_bytes(it['end_bytes']):>10}"
+                                       f"  {_shares(it['categories_at_end'])}") for it in its[:12]]
+        if len(its) > 12:
+            rows.append(("...", f"{len(its) - 12} more"))
+        out += _rows(rows, indent="    ")
+    return out
+
+
+def finding_lines(f: dict) -> list[str]:
+    """A finding as text: its summary, where, and its details."""
+    out = [f"  [{f['kind']}] {f['summary']}"]
+    if f.get("frames"):
+        out.append(f"      at {where(f['frames'])}")
+    if f["kind"] in ("spike", "leak", "oom"):
+        for s in [s for s in f.get("top_stacks", [])[1:3] if s["bytes"] >= 0.01 * max(f["bytes"], 1)]:
+            out.append(f"      {fmt_bytes(s['bytes']):>10}  {s['count']:>4}×  {where(s['frames'])}")
+    if f["kind"] == "leak":
+        out.append("      retained per iteration: " + ", ".join(fmt_bytes(b) for b in f["bytes_per_iteration"]))
+    if f["kind"] == "advice":
+        out.append(f"      assumes {f['assumes']}")
+    return out
 
 
 def info_text(info: dict) -> str:

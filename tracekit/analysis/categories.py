@@ -190,18 +190,47 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> np.ndarra
         take = mask & ~done
         labels[take] = cat
         done |= take
+    if any_optim:
+        _split_static(al, labels, phases.iteration)
     return labels
 
 
-def _lifetimes_only(al, n) -> np.ndarray:
-    """Without any phase evidence: short-lived allocations are temporaries, the rest
-    is "other", and what was live for the whole trace is taken for parameters."""
-    a, f = al.alloc_index, al.free_index
-    labels = np.full(len(al), OTHER, np.int16)
-    short = (a >= 0) & (f >= 0) & (f - a <= max(16, n // 100))
-    labels[short] = TEMPORARY
-    labels[(a < 0) & (f < 0)] = PARAMETER
-    return labels
+def _split_static(al, labels, iteration):
+    """Optimizer state made before the trace looks like parameters: live throughout, no frames.
+
+    Sizes tell them apart in aggregate: every trainable parameter has a
+    gradient of its size, and stateful optimizers keep k tensors of that size
+    per parameter (Adam: 2, SGD with momentum: 1). Per size s with g(s)
+    gradients and c(s) such blocks, c - g - (frozen ones) are state; k is the
+    median over sizes of (c - g) // g, capped at 2. Which blocks of a size are
+    the state is not knowable from the trace: the highest addresses are taken.
+    """
+    static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER)
+    if not static.any() or (labels == OPTIMIZER_STATE).any():
+        return
+    grads = labels == GRADIENT
+    gsize, gcount = np.unique(al.size[grads & (al.alloc_index >= 0)], return_counts=True)
+    if not len(gsize):
+        gsize, gcount = np.unique(al.size[grads], return_counts=True)
+    if not len(gsize):
+        return
+    # gradients per iteration: the traced ones repeat each iteration, so count one iteration's worth
+    traced = grads & (al.alloc_index >= 0)
+    iters = len(np.unique(iteration[al.alloc_index[traced]])) if traced.any() else 1
+    g_of = dict(zip(gsize.tolist(), np.maximum(1, gcount // iters).tolist()))
+    ssize, scount = np.unique(al.size[static], return_counts=True)
+    ks = [(c - g_of[s]) // g_of[s] for s, c in zip(ssize.tolist(), scount.tolist()) if s in g_of and c > g_of[s]]
+    k = min(2, int(np.median(ks))) if ks else 0
+    if k <= 0:
+        return
+    for s, c in zip(ssize.tolist(), scount.tolist()):
+        g = g_of.get(s, 0)
+        n_state = min(c - g, k * g) if g else 0
+        if n_state <= 0:
+            continue
+        rows = np.flatnonzero(static & (al.size == s))
+        rows = rows[np.argsort(al.addr[rows], kind="stable")]
+        labels[rows[len(rows) - n_state:]] = OPTIMIZER_STATE
 
 
 # -- tags -------------------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ import numpy as np
 
 from ..model import Trace
 from .categories import ACTIVATION, categorize
-from .frames import user_frames, where
+from .frames import where
 from .phases import phases
 from .replay import replay
+from .spikes import user_frames
 from .units import fmt_bytes
 
 MAX_GROUPS = 5
@@ -75,8 +76,9 @@ def leak_findings(trace: Trace, device: int, rules=None) -> list[dict]:
             "bytes_per_iteration": [int(g["per_iteration"][k]) for k in eligible_its],
             "frames": user_frames(trace, g["stack_id"])} for g in groups[:MAX_GROUPS]]
     boundary = [rep.allocated_at(e) for _, _, e in its]
-    hint = (" Most of it is activations: something keeps each step's autograd graph alive "
-            "(e.g. `total += loss` instead of `total += loss.item()`)." if act_share >= 0.5 else "")
+    hint = (" Most of it is activations: something keeps each step's outputs and their autograd graph "
+            "alive (e.g. outputs appended to a list, or `total += loss` instead of `loss.item()`)."
+            if act_share >= 0.5 else "")
     where_list = "; ".join(f"{fmt_bytes(t['bytes'])} from {where(t['frames'])}" for t in top[:3])
     return [{
         "kind": "leak", "device": device, "bytes": rate, "index": its[-1][2],

@@ -173,6 +173,8 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
 
     if rep.reserved is None or rep.n == 0 or not rep.reserved.any():
         return None
+    if (trace.recorder or {}).get("backend") == "cpu":
+        return None  # no caching allocator: CPU "segments" are the blocks themselves
     waste = rep.reserved - rep.allocated
     worst = int(np.argmax(waste))
     p = rep.peak_index
