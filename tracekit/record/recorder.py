@@ -108,7 +108,7 @@ class Recorder:
             self._marks.step()
             self._iteration_began()
         except Exception as e:
-            self._disable(f"recording stopped ({e!r})")
+            self._disable(f"recording stopped ({e!r})", pop_saved_hooks=False)
 
     def close(self):
         """Stop recording, write the file (if anything was recorded) and remove the hooks."""
@@ -161,7 +161,10 @@ class Recorder:
         self._tags.new_iteration()
         it = self._marks.iteration
         if not self.recording and not self._done and it >= self.warmup:
-            self._start_backend()
+            try:
+                self._start_backend()
+            except Exception as e:
+                self._disable(f"recording could not start ({e!r}); training runs without it", pop_saved_hooks=False)
         elif self.recording and self.steps is not None and it >= self.warmup + self.steps:
             self._finish(remove_hooks=True)
 
@@ -280,12 +283,13 @@ class Recorder:
     def _param_names(self):
         return param_names(self._models)
 
-    def _disable(self, message):
+    def _disable(self, message, pop_saved_hooks=True):
+        """Warn once and let the program run on untouched (from a hook: leave the saved-tensor hooks to close())."""
         warnings.warn(f"tracekit: {message}", RuntimeWarning, stacklevel=3)
         self.enabled = False
         self.recording = False
         for cleanup in (
-            lambda: self._hooks.remove() if self._hooks is not None else None,
+            lambda: self._hooks.remove(pop_saved_hooks) if self._hooks is not None else None,
             lambda: self._backend.restore() if self._backend is not None else None,
         ):
             try:
