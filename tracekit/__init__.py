@@ -17,7 +17,8 @@ def load(path, **kwargs):
 def __getattr__(name):
     # The recorder needs torch: import it only when asked for.
     if name in ("record", "record_steps"):
-        from . import record as _record
+        import importlib
 
+        _record = importlib.import_module(".record", __name__)  # `from . import` would recurse here
         return getattr(_record, name)
     raise AttributeError(f"module 'tracekit' has no attribute {name!r}")
