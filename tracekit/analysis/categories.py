@@ -233,6 +233,17 @@ def _split_static(al, labels, iteration):
         labels[rows[len(rows) - n_state:]] = OPTIMIZER_STATE
 
 
+def _lifetimes_only(al, n) -> np.ndarray:
+    """Without any phase evidence: short-lived allocations are temporaries, the rest
+    is "other", and what was live for the whole trace is taken for parameters."""
+    a, f = al.alloc_index, al.free_index
+    labels = np.full(len(al), OTHER, np.int16)
+    short = (a >= 0) & (f >= 0) & (f - a <= max(16, n // 100))
+    labels[short] = TEMPORARY
+    labels[(a < 0) & (f < 0)] = PARAMETER
+    return labels
+
+
 # -- tags -------------------------------------------------------------------------------------------
 
 def tag_labels(trace: Trace, rep: DeviceReplay) -> np.ndarray:

@@ -1,0 +1,98 @@
+"""`tracekit check`: exit 0 within budget, 1 over it (with a readable list), 2 on bad arguments or files."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import SAMPLES
+from tests.oracle import naive_replay
+from tracekit.io import read_document
+
+
+def run(*args):
+    p = subprocess.run([sys.executable, "-m", "tracekit.cli", "check", *map(str, args)],
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture(scope="module")
+def leak_loop():
+    path = SAMPLES / "leak_loop.pickle"
+    if not path.exists():
+        pytest.skip(f"{path} is missing")
+    snap, _ = read_document(str(path))
+    return path, naive_replay(snap)["peak"]
+
+
+def test_within_budget_exits_0(leak_loop):
+    path, peak = leak_loop
+    code, out, _ = run(path, "--max-peak", peak, "--max", f"activation={peak}")
+    assert code == 0, out
+    assert "within budget" in out
+
+
+def test_over_budget_exits_1_and_lists_what(leak_loop):
+    path, peak = leak_loop
+    code, out, _ = run(path, "--max-peak", peak - 1, "--max", "optimizer_state=1KiB", "--no-leaks")
+    assert code == 1
+    lines = [line for line in out.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 3
+    assert "peak allocated" in lines[0] and "over by 1 B" in lines[0]
+    assert "optimizer_state at the peak" in lines[1]
+    assert "leak" in lines[2]
+
+
+def test_json_output(leak_loop):
+    path, peak = leak_loop
+    code, out, _ = run(path, "--max-peak", "1KiB", "--json")
+    assert code == 1
+    got = json.loads(out)
+    assert got["ok"] is False and got["problems"][0]["what"] == "peak"
+    assert got["problems"][0]["bytes"] == peak and got["problems"][0]["limit"] == 1024
+
+
+def test_clean_recording_passes_no_leaks():
+    path = SAMPLES / "gpt_adamw.pickle"
+    if not path.exists():
+        pytest.skip(f"{path} is missing")
+    assert run(path, "--no-leaks")[0] == 0
+
+
+def test_rules_add_budgetable_categories(tmp_path, leak_loop):
+    path, _ = leak_loop
+    src = (SAMPLES / "make_samples.py").read_text().splitlines()
+    start = next(i for i, t in enumerate(src) if t.startswith("def leak_loop"))
+    line = next(i for i, t in enumerate(src) if i > start and "logits = model(inputs)" in t) + 1
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f'[[rule]]\ncategory = "logits"\nfile = "make_samples\\\\.py$"\nline = {line}\nmin_size = "1MiB"\n')
+    code, out, _ = run(path, "--rules", rules, "--max", "logits=1MiB")
+    assert code == 1 and "logits at the peak" in out
+    assert run(path, "--max", "logits=1MiB")[0] == 2  # unknown without the rules
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-peak", "lots"], "not a size"),
+    (["--max", "activation"], "CATEGORY=SIZE"),
+    (["--max", "activaton=1GiB"], "unknown category"),
+    (["--rules", "/nonexistent.toml"], "does not exist"),
+])
+def test_bad_arguments_exit_2(leak_loop, args, message):
+    code, out, err = run(leak_loop[0], *args)
+    assert code == 2
+    assert message in err
+
+
+def test_bad_files_exit_2(tmp_path):
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"not a snapshot")
+    code, _, err = run(bad, "--max-peak", "1GiB")
+    assert code == 2 and "cannot open" in err
+    code, _, err = run(tmp_path / "missing.pickle")
+    assert code == 2 and "no such file" in err
+    rules = tmp_path / "r.toml"
+    rules.write_text("[[rule]]\ncategory = 'x'\n")
+    path = SAMPLES / "gpt_adamw.pickle"
+    if path.exists():
+        code, _, err = run(path, "--rules", rules)
+        assert code == 2 and "at least one" in err
