@@ -7,7 +7,7 @@ from ..model import Trace
 
 # Library and runtime frames: torch itself, the recorder, the interpreter's plumbing.
 _INTERNAL = re.compile(
-    r"([/\\](torch|torchvision|transformers|accelerate|triton|tracekit|importlib|runpy|threading|contextlib|"
+    r"((^|[/\\])(torch|torchvision|transformers|accelerate|triton|tracekit|importlib|runpy|threading|contextlib|"
     r"functools|unittest|click|site-packages[/\\]pytest|_pytest|pluggy)[/\\])"
     r"|^<frozen |^<string>$|^\?\?$|^$"
 )
