@@ -324,8 +324,8 @@ def screenshot(files, out, size=(1440, 900)) -> int:
     for f in files:
         window.open_file(f)
     wait_loaded(window)
-    if window.last_error:
-        print(f"tracekit: {window.last_error}", file=sys.stderr)
+    if window.last_error or not window.document_views():
+        print(f"tracekit: {window.last_error or 'nothing could be shown'}", file=sys.stderr)
         return 2
     for view in window.document_views():
         view.timeline.refresh()

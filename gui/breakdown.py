@@ -42,6 +42,7 @@ class BreakdownPanel(QWidget):
                 font.setBold(True)
                 item.setFont(font)
             self.table.setItem(r, 0, item)
+        self.table.setMinimumHeight(self.table.horizontalHeader().height() + 21 * len(rows) + 6)
         total = sum(self.peak.values()) if self.peak else None
         self._fill(2, self.peak, total, reserved_at_peak)
         self._fill(1, {}, None, None)
@@ -51,9 +52,9 @@ class BreakdownPanel(QWidget):
         self._fill(1, parts, sum(parts.values()) if parts else None, reserved)
 
     def _fill(self, col, parts, total, reserved):
-        values = [parts.get(n) for n in self.names] + [total, reserved]
+        values = [parts.get(n, 0 if parts else None) for n in self.names] + [total, reserved]
         for r, v in enumerate(values):
-            item = QTableWidgetItem("" if v is None else fmt_bytes(v))
+            item = QTableWidgetItem("—" if v == 0 else "" if v is None else fmt_bytes(v))
             item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
             if v is not None:
                 item.setToolTip(f"{int(v):,} bytes")

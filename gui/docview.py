@@ -156,7 +156,7 @@ class DocumentView(QWidget):
         names = doc.category_names(device)
         self.timeline.set_document(doc, device)
         at_peak = info.get("categories_at_peak") or doc.breakdown_at(device, rep.peak_index)
-        self.breakdown.set_categories(names if doc.categories is None else list(at_peak), at_peak,
+        self.breakdown.set_categories(names, at_peak,
                                       rep.reserved_at(rep.peak_index))
         self.findings.set_findings(doc.findings(device))
         self.inspector.clear()
@@ -164,11 +164,9 @@ class DocumentView(QWidget):
         self.category_box.blockSignals(True)
         self.category_box.clear()
         self.category_box.addItem("All categories", None)
-        if doc.labels(device) is not None:
-            for n in names:
-                self.category_box.addItem(n.replace("_", " "), n)
+        for n in names:
+            self.category_box.addItem(n.replace("_", " "), n)
         self.category_box.blockSignals(False)
-        self.category_box.setVisible(doc.labels(device) is not None)
         self.model.set_document(doc, device)
         self._update_count()
         peak_at = f"entry {rep.peak_index:,}" if rep.peak_index >= 0 else "before the trace"
@@ -220,7 +218,7 @@ class DocumentView(QWidget):
             return
         row = self.model.data(current, ROW_ROLE)
         al = self.doc.replays[self.device].allocations
-        category = self.model.category_of(row) if self.doc.labels(self.device) is not None else None
+        category = self.model.category_of(row)
         self.inspector.show_allocation(self.doc, self.device, row, category, self.model.method_of(row))
         self.timeline.highlight(int(al.alloc_index[row]), int(al.free_index[row]), int(al.size[row]),
                                 (category or "").replace("_", " "))

@@ -8,6 +8,7 @@ from tracekit.analysis.frames import is_internal, user_first
 
 from .palette import fmt_bytes, fmt_duration_us
 
+METHOD_TEXT = {"tag": "tagged by the recorder", "rule": "by a user rule", "inferred": "inferred"}
 HINT = "Select an allocation or a finding to see where it was made."
 
 
@@ -57,7 +58,7 @@ class Inspector(QWidget):
     def show_allocation(self, doc, device, row, category=None, method=None):
         al = doc.replays[device].allocations
         a, f = int(al.alloc_index[row]), int(al.free_index[row])
-        cat = f"{category.replace('_', ' ')}" + (f" (by {method})" if method else "") if category else "uncategorised"
+        cat = category.replace("_", " ") + (f" ({METHOD_TEXT.get(method, method)})" if method else "")
         self.title.setText(f"<b>{fmt_bytes(al.size[row])}</b> · {cat} · address 0x{int(al.addr[row]):x}")
         lines = [f"size       {int(al.size[row]):,} bytes",
                  f"allocated  {self._when(doc, device, a, 'before the trace began')}",

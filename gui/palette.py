@@ -25,7 +25,9 @@ CATEGORY_COLORS = {
 # User-defined categories (kv_cache, ...) take these in order of appearance.
 EXTRA_COLORS = (YELLOW, "#7F3C8D", "#11A579", "#3969AC", "#F2B701", "#80BA5A", "#E68310")
 
-PHASE_COLORS = {"forward": SKY, "backward": ORANGE, "optimizer": PURPLE}
+# Phases are greys, so they never read as a category.
+PHASE_COLORS = {"forward": "#DADADA", "backward": "#B4B4B4", "optimizer": "#8A8A8A"}
+RESERVED_FILL = "#EFEFEF"  # reserved but not allocated (the caching allocator's spare)
 FINDING_COLORS = {"peak": BLACK, "spike": VERMILLION, "leak": PURPLE, "oom": "#C00000",
                   "fragmentation": "#666666", "advice": BLUE}
 RESERVED_COLOR = "#444444"

@@ -39,11 +39,7 @@ class AllocationsModel(QAbstractTableModel):
         self.doc, self.device = doc, device
         self.al = doc.replays[device].allocations
         n_entries = doc.replays[device].n
-        labels = doc.labels(device)
-        if labels is None:
-            self.labels, self.names, self.method = np.zeros(len(self.al), np.int16), ["—"], None
-        else:
-            self.labels, self.names, self.method = labels
+        self.labels, self.names, self.method = doc.labels(device)
         self.where_strings, self.where_ids = doc.where_table(device)
         xs, self.is_time = doc.xs(device)
         lo, hi = doc.x_range(device)
@@ -109,7 +105,7 @@ class AllocationsModel(QAbstractTableModel):
         return self.names[self.labels[row]]
 
     def method_of(self, row) -> str | None:
-        return None if self.method is None else METHODS[int(self.method[row])]
+        return METHODS[int(self.method[row])]
 
     # ---- Qt model ------------------------------------------------------------------
 
@@ -134,7 +130,7 @@ class AllocationsModel(QAbstractTableModel):
             return row
         if role == Qt.TextAlignmentRole and col in (SIZE, LIFETIME, ALLOCATED, FREED):
             return int(Qt.AlignRight | Qt.AlignVCenter)
-        if role == Qt.DecorationRole and col == CATEGORY and self.method is not None:
+        if role == Qt.DecorationRole and col == CATEGORY:
             return QColor(category_color(self.category_of(row), self.names))
         if role == Qt.ToolTipRole:
             return self._tooltip(row, col)
@@ -169,7 +165,7 @@ class AllocationsModel(QAbstractTableModel):
         return None
 
     def _tooltip(self, row, col):
-        if col == CATEGORY and self.method is not None:
+        if col == CATEGORY:
             return f"classified by {self.method_of(row)}"
         if col == SIZE:
             return f"{int(self.al.size[row]):,} bytes"
@@ -186,7 +182,7 @@ class AllocationsModel(QAbstractTableModel):
         return pd.DataFrame({
             "size_bytes": al.size[r],
             "category": np.array(self.names, dtype=object)[self.labels[r]],
-            "method": (np.array(METHODS, dtype=object)[self.method[r]] if self.method is not None else ""),
+            "method": np.array(METHODS, dtype=object)[self.method[r]],
             "alloc_entry": al.alloc_index[r],
             "free_entry": al.free_index[r],
             ("alloc_time_s" if self.is_time else "alloc_x"): self.x_alloc[r],

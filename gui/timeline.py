@@ -10,15 +10,21 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, PHASE_COLORS, RESERVED_COLOR, byte_unit, category_color,
-                      fmt_bytes)
+from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, PHASE_COLORS, RESERVED_COLOR, RESERVED_FILL, byte_unit,
+                      category_color, fmt_bytes)
 
 REFRESH_MS = 25  # debounce between a view change and the re-query
 MAX_PHASE_LABELS = 40
-MAX_ITERATION_LINES = 200
+MAX_ITERATION_LABELS = 30
 MARKER_SYMBOLS = {"peak": "t", "spike": "t", "leak": "d", "oom": "x", "fragmentation": "s"}
+
+
+def _nice_ceil(v: float) -> float:
+    """The next of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 (x 10^k) at or above v: the y range changes only in steps."""
+    k = 10.0 ** np.floor(np.log10(v))
+    return k * next(m for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * k >= v * (1 - 1e-9))
 
 
 def _color(hex_color, alpha=255) -> QColor:
@@ -34,7 +40,9 @@ class Legend(QWidget):
         super().__init__(parent)
         self.row = QHBoxLayout(self)
         self.row.setContentsMargins(8, 2, 8, 2)
-        self.row.setSpacing(14)
+        self.row.setSpacing(10)
+        # never widen the window for the legend: it is cut at the right instead
+        self.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
 
     def set_entries(self, entries):
         """entries: [(text, colour, style)] with style "fill", "line" or "band"."""
@@ -43,6 +51,10 @@ class Legend(QWidget):
             if w:
                 w.deleteLater()
         for text, colour, style in entries:
+            if style == "caption":
+                label = QLabel(f'<span style="color:#555555">{text}</span>')
+                self.row.addWidget(label)
+                continue
             swatch = {"fill": "■", "line": "┅", "band": "■"}[style]
             label = QLabel(f'<span style="color:{colour}; font-size:15px">{swatch}</span>&nbsp;{text}')
             label.setTextFormat(Qt.RichText)
@@ -66,8 +78,13 @@ class TimelineWidget(QWidget):
         self._fills: dict[str, pg.PlotDataItem] = {}
         self._decor: list = []  # per-document items: phases, iterations, markers
         self._highlight = []
+        self._phase_labels = []
+        self._iteration_labels = []
+        self._iteration_x = np.zeros(0)
+        self._fetched = None  # (start, end, max_points, view width) of the drawn query
+        self._shown_index = self._shown_top = np.zeros(0)
         self._timer = QTimer(self, singleShot=True, interval=REFRESH_MS, timeout=self.refresh)
-        self.last_query = None  # (start, end, max_points, points drawn): for tests and the benchmark
+        self.last_query = None  # (fetched start, fetched end, view width px, points drawn): tests, benchmark
 
         self.legend = Legend(self)
         self.graphics = pg.GraphicsLayoutWidget(self)
@@ -101,8 +118,14 @@ class TimelineWidget(QWidget):
 
         self.total_line = self.plot.plot(pen=pg.mkPen("#222222", width=1))
         self.total_line.setZValue(50)
-        self.reserved_line = self.plot.plot(pen=pg.mkPen(RESERVED_COLOR, width=1.5, style=Qt.DashLine))
-        self.reserved_line.setZValue(51)
+        self.reserved_line = self.plot.plot(pen=pg.mkPen(RESERVED_COLOR, width=1.5, style=Qt.DashLine),
+                                            fillLevel=0, brush=pg.mkBrush(RESERVED_FILL))
+        self.reserved_line.setZValue(-10)  # its fill lies under the categories; the dashes show above them
+        self.reserved_edge = self.plot.plot(pen=pg.mkPen(RESERVED_COLOR, width=1.5, style=Qt.DashLine))
+        self.reserved_edge.setZValue(51)
+        self.iteration_lines = pg.PlotDataItem(connect="pairs", pen=pg.mkPen("#777777", width=1, style=Qt.DotLine))
+        self.iteration_lines.setZValue(40)
+        self.plot.addItem(self.iteration_lines, ignoreBounds=True)
         self.hover_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#888888", width=1))
         self.hover_line.setZValue(60)
         self.hover_line.hide()
@@ -136,8 +159,10 @@ class TimelineWidget(QWidget):
             owner.removeItem(item)
         self._fills.clear()
         self._decor.clear()
+        self._iteration_labels.clear()
         self.clear_highlight()
         self.cursor_line.hide()
+        self._fetched = None
         rep = doc.replays[device]
         top = max(rep.peak_allocated or 0, rep.peak_reserved or 0)
         self.unit, self.scale = byte_unit(top)
@@ -160,6 +185,7 @@ class TimelineWidget(QWidget):
         entries = [(n.replace("_", " "), category_color(n, self.names), "fill") for n in present or self.names]
         if full.reserved is not None:
             entries.append(("reserved", RESERVED_COLOR, "line"))
+            entries.append(("unused reserved", "#D0D0D0", "fill"))
         self._add_phases(entries)
         self._add_markers()
         self.legend.set_entries(entries)
@@ -181,23 +207,30 @@ class TimelineWidget(QWidget):
                                    brushes=[pg.mkBrush(PHASE_COLORS.get(s[0], "#BBBBBB")) for s in spans])
             self.lane.addItem(bars)
             self._decor.append((self.lane, bars))
+        self._phase_labels = []
         if len(spans) <= MAX_PHASE_LABELS:
             for phase, iteration, x0, x1 in spans:
-                text = pg.TextItem(phase[:3], color="#222222", anchor=(0, 0.5))
+                text = pg.TextItem(phase, color="#222222", anchor=(0, 0.5))
                 text.setPos(x0, 0.5)
                 self.lane.addItem(text)
                 self._decor.append((self.lane, text))
+                self._phase_labels.append((text, x1 - x0, 7 * len(phase) + 8))
+        if seen:
+            legend_entries.append(("  phases:", "", "caption"))
         for phase in seen:
             legend_entries.append((phase, PHASE_COLORS.get(phase, "#BBBBBB"), "band"))
         starts = self.doc.iteration_starts(self.device)
-        if len(starts) <= MAX_ITERATION_LINES:
+        # All iteration boundaries as one item of vertical segments (cheap with hundreds of them).
+        self._iteration_x = np.repeat(np.array([x for _, x in starts], dtype=float), 2)
+        self.iteration_lines.setData(self._iteration_x, np.zeros(len(self._iteration_x)))
+        if len(starts) <= MAX_ITERATION_LABELS:
             for iteration, x in starts:
-                line = pg.InfiniteLine(x, angle=90, pen=pg.mkPen("#777777", width=1, style=Qt.DotLine),
-                                       label=f"iter {iteration}" if len(starts) <= 30 else None,
-                                       labelOpts={"position": 0.97, "color": "#555555", "anchors": [(0, 0), (0, 0)]})
-                line.setZValue(40)
-                self.plot.addItem(line, ignoreBounds=True)
-                self._decor.append((self.plot, line))
+                label = pg.TextItem(f"iter {iteration}", color="#555555", anchor=(0, 0))
+                label.setPos(x, 0)
+                label.setZValue(40)
+                self.plot.addItem(label, ignoreBounds=True)
+                self._decor.append((self.plot, label))
+                self._iteration_labels.append(label)
         self.lane.setVisible(bool(spans))
 
     def _add_markers(self):
@@ -246,7 +279,11 @@ class TimelineWidget(QWidget):
         return start, max(end, min(start + 1, n))
 
     def refresh(self):
-        """Re-query the visible range at about one point per pixel and redraw."""
+        """Redraw for the current view: re-query only when the view left the fetched range or zoomed in.
+
+        A query covers the visible entries plus one view width either side at
+        about one point per pixel, so panning by less than a screen costs a paint only.
+        """
         if self.doc is None:
             return
         rep = self.doc.replays[self.device]
@@ -255,11 +292,25 @@ class TimelineWidget(QWidget):
             return
         start, end = self.visible_entries()
         width = max(int(self.vb.width()), 200)
-        s = self.doc.series(self.device, start=start, end=end, max_points=width)
+        f = self._fetched
+        stale = (f is None or start < f[0] or end > f[1] or f[3] != width
+                 or (f[1] - f[0] > f[2] and f[1] - f[0] > 4 * (end - start)))  # downsampled and zoomed in
+        if stale:
+            span = end - start
+            lo, hi = max(start - span, 0), min(end + span, rep.n)
+            self._draw(self.doc.series(self.device, start=lo, end=hi, max_points=3 * width), hi)
+            self._fetched = (lo, hi, 3 * width, width)
+        visible = (self._shown_index >= start - 1) & (self._shown_index < end)
+        top = float(self._shown_top[visible].max()) if visible.any() else float(self._shown_top.max(initial=0))
+        self._set_top(_nice_ceil(max(top / self.scale, 1e-9) * 1.08))
+        self._fit_phase_labels()
+        self.last_query = (self._fetched[0], self._fetched[1], width, len(self._shown_index))
+
+    def _draw(self, s, end):
+        """Set the curves to a Series (entries up to `end`) as steps: a value holds until the next entry."""
         xs = self.doc.xs(self.device)[0]
         x_end = xs[end] if end < len(xs) else self.doc.x_range(self.device)[1]
-        x = np.append(xs[s.index], x_end)
-        step_x = np.repeat(x, 2)[1:-1]
+        step_x = np.repeat(np.append(xs[s.index], x_end), 2)[1:-1]
 
         def step(y):
             return np.repeat(np.asarray(y, dtype=np.float64) / self.scale, 2)
@@ -271,14 +322,29 @@ class TimelineWidget(QWidget):
                 cum = cum + values
             self._fills[name].setData(step_x, step(cum))
         self.total_line.setData(step_x, step(s.total))
-        top = float(np.max(s.total)) if len(s.total) else 0.0
+        top = np.asarray(s.total, dtype=np.float64)
         if s.reserved is not None and len(s.reserved):
-            self.reserved_line.setData(step_x, step(s.reserved))
-            top = max(top, float(np.max(s.reserved)))
+            for item in (self.reserved_line, self.reserved_edge):
+                item.setData(step_x, step(s.reserved))
+            top = np.maximum(top, s.reserved)
         else:
             self.reserved_line.setData([], [])
-        self.vb.setYRange(0, max(top / self.scale, 1e-9) * 1.12, padding=0)
-        self.last_query = (start, end, width, len(s.index))
+            self.reserved_edge.setData([], [])
+        self._shown_index, self._shown_top = s.index, top
+
+    def _set_top(self, top):
+        """Fix the y range to [0, top]; iteration lines span it, their labels sit at its top."""
+        self.vb.setYRange(0, top, padding=0)
+        y = np.tile([0.0, top], len(self._iteration_x) // 2)
+        self.iteration_lines.setData(self._iteration_x, y)
+        for label in self._iteration_labels:
+            label.setPos(label.pos().x(), top)
+
+    def _fit_phase_labels(self):
+        """Show a phase's name only where its band is wide enough on screen."""
+        per_pixel = self.vb.viewPixelSize()[0] or 1.0
+        for text, width, needed_px in self._phase_labels:
+            text.setVisible(width / per_pixel >= needed_px)
 
     def _draw_constant(self, rep):
         """A file with no trace entries (a bare snapshot): one bar of what is live."""
@@ -289,8 +355,9 @@ class TimelineWidget(QWidget):
             self._fills[name].setData([0.0, 1.0], [cum / self.scale] * 2)
         self.total_line.setData([0.0, 1.0], [cum / self.scale] * 2)
         reserved = rep.initial_reserved
-        self.reserved_line.setData(*(([0.0, 1.0], [reserved / self.scale] * 2) if reserved else ([], [])))
-        self.vb.setYRange(0, max(cum, reserved or 0, 1) / self.scale * 1.12, padding=0)
+        for item in (self.reserved_line, self.reserved_edge):
+            item.setData(*(([0.0, 1.0], [reserved / self.scale] * 2) if reserved else ([], [])))
+        self._set_top(max(cum, reserved or 0, 1) / self.scale * 1.12)
         self.last_query = (0, 0, 0, 1)
 
     # ---- navigation -------------------------------------------------------------
