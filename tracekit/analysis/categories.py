@@ -25,8 +25,8 @@ and says how it was decided (METHODS):
 
   Frames refine this: `_init_group` is optimizer state, Module.to/_apply,
   load_state_dict and reset_parameters make parameters, torch.utils.data
-  makes inputs, forward code re-run by checkpointing inside backward makes
-  activations.
+  makes inputs. (Forward code re-run by checkpointing inside backward makes
+  temporaries: they die in the backward pass that made them.)
 """
 from __future__ import annotations
 
@@ -160,7 +160,6 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> np.ndarra
         (fwd & at_backward, ACTIVATION),
         (fwd & ~at_backward & ~freed, OTHER),
         (fwd, TEMPORARY),
-        (bwd & same_run & has(ph.F_CHECKPOINT), ACTIVATION),  # recomputed by checkpointing
         (bwd & (at_optim | ~freed), GRADIENT),
         (bwd & ~same_run & (not any_optim), GRADIENT),
         (bwd, TEMPORARY),
