@@ -70,7 +70,8 @@ class MainWindow(QMainWindow):
     def _action(self, menu, text, slot, shortcut=None, tip=None):
         action = QAction(text, self)
         if shortcut:
-            action.setShortcut(QKeySequence(shortcut))
+            keys = shortcut if isinstance(shortcut, (list, tuple)) else [shortcut]
+            action.setShortcuts([QKeySequence(k) for k in keys])
         if tip:
             action.setStatusTip(tip)
         action.triggered.connect(slot)
@@ -79,19 +80,18 @@ class MainWindow(QMainWindow):
 
     def _build_menus(self):
         m = self.menuBar().addMenu("&File")
-        self._action(m, "&Open…", self.open_dialog, QKeySequence.Open, "Open memory snapshots or profiler traces")
+        self._action(m, "&Open…", self.open_dialog, "Ctrl+O", "Open memory snapshots or profiler traces")
         self.recent_menu = m.addMenu("Open &Recent")
         self.recent_menu.aboutToShow.connect(self._fill_recent)
         m.addSeparator()
         self.export_png_action = self._action(m, "Export Timeline as &PNG…", self.export_png, "Ctrl+Shift+P")
         self.export_csv_action = self._action(m, "Export Allocations as &CSV…", self.export_csv, "Ctrl+Shift+C")
         m.addSeparator()
-        self._action(m, "&Close Tab", lambda: self.close_tab(self.tabs.currentIndex()), QKeySequence.Close)
-        self._action(m, "&Quit", self.close, QKeySequence.Quit)
+        self._action(m, "&Close Tab", lambda: self.close_tab(self.tabs.currentIndex()), ["Ctrl+W", "Ctrl+F4"])
+        self._action(m, "&Quit", self.close, "Ctrl+Q")
         v = self.menuBar().addMenu("&View")
-        self._action(v, "Zoom &In", lambda: self._timeline_do("zoom", 0.5), QKeySequence.ZoomIn)
-        self._action(v, "Zoom In", lambda: self._timeline_do("zoom", 0.5), "Ctrl+=")
-        self._action(v, "Zoom &Out", lambda: self._timeline_do("zoom", 2.0), QKeySequence.ZoomOut)
+        self._action(v, "Zoom &In", lambda: self._timeline_do("zoom", 0.5), ["Ctrl++", "Ctrl+="])
+        self._action(v, "Zoom &Out", lambda: self._timeline_do("zoom", 2.0), "Ctrl+-")
         self._action(v, "&Reset Zoom", lambda: self._timeline_do("reset_zoom"), "Ctrl+0")
         self._action(v, "Jump to &Peak", self._jump_to_peak, "Ctrl+P")
         h = self.menuBar().addMenu("&Help")

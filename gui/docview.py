@@ -251,4 +251,7 @@ class DocumentView(QWidget):
 
     def _update_count(self):
         total = len(self.doc.replays[self.device].allocations)
-        self.count_label.setText(f"{self.model.rowCount():,} of {total:,}")
+        if total == 0 and not self.doc.trace.meta.get("has_addresses", True):
+            self.count_label.setText("no allocations: this file records sizes but no addresses")
+        else:
+            self.count_label.setText(f"{self.model.rowCount():,} of {total:,}")

@@ -1,6 +1,8 @@
 """The inspector: the stack of a selected allocation or finding, the user's own frames first."""
 from __future__ import annotations
 
+import re
+
 from PySide6.QtGui import QFont, QGuiApplication
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
@@ -13,7 +15,7 @@ HINT = "Select an allocation or a finding to see where it was made."
 
 
 def format_frames(frames) -> list[str]:
-    """`file:line  in name`, user frames first; library and torch frames after a separator."""
+    """`file.py:line  in name    full/path/file.py`, user frames first; torch and library internals after."""
     ordered = user_first(frames)
     if not ordered:
         return ["  (no stack recorded for this entry)"]
@@ -22,7 +24,8 @@ def format_frames(frames) -> list[str]:
         if is_internal(f["filename"]) and not shown_sep:
             lines.append("  ── torch / library internals ──")
             shown_sep = True
-        lines.append(f"  {f['filename']}:{f['line']}  in {f['name']}")
+        short = re.split(r"[/\\]", f["filename"])[-1]
+        lines.append(f"  {short}:{f['line']}  in {f['name']}    {f['filename']}")
     return lines
 
 

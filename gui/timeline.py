@@ -375,17 +375,22 @@ class TimelineWidget(QWidget):
         self.vb.scaleBy(x=factor, center=(centre, 0))
 
     def show_entries(self, start, end=None):
-        """Zoom to trace entries [start, end] (or around `start`), with a margin."""
+        """Zoom to trace entries [start, end] with a margin, or to a window around one entry."""
         rep = self.doc.replays[self.device]
         if rep.n == 0:
             return
-        end = start if end is None else end
-        start, end = max(min(start, end), 0), min(max(start, end), rep.n - 1)
-        margin = max((end - start) // 4, 25, rep.n // 100)
-        x0 = self.doc.x_of(self.device, max(start - margin, 0))
-        x1 = self.doc.x_of(self.device, min(end + margin, rep.n - 1))
+        lo, hi = self.doc.x_range(self.device)
+        clamp = lambda i: min(max(int(i), 0), rep.n - 1)  # noqa: E731
+        if end is None or end == start:
+            x = self.doc.x_of(self.device, clamp(start))
+            half = (hi - lo) * 0.03  # 6% of the trace: the spot and its surroundings
+            x0, x1 = max(x - half, lo), min(x + half, hi)
+        else:
+            x0, x1 = self.doc.x_of(self.device, clamp(min(start, end))), self.doc.x_of(self.device, clamp(max(start, end)))
+            margin = max((x1 - x0) * 0.15, (hi - lo) * 0.005)
+            x0, x1 = max(x0 - margin, lo), min(x1 + margin, hi)
         if x1 <= x0:
-            x1 = x0 + (1e-6 if self.doc.has_time(self.device) else 1)
+            x1 = x0 + (hi - lo) * 0.01
         self.vb.setXRange(x0, x1, padding=0)
 
     def set_cursor(self, index):
@@ -405,10 +410,12 @@ class TimelineWidget(QWidget):
         region = pg.LinearRegionItem((x0, max(x1, x0)), movable=False, brush=pg.mkBrush(_color("#000000", 45)),
                                      pen=pg.mkPen(HIGHLIGHT_COLOR, width=1.5))
         region.setZValue(55)
-        label = pg.TextItem(f"{fmt_bytes(size)} {text}".strip(), color=HIGHLIGHT_COLOR, anchor=(0, 0),
-                            fill=pg.mkBrush(255, 255, 255, 200))
+        (v0, v1), (_, top) = self.vb.viewRange()
+        right_half = x0 > (v0 + v1) / 2
+        label = pg.TextItem(f"{fmt_bytes(size)} {text}".strip(), color=HIGHLIGHT_COLOR,
+                            anchor=(1, 0) if right_half else (0, 0), fill=pg.mkBrush(255, 255, 255, 220))
         label.setZValue(72)
-        label.setPos(x0, self.vb.viewRange()[1][1])
+        label.setPos(min(x1, v1) if right_half else max(x0, v0), top)
         for item in (region, label):
             self.plot.addItem(item, ignoreBounds=True)
         self._highlight = [region, label]

@@ -275,3 +275,25 @@ def test_cli_without_qt(monkeypatch):
     monkeypatch.setitem(sys.modules, "PySide6", None)
     result = CliRunner().invoke(command, ["x.pickle"])
     assert result.exit_code != 0 and "pip install 'tracekit[gui]'" in result.output
+
+
+def test_hover_shows_breakdown_under_mouse(newest, qtbot):
+    view = newest
+    tl = view.timeline
+    qtbot.waitExposed(view)
+    rect = tl.plot.sceneBoundingRect()
+    pos = tl.graphics.mapFromScene(rect.center())
+    qtbot.mouseMove(tl.graphics.viewport(), pos)
+    qtbot.waitUntil(lambda: view.breakdown.caption.text().startswith("Under the mouse"), timeout=5000)
+    assert tl.hover_line.isVisible()
+    qtbot.mouseClick(tl.graphics.viewport(), Qt.LeftButton, pos=pos)
+    qtbot.waitUntil(lambda: view.cursor_index is not None, timeout=5000)
+    assert view.breakdown.caption.text().startswith("Pinned")
+
+
+def test_keyboard_shortcuts(window):
+    from PySide6.QtGui import QAction, QKeySequence
+
+    shortcuts = {k.toString(QKeySequence.PortableText) for a in window.findChildren(QAction) for k in a.shortcuts()}
+    for key in ("Ctrl+O", "Ctrl+W", "Ctrl+Q", "Ctrl++", "Ctrl+-", "Ctrl+0"):
+        assert key in shortcuts, key
