@@ -156,7 +156,7 @@ class DocumentView(QWidget):
         names = doc.category_names(device)
         self.timeline.set_document(doc, device)
         at_peak = info.get("categories_at_peak") or doc.breakdown_at(device, rep.peak_index)
-        self.breakdown.set_categories(names, at_peak,
+        self.breakdown.set_categories(self.timeline.present_names, at_peak,
                                       rep.reserved_at(rep.peak_index))
         self.findings.set_findings(doc.findings(device))
         self.inspector.clear()

@@ -1,6 +1,7 @@
 """The inspector: the stack of a selected allocation or finding, the user's own frames first."""
 from __future__ import annotations
 
+import html
 import re
 
 from PySide6.QtGui import QFont, QGuiApplication
@@ -15,7 +16,7 @@ HINT = "Select an allocation or a finding to see where it was made."
 
 
 def format_frames(frames) -> list[str]:
-    """`file.py:line  in name    full/path/file.py`, user frames first; torch and library internals after."""
+    """`file.py:line  in name` and the full path under it; user frames first, torch and library internals after."""
     ordered = user_first(frames)
     if not ordered:
         return ["  (no stack recorded for this entry)"]
@@ -25,7 +26,9 @@ def format_frames(frames) -> list[str]:
             lines.append("  ── torch / library internals ──")
             shown_sep = True
         short = re.split(r"[/\\]", f["filename"])[-1]
-        lines.append(f"  {short}:{f['line']}  in {f['name']}    {f['filename']}")
+        lines.append(f"  {short}:{f['line']}  in {f['name']}")
+        if short != f["filename"]:
+            lines.append(f"      {f['filename']}")
     return lines
 
 
@@ -79,9 +82,9 @@ class Inspector(QWidget):
 
     def show_finding(self, finding):
         kind = finding.get("kind", "")
-        self.title.setText(f"<b>{kind.upper()}</b> · {fmt_bytes(finding.get('bytes'))}"
-                           if finding.get("bytes") is not None else f"<b>{kind.upper()}</b>")
-        lines = [finding.get("summary", "")]
+        size = f" · {fmt_bytes(finding['bytes'])}" if finding.get("bytes") is not None else ""
+        self.title.setText(f"<b>{kind.upper()}</b>{size} — {html.escape(finding.get('summary', ''))}")
+        lines = []
         if finding.get("index") is not None:
             lines.append(f"at trace entry {finding['index']:,}")
         frames = finding.get("frames") or []

@@ -74,6 +74,7 @@ class TimelineWidget(QWidget):
         self.doc = None
         self.device = None
         self.names: list[str] = []
+        self.present_names: list[str] = []  # categories with bytes somewhere in the trace
         self.scale, self.unit = 1.0, "bytes"
         self._fills: dict[str, pg.PlotDataItem] = {}
         self._decor: list = []  # per-document items: phases, iterations, markers
@@ -110,7 +111,6 @@ class TimelineWidget(QWidget):
         self.plot.hideButtons()
         self.plot.showGrid(x=False, y=True, alpha=0.25)
         self.plot.setMouseEnabled(x=True, y=False)
-        self.plot.setClipToView(True)
         self.lane.setXLink(self.plot)
         self.vb = self.plot.getViewBox()
         self.vb.sigXRangeChanged.connect(lambda *_: self._timer.start())
@@ -177,6 +177,7 @@ class TimelineWidget(QWidget):
 
         full = doc.series(device, max_points=2000)
         present = [n for n in self.names if len(full.by_category.get(n, [])) and np.any(full.by_category[n])]
+        self.present_names = present or list(self.names)
         for z, name in enumerate(self.names):
             item = pg.PlotDataItem(pen=None, fillLevel=0, brush=pg.mkBrush(category_color(name, self.names)))
             item.setZValue(len(self.names) - z)  # lower categories paint over the higher cumulative fills
@@ -249,7 +250,7 @@ class TimelineWidget(QWidget):
                           "pen": pg.mkPen("w", width=1)})
             if kind in ("peak", "oom"):
                 label = pg.TextItem(f"{kind} {fmt_bytes(f.get('bytes'))}" if kind == "peak" else "OOM",
-                                    color=colour, anchor=(0.5, 1.6))
+                                    color=colour, anchor=(0.5, 1.6), fill=pg.mkBrush(255, 255, 255, 200))
                 label.setPos(*spots[-1]["pos"])
                 label.setZValue(71)
                 self.plot.addItem(label, ignoreBounds=True)
