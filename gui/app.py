@@ -6,8 +6,8 @@ import sys
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QApplication, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QApplication, QFileDialog, QLabel, QMainWindow, QMessageBox, QPushButton, QTabBar,
+                               QTabWidget, QVBoxLayout, QWidget)
 
 from tracekit.errors import TracekitError
 
@@ -27,15 +27,38 @@ def settings() -> QSettings:
 
 
 class Welcome(QWidget):
-    def __init__(self, parent=None):
+    """The page shown when no file is open: what to do, an Open button and the recent files."""
+
+    def __init__(self, window, parent=None):
         super().__init__(parent)
-        text = QLabel("<h2>tracekit</h2><p>Open a PyTorch memory snapshot or profiler trace:<br>"
-                      "<b>File ▸ Open</b> (Ctrl+O), or drop files here.</p>"
+        self.window = window
+        text = QLabel("<h2>tracekit</h2><p>Open a PyTorch memory snapshot or profiler trace "
+                      "(<b>File ▸ Open</b>, Ctrl+O), or drop files here.</p>"
                       "<p>Make one with <code>tracekit record -- python train.py</code>, "
                       "or <code>torch.cuda.memory._dump_snapshot()</code>.</p>")
         text.setAlignment(Qt.AlignCenter)
+        open_button = QPushButton("Open a file…")
+        open_button.clicked.connect(window.open_dialog)
+        self.recent = QVBoxLayout()
         layout = QVBoxLayout(self)
+        layout.addStretch(1)
         layout.addWidget(text)
+        layout.addWidget(open_button, 0, Qt.AlignHCenter)
+        layout.addLayout(self.recent)
+        layout.addStretch(1)
+
+    def showEvent(self, event):
+        while self.recent.count():
+            self.recent.takeAt(0).widget().deleteLater()
+        files = self.window.recent_files()[:5]
+        if files:
+            self.recent.addWidget(QLabel("Recent:"), 0, Qt.AlignHCenter)
+        for path in files:
+            button = QPushButton(path, flat=True)
+            button.setStyleSheet("color: #0072B2; text-align: center")
+            button.clicked.connect(lambda _=False, p=path: self.window.open_file(p))
+            self.recent.addWidget(button, 0, Qt.AlignHCenter)
+        super().showEvent(event)
 
 
 class MainWindow(QMainWindow):
@@ -49,8 +72,8 @@ class MainWindow(QMainWindow):
         self.setAcceptDrops(True)
         self.tabs = QTabWidget(tabsClosable=True, movable=True, documentMode=True)
         self.tabs.tabCloseRequested.connect(self.close_tab)
-        self.welcome = Welcome()
-        self.tabs.addTab(self.welcome, "Welcome")
+        self.welcome = Welcome(self)
+        self._ensure_welcome()
         self.setCentralWidget(self.tabs)
         self.file_label = QLabel()
         self.statusBar().addPermanentWidget(self.file_label)
@@ -190,7 +213,8 @@ class MainWindow(QMainWindow):
 
     def _ensure_welcome(self):
         if self.tabs.count() == 0:
-            self.tabs.addTab(self.welcome, "Welcome")
+            index = self.tabs.addTab(self.welcome, "Welcome")
+            self.tabs.tabBar().setTabButton(index, QTabBar.RightSide, None)  # the welcome page stays
 
     # ---- current document ---------------------------------------------------------------------------
 
