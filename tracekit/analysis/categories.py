@@ -200,9 +200,11 @@ def _split_static(al, labels, iteration):
     Sizes tell them apart in aggregate: every trainable parameter has a
     gradient of its size, and stateful optimizers keep k tensors of that size
     per parameter (Adam: 2, SGD with momentum: 1). Per size s with g(s)
-    gradients and c(s) such blocks, c - g - (frozen ones) are state; k is the
-    median over sizes of (c - g) // g, capped at 2. Which blocks of a size are
-    the state is not knowable from the trace: the highest addresses are taken.
+    gradients per iteration and c(s) such blocks, k·g are state (k: the median
+    over sizes of (c - g) // g, capped at 2), g more are gradients kept from
+    before the trace when at least 2g remain, the rest parameters. Which
+    blocks of a size are which is not knowable from the trace: state takes the
+    highest addresses, then gradients.
     """
     static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER)
     if not static.any() or (labels == OPTIMIZER_STATE).any():
@@ -227,9 +229,12 @@ def _split_static(al, labels, iteration):
         n_state = min(c - g, k * g) if g else 0
         if n_state <= 0:
             continue
+        # gradients kept across steps (zero_grad(set_to_none=False)) are one more block per parameter
+        n_grad = g if c - g - n_state >= 2 * g else 0
         rows = np.flatnonzero(static & (al.size == s))
         rows = rows[np.argsort(al.addr[rows], kind="stable")]
         labels[rows[len(rows) - n_state:]] = OPTIMIZER_STATE
+        labels[rows[len(rows) - n_state - n_grad:len(rows) - n_state]] = GRADIENT
 
 
 def _lifetimes_only(al, n) -> np.ndarray:
