@@ -117,28 +117,41 @@ def allocation_events(kineto_results, with_ops=False):
 def _frames_key(pyframes, ops, pycall_tag):
     """Python frames innermost first, like a traceback read upwards.
 
-    Each Python node contributes the frame it was called from (its caller).
-    When the innermost node is a Python function (not a C call), its own frame
-    comes first, at its def line (the profiler does not know the current line).
-    The outermost node, a frame already running when profiling began, reports
-    itself as its caller; that duplicate is dropped.
+    `pyframes` are the profiler's Python nodes above an allocation, outermost
+    first. A PyCall node is one Python frame: `callsite` is that frame (its
+    def line, or for a frame already running when profiling began, the line it
+    was at), `caller` is the frame it was called from, at the calling line. A
+    PyCCall node is a C function called from the frame `caller`; it makes no
+    frame of its own.
+
+    So the chain is read from the callers: each PyCall node contributes its
+    caller. The innermost node adds the line the allocation came from: a C
+    call's caller (the line that called it), or a Python function's own frame
+    at its def line (the profiler does not know the current line). A C call
+    with Python nodes inside it (exec, a C function calling back into Python,
+    the autograd engine running Python hooks) adds nothing: the frame that
+    called it is the caller of the Python call inside it, already written.
+    The outermost node, a frame already running when profiling began with
+    nothing below it, reports itself as its caller; that duplicate is dropped.
     """
     frames = [("", 0, op) for op in reversed(ops)]
-    if pyframes:
-        node, tag = pyframes[-1]
-        if tag == pycall_tag:
-            cs = node.extra_fields.callsite
-            frames.append((cs.file_name, cs.line_number, cs.function_name))
-    for i in range(len(pyframes) - 1, -1, -1):
+    last = len(pyframes) - 1
+    for i in range(last, -1, -1):
         node, tag = pyframes[i]
         ef = node.extra_fields
         c = ef.caller
-        frame = (c.file_name, c.line_number, c.function_name)
-        if i == 0 and tag == pycall_tag:
-            cs = ef.callsite
-            if (cs.file_name, cs.line_number, cs.function_name) == frame:
-                continue
-        frames.append(frame)
+        caller = (c.file_name, c.line_number, c.function_name)
+        if tag != pycall_tag:  # a C call
+            if i == last:
+                frames.append(caller)
+            continue
+        cs = ef.callsite
+        own = (cs.file_name, cs.line_number, cs.function_name)
+        if i == last:
+            frames.append(own)
+        if i == 0 and own == caller:
+            continue  # the bottom frame, its own caller
+        frames.append(caller)
     return tuple(frames)
 
 
