@@ -6,8 +6,9 @@ import re
 from ..model import Trace
 
 # Library and runtime frames: torch itself, the recorder, the interpreter's plumbing.
+# tracekit/record/toy.py is the demo's model: there it plays the user's code.
 _INTERNAL = re.compile(
-    r"((^|[/\\])(torch|torchvision|transformers|accelerate|triton|tracekit|importlib|runpy|threading|contextlib|"
+    r"((^|[/\\])(torch|torchvision|transformers|accelerate|triton|tracekit(?![/\\]record[/\\]toy\.py)|importlib|runpy|threading|contextlib|"
     r"functools|unittest|click|site-packages[/\\]pytest|_pytest|pluggy)[/\\])"
     r"|^<frozen |^<string>$|^\?\?$|^$"
 )
