@@ -323,7 +323,7 @@ def match_tags(trace: Trace, rep: DeviceReplay, tags: list) -> np.ndarray:
 def entry_labels(trace: Trace, device: int, rules=None) -> np.ndarray:
     """Category index (into names) of each trace entry of a device: alloc and free_completed /
     free_requested entries take their allocation's category; other entries -1."""
-    from ..model import ALLOC, FREE_COMPLETED, FREE_REQUESTED
+    from ..model import ALLOC, FREE_REQUESTED
 
     rep = replay(trace)[device]
     cats = categorize(trace, rules)[device]
@@ -332,22 +332,23 @@ def entry_labels(trace: Trace, device: int, rules=None) -> np.ndarray:
     a, f = al.alloc_index, al.free_index
     out[a[a >= 0]] = cats.labels[a >= 0]
     out[f[f >= 0]] = cats.labels[f >= 0]
-    # free_requested entries: same address, the free_completed that follows
+    # free_requested entries: the allocation at the same address made before the request
     ev = trace.events
     act = ev.action[rep.events]
     req = np.flatnonzero(act == FREE_REQUESTED)
-    if len(req):
-        addr = ev.addr[rep.events]
-        done_idx = np.flatnonzero(act == FREE_COMPLETED)
-        order = np.lexsort((done_idx, addr[done_idx]))
-        da, di = addr[done_idx][order], done_idx[order]
-        pos = np.searchsorted(da, addr[req], side="left")
-        # first free_completed of the same address after the request
-        for k, (r, p) in enumerate(zip(req.tolist(), pos.tolist())):
-            while p < len(da) and da[p] == addr[r] and di[p] < r:
-                p += 1
-            if p < len(da) and da[p] == addr[r]:
-                out[r] = out[di[p]]
+    if len(req) and len(al):
+        uniq, rank = np.unique(al.addr, return_inverse=True)
+        span = np.int64(rep.n + 2)
+        key = rank.astype(np.int64) * span + (al.alloc_index + 1)
+        order = np.argsort(key, kind="stable")
+        req_addr = ev.addr[rep.events][req]
+        r_rank = np.searchsorted(uniq, req_addr)
+        known = (r_rank < len(uniq)) & (uniq[np.minimum(r_rank, len(uniq) - 1)] == req_addr)
+        pos = np.searchsorted(key[order], r_rank.astype(np.int64) * span + (req + 1), side="left") - 1
+        row = order[np.maximum(pos, 0)]
+        ok = known & (pos >= 0) & (rank[row] == r_rank)
+        ok &= (al.free_index[row] < 0) | (al.free_index[row] >= req)
+        out[req[ok]] = cats.labels[row[ok]]
     out[act == ALLOC] = np.where(out[act == ALLOC] < 0, OTHER, out[act == ALLOC])
     return out
 
