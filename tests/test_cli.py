@@ -108,3 +108,13 @@ def test_progress_appears_only_after_a_second(capsys):
 def test_help_lists_commands():
     r = run("--help")
     assert "report" in r.stdout and "info" in r.stdout
+
+
+def test_report_needs_neither_torch_nor_qt():
+    code = ("import sys; from tracekit.cli import main; "
+            "sys.argv = ['tracekit', 'report', sys.argv[1]]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "bad = [m for m in ('torch', 'PySide6', 'pyqtgraph', 'gui') if m in sys.modules]\n"
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code, str(fixture(NEWEST))], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

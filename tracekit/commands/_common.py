@@ -10,6 +10,8 @@ from ..io.progress import StderrProgress
 
 file_argument = click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 no_cache_option = click.option("--no-cache", is_flag=True, help="Do not read or write the columnar cache.")
+rules_option = click.option("--rules", type=click.Path(exists=True, dir_okay=False),
+                            help="User category rules (TOML), applied on top of tags and inference.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 
 

@@ -9,7 +9,7 @@ import sys
 import click
 
 from ..analysis.units import fmt_bytes, parse_bytes
-from ._common import file_argument, json_option, no_cache_option, open_trace
+from ._common import file_argument, json_option, no_cache_option, open_trace, rules_option
 
 
 def _size(ctx, param, value):
@@ -41,7 +41,7 @@ def _budgets(ctx, param, values):
 @click.option("--max", "budgets", multiple=True, callback=_budgets, metavar="CATEGORY=SIZE",
               help="Budget for a category at the peak, e.g. activation=1GiB (repeatable).")
 @click.option("--no-leaks", is_flag=True, help="Fail when a leak is found.")
-@click.option("--rules", type=click.Path(exists=True, dir_okay=False), help="User category rules (TOML).")
+@rules_option
 @json_option
 @no_cache_option
 def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_cache):

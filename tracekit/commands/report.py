@@ -3,17 +3,18 @@ import click
 
 from ..analysis.report import build_report
 from ..render import report_text
-from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace
+from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace, rules_option
 
 
 @click.command("report")
 @file_argument
 @json_option
+@rules_option
 @no_cache_option
-def command(file, as_json, no_cache):
+def command(file, as_json, rules, no_cache):
     """Peak, categories and findings of a memory FILE (snapshot or profiler trace)."""
     trace = open_trace(file, no_cache)
-    report = build_report(trace)
+    report = build_report(trace, rules=rules)
     if as_json:
         echo_json(report)
     else:
