@@ -10,7 +10,9 @@ each ``alloc`` and a ``segment_free`` follows each ``free_completed`` (at the
 same time_us: reserved == allocated at every time), and the final ``segments`` are
 synthesized the same way: one segment (``segment_type: "cpu"``) per block
 live at the end, including the tensors that existed before recording (known
-from the model and the optimizer) and were not freed during it. Device 0 is
+from the model and the optimizer) and were not freed during it. The profiler
+drops the frees of those pre-existing storages; the recorder watches them
+(preexisting.py) and `add_preexisting_frees` writes their frees. Device 0 is
 the CPU.
 """
 from __future__ import annotations
@@ -65,10 +67,15 @@ class CpuBackend:
             self._prof = None
 
     # -- the snapshot ------------------------------------------------------
-    def snapshot(self, preexisting=()):
-        """The snapshot dict: `preexisting` is [(addr, size, frames)] of storages live at the start."""
+    def snapshot(self, preexisting=(), freed=None):
+        """The snapshot dict: `preexisting` is [(addr, size, frames)] of storages live at the start.
+
+        `freed` is {addr: time_us} of those known to be freed while recording
+        (the profiler drops their frees); see `add_preexisting_frees`.
+        """
         events = allocation_events(self._results, with_ops=self.stacks == "all")
         entries = to_entries(events, self._metadata)
+        entries = add_preexisting_frees(entries, preexisting, freed or {}, self._metadata)
         segments = final_segments(entries, preexisting)
         if self.max_entries is not None and len(entries) > self.max_entries:
             entries = entries[len(entries) - self.max_entries:]  # a ring buffer keeps the newest
@@ -183,6 +190,71 @@ def to_entries(events, metadata=()):
             entries.append(_entry("free_completed", ptr, -size, t, frames, meta))
             entries.append(_entry("segment_free", ptr, -size, t, frames, meta))
     return entries
+
+
+def add_preexisting_frees(entries, preexisting, freed, metadata=()):
+    """`entries` with a free (free_requested, free_completed, segment_free) for each pre-existing storage freed.
+
+    The profiler never reports the free of a block allocated before it
+    started. A pre-existing storage [(addr, size, frames)] is freed:
+
+    - at `freed[addr]` (the time its death was seen, on the entries' clock),
+    - but no later than just before the first traced allocation that
+      overlaps its bytes (the memory was free again by then),
+    - and not at all when the trace already frees it (a free at its address
+      before any allocation there) or neither is known (still live: a final
+      segment).
+
+    The three entries go before every entry of the same or a later
+    `time_us`, so the pairs the trace writes at one time stay together.
+    """
+    if not preexisting:
+        return entries
+    spans = sorted((a, s) for a, s, _ in preexisting)
+    starts = [a for a, _ in spans]
+    first_reuse = {}  # addr -> index of the first traced alloc overlapping it
+    traced_free = set()
+    for i, e in enumerate(entries):
+        action = e["action"]
+        if action == "alloc":
+            a, end = e["addr"], e["addr"] + e["size"]
+            j = bisect.bisect_left(starts, end) - 1
+            while j >= 0 and spans[j][0] + spans[j][1] > a:
+                first_reuse.setdefault(spans[j][0], i)
+                j -= 1
+        elif action == "free_completed":
+            a = e["addr"]
+            j = bisect.bisect_left(starts, a)
+            if j < len(starts) and starts[j] == a and a not in first_reuse:
+                traced_free.add(a)
+    times = [e["time_us"] for e in entries]
+    meta_times = [t for t, _ in metadata]
+    inserts = []
+    for addr, size in spans:
+        if addr in traced_free:
+            continue
+        t = freed.get(addr)
+        r = first_reuse.get(addr)
+        if r is not None:
+            t = times[r] if t is None else min(t, times[r])
+        if t is None:
+            continue
+        k = bisect.bisect_right(meta_times, t) - 1
+        meta = metadata[k][1] if k >= 0 else ""
+        inserts.append((bisect.bisect_left(times, t), t, addr, [
+            _entry(action, addr, size, t, [], meta)
+            for action in ("free_requested", "free_completed", "segment_free")
+        ]))
+    if not inserts:
+        return entries
+    inserts.sort(key=lambda x: x[:3])
+    out, prev = [], 0
+    for pos, _, _, triple in inserts:
+        out.extend(entries[prev:pos])
+        out.extend(triple)
+        prev = pos
+    out.extend(entries[prev:])
+    return out
 
 
 def _entry(action, addr, size, time_us, frames, meta):

@@ -66,6 +66,7 @@ class Recorder:
         self._optimizers = []
         self._start_us = None
         self._preexisting_frames = []
+        self._watch = None
 
     # -- context manager ---------------------------------------------------
     def __enter__(self):
@@ -200,10 +201,25 @@ class Recorder:
             named.append((n + ".grad", p.grad))
             self._tags.add(p.grad, GRADIENT, n + ".grad", t)
         self._preexisting = storages(named, self._backend.device_of)
+        self._watch = None
+        if self._backend.name == "cpu":  # the profiler drops their frees: watch them (see preexisting.py)
+            try:
+                from .preexisting import PreexistingWatch
+
+                self._watch = PreexistingWatch([t for _, t in named], self._backend.device_of)
+            except Exception as e:
+                warnings.warn(f"tracekit: cannot watch the tensors that exist before recording ({e!r}); "
+                              "those freed while recording will look live", RuntimeWarning)
 
     def _metadata_changed(self, metadata):
         if self.recording:
-            self._backend.set_metadata(now_us(), metadata)
+            t = now_us()
+            self._backend.set_metadata(t, metadata)
+            if self._watch is not None:
+                try:
+                    self._watch.poll(t)
+                except Exception:
+                    self._watch = None
 
     def _finish(self, remove_hooks=False):
         if self._done or not self.enabled:
@@ -219,8 +235,28 @@ class Recorder:
         try:
             self._marks.finish(end_us)
             self._backend.stop()
-            snapshot = self._backend.snapshot([(a, s, []) for a, s in self._preexisting])
+            preexisting = [(a, s, []) for a, s in self._preexisting]
+            if self._watch is not None:
+                watch, self._watch = self._watch, None
+                try:
+                    freed = watch.stop(end_us)
+                except Exception as e:
+                    warnings.warn(f"tracekit: pre-existing tensors freed while recording may look live ({e!r})",
+                                  RuntimeWarning)
+                    freed = {}
+                snapshot = self._backend.snapshot(preexisting, freed=freed)
+            else:
+                snapshot = self._backend.snapshot(preexisting)
             snapshot["tracekit"] = self._tracekit_key(end_us)
+            try:
+                from ..analysis.categories import write_categories
+
+                write_categories(snapshot)
+            except Exception as e:
+                warnings.warn(f"tracekit: could not write categories into {self.path} ({e!r})", RuntimeWarning)
+                for entries in snapshot.get("device_traces", []):
+                    for entry in entries:
+                        entry.pop("category", None)
             from ..io.write import write_snapshot
 
             self.written = write_snapshot(self.path, snapshot)
