@@ -122,13 +122,17 @@ def test_drop_opens_file(window, qtbot):
 
 
 def test_cancel_loading(window, qtbot):
+    import gc
+
     if not NEWEST.exists():
         pytest.skip("real fixtures not present")
     loading = window.open_file(NEWEST, use_cache=False)
+    assert not gc.isenabled()  # paused while the worker thread runs
     window.threads[loading].cancel()
     qtbot.waitUntil(lambda: not window.threads, timeout=60_000)
     assert window.current_view() is None and window.last_error is None
     assert "cancelled" in window.statusBar().currentMessage()
+    assert gc.isenabled()
 
 
 # ---- errors --------------------------------------------------------------------------------------
