@@ -31,12 +31,12 @@ and says how it was decided (METHODS):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from ..model import NO_TIME, Trace
 from . import phases as ph
+from .memo import per_trace
 from .replay import DeviceReplay, replay
 
 CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other")
@@ -81,23 +81,11 @@ def categorize(trace: Trace, rules=None) -> dict[int, DeviceCategories]:
 
     if rules is not None and not isinstance(rules, Rules):
         rules = Rules.load(rules)
-    return _categorize_cached(_Key(trace, rules))
+    return _categorize(trace, rules)
 
 
-class _Key:
-    def __init__(self, trace, rules):
-        self.trace, self.rules = trace, rules
-
-    def __hash__(self):
-        return hash((id(self.trace), id(self.rules)))
-
-    def __eq__(self, other):
-        return self.trace is other.trace and self.rules is other.rules
-
-
-@lru_cache(maxsize=8)
-def _categorize_cached(key) -> dict[int, DeviceCategories]:
-    trace, rules = key.trace, key.rules
+@per_trace
+def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
     reps = replay(trace)
     phs = ph.phases(trace)
     names = list(CATEGORIES) + ([c for c in rules.categories if c not in CATEGORIES] if rules else [])

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace
+from .memo import per_trace
 
 PHASES = ("none", "forward", "backward", "optimizer")
 NONE, FORWARD, BACKWARD, OPTIMIZER = range(4)
@@ -80,25 +80,9 @@ def frame_flags(filename: str, name: str) -> int:
     return bits
 
 
+@per_trace
 def stack_flags(trace: Trace) -> np.ndarray:
     """Evidence bits per stack id (OR over its frames); index with stack_id + 1 (0 = no stack)."""
-    return _stack_flags_cached(_Key(trace))
-
-
-class _Key:
-    def __init__(self, trace):
-        self.trace = trace
-
-    def __hash__(self):
-        return id(self.trace)
-
-    def __eq__(self, other):
-        return self.trace is other.trace
-
-
-@lru_cache(maxsize=8)
-def _stack_flags_cached(key) -> np.ndarray:
-    trace = key.trace
     fr, strings = trace.frames, trace.strings
     memo = {}
     per_frame = np.zeros(len(fr), np.int32)
@@ -171,14 +155,9 @@ class DevicePhases:
                 for s, e in zip(starts.tolist(), ends.tolist()) if self.phase[s] != NONE]
 
 
+@per_trace
 def phases(trace: Trace) -> dict[int, DevicePhases]:
-    """Phases of every device (memoised per trace object)."""
-    return _phases_cached(_Key(trace))
-
-
-@lru_cache(maxsize=8)
-def _phases_cached(key) -> dict[int, DevicePhases]:
-    trace = key.trace
+    """Phases of every device (computed once per trace object)."""
     return {d: device_phases(trace, d) for d in trace.devices}
 
 

@@ -11,12 +11,12 @@ end equals the final segments' active blocks, block for block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
 from ..model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                      SEGMENT_UNMAP, Trace)
+from .memo import per_trace
 
 LIVE_STATES = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
 TRACED, BEFORE_TRACE = 0, 1
@@ -116,27 +116,9 @@ class DeviceReplay:
         return self.initial_reserved if index < 0 else int(self.reserved[index])
 
 
+@per_trace
 def replay(trace: Trace) -> dict[int, DeviceReplay]:
-    """Replay every device of the trace (memoised per trace object)."""
-    return _replay_cached(_Key(trace))
-
-
-class _Key:
-    """Hash a Trace by identity so replays are computed once per opened file."""
-
-    def __init__(self, trace):
-        self.trace = trace
-
-    def __hash__(self):
-        return id(self.trace)
-
-    def __eq__(self, other):
-        return self.trace is other.trace
-
-
-@lru_cache(maxsize=8)
-def _replay_cached(key) -> dict[int, DeviceReplay]:
-    trace = key.trace
+    """Replay every device of the trace (computed once per trace object)."""
     return {d: replay_device(trace, d) for d in trace.devices}
 
 

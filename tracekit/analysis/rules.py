@@ -51,7 +51,7 @@ class Rule:
                 and (self.line is None or line == self.line))
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: analyses are memoised per (trace, rules object)
 class Rules:
     rules: list = field(default_factory=list)
     path: str = ""
