@@ -19,7 +19,7 @@ from .categories import ACTIVATION, categorize
 from .frames import where
 from .phases import phases
 from .replay import replay
-from .spikes import user_frames
+from .frames import user_frames
 from .units import fmt_bytes
 
 MAX_GROUPS = 5

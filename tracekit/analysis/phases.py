@@ -74,8 +74,7 @@ def frame_flags(filename: str, name: str) -> int:
         bits |= F_DATA
     if "AccumulateGrad" in name:
         bits |= F_ACCUMULATE_GRAD
-    internal = is_internal(filename) or re.match(r"(torch|tracekit)[/\\]", filename)
-    if filename and not internal and not bits:
+    if filename and not is_internal(filename) and not bits:
         bits |= F_USER
     return bits
 

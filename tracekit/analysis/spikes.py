@@ -9,29 +9,19 @@ user's line first: e.g. logits upcast to fp32 inside a loss.
 """
 from __future__ import annotations
 
-import re
 
 import numpy as np
 
 from ..model import Trace
-from .frames import user_frames as _user_frames
+from .frames import user_frames
 from .frames import where
 from .phases import PHASES, phases
 from .replay import DeviceReplay, replay
 from .units import fmt_bytes
 
-_RELATIVE_INTERNAL = re.compile(r"(torch|tracekit)[/\\]")
 MIN_SHARE = 0.10  # of the device's peak
 MIN_BYTES = 64 * 1024
 MAX_SPIKES = 3
-
-
-def user_frames(trace: Trace, stack_id: int, limit: int = 8) -> list[dict]:
-    """Frames of a stack, the user's own code first (torch and tracekit frames recorded
-    with relative paths, as the CPU profiler writes them, are moved behind it too)."""
-    frames = _user_frames(trace, stack_id, limit=64)
-    lib = [f for f in frames if _RELATIVE_INTERNAL.match(f["filename"])]
-    return ([f for f in frames if not _RELATIVE_INTERNAL.match(f["filename"])] + lib)[:limit]
 
 
 def transient_mask(trace: Trace, rep: DeviceReplay) -> np.ndarray:
