@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import tracekit
-from tracekit.analysis.categories import METHODS, categorize  # noqa: F401  (METHODS re-exported)
+from tracekit.analysis.categories import categorize
 from tracekit.analysis.frames import user_first, where
 from tracekit.analysis.phases import PHASES, phases
 from tracekit.analysis.replay import replay
@@ -39,23 +39,21 @@ class Document:
     @classmethod
     def open(cls, path, progress=None, cancelled=lambda: False, use_cache=True) -> "Document":
         """Load and analyse `path`. `progress(fraction, message)`; raises Cancelled when `cancelled()`."""
-        def step(lo, hi):
-            def cb(fraction, message):
-                if cancelled():
-                    raise Cancelled()
-                if progress:
-                    progress(lo + (hi - lo) * float(fraction), message)
-            return cb
+        def tell(fraction, message):
+            if cancelled():
+                raise Cancelled()
+            if progress:
+                progress(fraction, message)
 
-        trace = tracekit.load(path, progress=step(0.0, 0.7), use_cache=use_cache)
-        step(0.7, 1)(0.0, "replaying allocations")
+        trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache)
+        tell(0.7, "replaying allocations")
         replays = replay(trace)
-        step(0.75, 1)(0.0, "classifying memory")
+        tell(0.75, "classifying memory")
         categories = categorize(trace)
-        step(0.85, 1)(0.0, "finding peaks, spikes and leaks")
+        tell(0.85, "finding peaks, spikes and leaks")
         report = build_report(trace)
         doc = cls(str(path), trace, replays, report, categories, phases(trace))
-        step(0.95, 1)(0.0, "preparing tables")
+        tell(0.95, "preparing tables")
         for d in trace.devices:
             doc.where_table(d)
         return doc

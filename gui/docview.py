@@ -220,8 +220,11 @@ class DocumentView(QWidget):
         al = self.doc.replays[self.device].allocations
         category = self.model.category_of(row)
         self.inspector.show_allocation(self.doc, self.device, row, category, self.model.method_of(row))
-        self.timeline.highlight(int(al.alloc_index[row]), int(al.free_index[row]), int(al.size[row]),
-                                (category or "").replace("_", " "))
+        a, f = int(al.alloc_index[row]), int(al.free_index[row])
+        if not self.timeline.region_in_view(a, f):  # bring it into view, whole
+            last = self.doc.replays[self.device].n - 1
+            self.timeline.show_entries(max(a, 0), f if f >= 0 else last)
+        self.timeline.highlight(a, f, int(al.size[row]), category.replace("_", " "))
 
     def select_allocation(self, allocation_row):
         """Select an allocation (its row in the replay's allocations) in the table, if shown."""

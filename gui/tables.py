@@ -11,9 +11,9 @@ import pandas as pd
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
 from PySide6.QtGui import QBrush, QColor
 
+from tracekit.analysis.categories import METHODS
 from tracekit.analysis.replay import BEFORE_TRACE
 
-from .document import METHODS
 from .palette import category_color, fmt_bytes, fmt_duration_us
 
 COLUMNS = ("Size", "Category", "Allocated at", "Freed at", "Lifetime", "Where (top user frame)", "Address")

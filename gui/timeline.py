@@ -338,7 +338,7 @@ class TimelineWidget(QWidget):
         self.vb.setYRange(0, top, padding=0)
         y = np.tile([0.0, top], len(self._iteration_x) // 2)
         self.iteration_lines.setData(self._iteration_x, y)
-        for label in self._iteration_labels:
+        for label in self._iteration_labels + self._highlight[1:]:
             label.setPos(label.pos().x(), top)
 
     def _fit_phase_labels(self):
@@ -420,6 +420,14 @@ class TimelineWidget(QWidget):
         for item in (region, label):
             self.plot.addItem(item, ignoreBounds=True)
         self._highlight = [region, label]
+
+    def region_in_view(self, alloc_index, free_index) -> bool:
+        """Whether any of an allocation's lifetime is on screen."""
+        lo, hi = self.doc.x_range(self.device)
+        x0 = lo if alloc_index < 0 else self.doc.x_of(self.device, alloc_index)
+        x1 = hi if free_index < 0 else self.doc.x_of(self.device, free_index)
+        (v0, v1), _ = self.vb.viewRange()
+        return x1 >= v0 and x0 <= v1
 
     def clear_highlight(self):
         for item in self._highlight:

@@ -301,3 +301,13 @@ def test_keyboard_shortcuts(window):
     shortcuts = {k.toString(QKeySequence.PortableText) for a in window.findChildren(QAction) for k in a.shortcuts()}
     for key in ("Ctrl+O", "Ctrl+W", "Ctrl+Q", "Ctrl++", "Ctrl+-", "Ctrl+0"):
         assert key in shortcuts, key
+
+
+def test_selecting_an_allocation_out_of_view_brings_it_into_view(newest):
+    view = newest
+    al = view.doc.replays[view.device].allocations
+    view.timeline.show_entries(0, 5)
+    target = int(al.alloc_index.argmax())  # the last allocation made: far right of the trace
+    assert not view.timeline.region_in_view(int(al.alloc_index[target]), int(al.free_index[target]))
+    assert view.select_allocation(target) >= 0
+    assert view.timeline.region_in_view(int(al.alloc_index[target]), int(al.free_index[target]))
