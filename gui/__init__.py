@@ -4,5 +4,3 @@ Only this package imports Qt. It shows what `tracekit.analysis` computes and
 computes nothing of its own: files -> tracekit.load -> analysis -> widgets.
 Start it with `tracekit view FILE` or `gui.app.main([FILE])`.
 """
-
-from . import _qtfix  # noqa: E402,F401  (must run before any Qt painting)

@@ -11,7 +11,6 @@ from PySide6.QtWidgets import (QApplication, QFileDialog, QLabel, QMainWindow, Q
 
 from tracekit.errors import TracekitError
 
-from . import _qtfix  # noqa: F401  (before any painting; see its docstring)
 from . import export
 from .docview import DocumentView, LoadingView
 from .loader import LoadThread
