@@ -32,7 +32,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
             ("final allocated", f"{fmt_bytes(d['final_allocated_bytes']):>10}"),
             ("final reserved", f"{fmt_bytes(d['final_reserved_bytes']):>10}"),
         ]
-        if d.get("fragmentation_at_peak_bytes") is not None:
+        if d.get("fragmentation_at_peak_bytes") is not None and d["label"] != "cpu":  # no caching on the CPU
             r = d["reserved_at_peak_bytes"] or 0
             share = d["fragmentation_at_peak_bytes"] / r if r else 0
             pairs.append(("unused at peak", f"{fmt_bytes(d['fragmentation_at_peak_bytes']):>10}  "

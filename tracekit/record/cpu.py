@@ -18,10 +18,31 @@ the CPU.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import platform
+import sys
 
 CPU_DEVICE = 0
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Hide what the profiler's C++ side prints on fd 2 when it starts and stops
+    ("USDT: ... profiler_start"), so a recorded script's stderr stays its own."""
+    try:
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 class CpuBackend:
@@ -46,7 +67,8 @@ class CpuBackend:
         self._prof = profile(
             activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True, record_shapes=False
         )
-        self._prof.start()
+        with quiet_stderr():
+            self._prof.start()
 
     def set_metadata(self, time_us, metadata):
         self._metadata.append((time_us, metadata))
@@ -54,7 +76,8 @@ class CpuBackend:
     def stop(self):
         if self._prof is not None:
             prof, self._prof = self._prof, None
-            prof.stop()
+            with quiet_stderr():
+                prof.stop()
             self._results = prof.profiler.kineto_results
 
     def restore(self):
