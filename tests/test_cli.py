@@ -1,5 +1,6 @@
 """`tracekit report` and `tracekit info` as a user runs them."""
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -118,3 +119,15 @@ def test_report_needs_neither_torch_nor_qt():
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code, str(fixture(NEWEST))], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_view_without_a_display_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    r = subprocess.run([sys.executable, "-m", "tracekit.cli", "view", str(fixture(NEWEST))], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "there is no display" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_record_a_missing_script_is_a_usage_error(tmp_path):
+    r = run("record", "-o", tmp_path / "x.pickle", "--", sys.executable, tmp_path / "missing.py")
+    assert r.returncode == 2 and "cannot open the script" in r.stderr and "Traceback" not in r.stderr

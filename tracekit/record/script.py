@@ -52,6 +52,8 @@ def parse_python_command(argv):
                 i += 1
             if i >= len(argv) or argv[i] == "-":
                 raise NotPython("a script read from stdin or an interactive session cannot be recorded")
+            if not os.path.exists(argv[i]):
+                raise NotPython(f"cannot open the script {argv[i]!r}: no such file")
             return exe, opts, "path", argv[i], argv[i + 1:]
         # A cluster of one-letter options, e.g. -u, -OO, -uc CODE, -Wignore, -X dev.
         for j in range(1, len(a)):
