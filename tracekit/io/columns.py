@@ -34,6 +34,23 @@ class Interner:
             sid = self._new_stack(key)
         return sid
 
+    def stack_ids(self, frame_lists) -> list:
+        """stack_id of each list of frames: the same as [stack_id(f) for f in ...], faster."""
+        ids, new, key_of = self._stack_ids, self._new_stack, _frame_key
+        out = []
+        append = out.append
+        try:
+            for frames in frame_lists:
+                if not frames:
+                    append(-1)
+                    continue
+                key = tuple(map(key_of, frames))
+                sid = ids.get(key)
+                append(new(key) if sid is None else sid)
+        except (KeyError, TypeError):  # a malformed frame somewhere: take the tolerant path for the rest
+            out.extend(self.stack_id(f) for f in frame_lists[len(out):])
+        return out
+
     def _new_stack(self, key) -> int:
         ids = self._frame_ids
         for fk in key:

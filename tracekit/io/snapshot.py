@@ -115,11 +115,7 @@ def _string_column(values, it) -> np.ndarray:
 
 
 def _stack_column(frames, it) -> np.ndarray:
-    out = np.full(len(frames), -1, dtype=np.int32)
-    stack_id = it.stack_id
-    for i in [i for i, f in enumerate(frames) if f]:
-        out[i] = stack_id(frames[i])
-    return out
+    return np.array(it.stack_ids(frames), dtype=np.int32)
 
 
 def _stream_column(values):
