@@ -14,6 +14,7 @@ import numpy as np
 
 from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace
 from .categories import CATEGORIES, OTHER, PROFILER_NAMES, categorize
+from .memo import per_trace
 from .replay import replay
 
 
@@ -70,34 +71,47 @@ def _series_at(trace, device, idx, rules) -> Series:
     return Series(index=idx, time_us=time_us, by_category=by_cat, total=total, reserved=reserved)
 
 
-def _step_values(pos, delta, initial, idx):
-    """initial + sum of delta[k] for pos[k] <= i, for each i in idx (pos need not be sorted)."""
+def _steps(pos, delta, initial):
+    """A step function: (initial, sorted change positions, cumulative change after each)."""
     order = np.argsort(pos, kind="stable")
-    p, c = pos[order], np.cumsum(delta[order])
+    return initial, pos[order], np.cumsum(delta[order]).astype(np.int64)
+
+
+def _read_steps(steps, idx):
+    """Value of a step function just after each entry in idx (-1: before the first)."""
+    initial, p, c = steps
     k = np.searchsorted(p, idx, side="right") - 1
-    return initial + np.where(k >= 0, c[np.maximum(k, 0)] if len(c) else 0, 0)
+    return (initial + np.where(k >= 0, c[np.maximum(k, 0)] if len(c) else 0, 0)).astype(np.int64)
 
 
 def _from_allocations(trace, rep, idx, rules):
-    cats = categorize(trace, rules)[rep.device]
+    return {name: _read_steps(st, idx) for name, st in _allocation_steps(trace, rep.device, rules).items()}
+
+
+@per_trace
+def _allocation_steps(trace, device, rules):
+    """Per category, its bytes as a step function of the entry index (sorted once, read per query)."""
+    rep = replay(trace)[device]
+    cats = categorize(trace, rules)[device]
     al = rep.allocations
     a, f, size, lab = al.alloc_index, al.free_index, al.size.astype(np.int64), cats.labels
     out = {}
     for k, name in enumerate(cats.names):
         m = lab == k
-        before = m & (a < 0)
-        initial = int(size[before].sum())
-        if k == OTHER:
-            initial += rep.unattributed_bytes
+        initial = int(size[m & (a < 0)].sum()) + (rep.unattributed_bytes if k == OTHER else 0)
         am, fm = m & (a >= 0), m & (f >= 0)
-        pos = np.concatenate([a[am], f[fm]])
-        delta = np.concatenate([size[am], -size[fm]])
-        out[name] = _step_values(pos, delta, initial, idx).astype(np.int64)
+        out[name] = _steps(np.concatenate([a[am], f[fm]]), np.concatenate([size[am], -size[fm]]), initial)
     return out
 
 
 def _from_event_categories(trace, rep, idx):
+    return {name: _read_steps(st, idx) for name, st in _event_category_steps(trace, rep.device).items()}
+
+
+@per_trace
+def _event_category_steps(trace, device):
     """Files without addresses: the per-event category column (torch.profiler memory timelines)."""
+    rep = replay(trace)[device]
     ev = trace.events
     sl = rep.events
     action, size, cat = ev.action[sl], ev.size[sl].astype(np.int64), ev.category[sl]
@@ -115,7 +129,7 @@ def _from_event_categories(trace, rep, idx):
         ids = [i for i, nm in per_id.items() if nm == name]
         m = np.isin(cat, ids) & (delta != 0)
         initial = rep.initial_allocated if name == "other" else 0
-        out[name] = _step_values(np.flatnonzero(m), delta[m], initial, idx).astype(np.int64)
+        out[name] = _steps(np.flatnonzero(m), delta[m], initial)
     return out
 
 
