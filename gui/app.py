@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, qInstallMessageHandler
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QApplication, QFileDialog, QLabel, QMainWindow, QMessageBox, QPushButton, QTabBar,
                                QTabWidget, QVBoxLayout, QWidget)
@@ -358,12 +358,19 @@ def screenshot(files, out, size=(1440, 900)) -> int:
     return 0
 
 
+def _without_offscreen_noise(mode, context, message):
+    """Qt's messages, less the offscreen plugin's harmless propagateSizeHints() complaint."""
+    if "propagateSizeHints" not in message:
+        sys.stderr.write(message + "\n")
+
+
 def main(files=(), screenshot_path=None) -> int:
     """Run the viewer on `files` (or render a screenshot and exit)."""
     if screenshot_path:
         if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
             os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
         os.environ.setdefault("QT_LOGGING_RULES", "qt.qpa.*=false")
+        qInstallMessageHandler(_without_offscreen_noise)
         return screenshot(files, screenshot_path)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")

@@ -26,13 +26,11 @@ def command(files, screenshot):
             "pip install 'tracekit[gui]'") from None
     if screenshot and not files:
         raise click.UsageError("--screenshot needs at least one FILE to open")
-    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
-                                                 or os.environ.get("QT_QPA_PLATFORM")):
-        if not screenshot:
-            raise _UserError("there is no display to show a window on (DISPLAY and WAYLAND_DISPLAY are "
-                                       "unset): use `tracekit report FILE`, or `tracekit view FILE --screenshot "
-                                       "OUT.png` to render the window to a picture")
-        os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen
+    no_screen = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("QT_QPA_PLATFORM"))
+    if sys.platform.startswith("linux") and no_screen and not screenshot:  # a screenshot renders offscreen
+        raise _UserError("there is no display to show a window on (DISPLAY and WAYLAND_DISPLAY are unset): "
+                         "use `tracekit report FILE`, or `tracekit view FILE --screenshot OUT.png` to render "
+                         "the window to a picture")
     from gui.app import main
 
     code = main(list(files), screenshot_path=screenshot)
