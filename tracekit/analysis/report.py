@@ -167,6 +167,9 @@ def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
             "frames": stacks[0]["frames"] if stacks else [], "top_stacks": stacks}
 
 
+MIN_FRAGMENTATION_SHARE = 0.05  # of peak reserved, at the peak or at its worst
+
+
 def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
     """Reserved but unallocated memory at the peak and at its worst; None if reserved is unknown."""
     from .units import fmt_bytes
@@ -181,6 +184,8 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
     at_peak = (rep.reserved_at(p) or 0) - rep.peak_allocated
     reserved_peak = rep.reserved_at(p) or 0
     share = at_peak / reserved_peak if reserved_peak else 0.0
+    if max(at_peak, int(waste[worst])) < MIN_FRAGMENTATION_SHARE * (rep.peak_reserved or 0):
+        return None  # too little to be worth a finding (the device figures still show it)
     settings = trace.meta.get("allocator_settings") or {}
     remedy = ""
     if share >= 0.2 and at_peak >= 256 * 2**20 and not settings.get("expandable_segments"):

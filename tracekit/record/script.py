@@ -52,8 +52,6 @@ def parse_python_command(argv):
                 i += 1
             if i >= len(argv) or argv[i] == "-":
                 raise NotPython("a script read from stdin or an interactive session cannot be recorded")
-            if not os.path.exists(argv[i]):
-                raise NotPython(f"cannot open the script {argv[i]!r}: no such file")
             return exe, opts, "path", argv[i], argv[i + 1:]
         # A cluster of one-letter options, e.g. -u, -OO, -uc CODE, -Wignore, -X dev.
         for j in range(1, len(a)):
@@ -84,6 +82,8 @@ def parse_python_command(argv):
 def child_command(argv, settings: dict):
     """The command that runs `argv` (a Python command) under the recorder."""
     exe, opts, mode, target, args = parse_python_command(argv)
+    if mode == "path" and not os.path.exists(target):
+        raise NotPython(f"cannot open the script {target!r}: no such file")
     return [exe, *opts, "-c", BOOTSTRAP, json.dumps(settings), mode, target, *args]
 
 
