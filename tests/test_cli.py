@@ -131,3 +131,13 @@ def test_view_without_a_display_says_so(tmp_path):
 def test_record_a_missing_script_is_a_usage_error(tmp_path):
     r = run("record", "-o", tmp_path / "x.pickle", "--", sys.executable, tmp_path / "missing.py")
     assert r.returncode == 2 and "cannot open the script" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cache_command_lists_and_clears(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "c"))
+    runner = CliRunner()
+    assert "0 cached files" in runner.invoke(cli, ["cache"]).output
+    runner.invoke(cli, ["report", str(fixture(NEWEST))])
+    assert "1 cached files" in runner.invoke(cli, ["cache"]).output
+    assert "removed 1 cached files" in runner.invoke(cli, ["cache", "--clear"]).output
+    assert "0 cached files" in runner.invoke(cli, ["cache"]).output

@@ -214,3 +214,30 @@ def test_stale_cache_is_not_used(tmp_path):
     sim.alloc(2 * MiB)
     path.write_bytes(pickle.dumps(sim.snapshot(), protocol=4))
     assert replay(tracekit.load(path))[0].peak_allocated == 3 * MiB
+
+
+def test_cache_keeps_to_its_size_limit(tmp_path, monkeypatch):
+    import os
+    import pickle
+    import time
+
+    cache_dir = tmp_path / "c"
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(cache_dir))
+    paths = []
+    for i in range(3):
+        sim = Sim()
+        sim.alloc((i + 1) * MiB)
+        p = tmp_path / f"s{i}.pickle"
+        p.write_bytes(pickle.dumps(sim.snapshot(), protocol=4))
+        paths.append(p)
+    tracekit.load(paths[0])
+    one = sum(f.stat().st_size for f in cache_dir.glob("*.npz"))
+    monkeypatch.setenv("TRACEKIT_CACHE_MAX_MB", str(2.5 * one / 2**20))  # room for two files
+    for p in paths[1:]:
+        time.sleep(0.01)
+        tracekit.load(p)
+    from tracekit.io import cache
+
+    kept = {f.stem for f in cache_dir.glob("*.npz")}
+    keys = [cache.key_for(str(p), os.stat(p)) for p in paths]
+    assert kept == set(keys[1:])  # the least recently used one went

@@ -20,6 +20,7 @@ COMMANDS = {
     "record": "Record a training script's memory: tracekit record -- python train.py",
     "demo": "Record a small model step here and open the result.",
     "view": "Open files in the desktop viewer.",
+    "cache": "Show or clear the cache that makes a second open fast.",
 }
 
 

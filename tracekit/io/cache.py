@@ -6,7 +6,8 @@ One uncompressed .npz per file under the user cache folder
 file's identity: resolved path, size, mtime, inode and a hash of its first and
 last 64 KiB, so a changed file never meets a stale cache. Read with
 allow_pickle=False: a tampered cache can fail, never run code. Any problem
-with the cache means "no cache", never an error.
+with the cache means "no cache", never an error. The least recently used
+files go once the folder passes $TRACEKIT_CACHE_MAX_MB (default 1024).
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def write(key, trace: Trace) -> None:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, _file(key))
+        evict(max_bytes())
     except (OSError, TypeError, ValueError):
         try:
             os.unlink(tmp)
@@ -83,6 +85,10 @@ def read(key, path) -> Trace | None:
     fn = _file(key)
     if not os.path.exists(fn):
         return None
+    try:
+        os.utime(fn)  # "recently used" for eviction, whatever the filesystem's atime policy
+    except OSError:
+        pass
     try:
         with np.load(fn, allow_pickle=False) as z:
             head = json.loads(bytes(z["head"]).decode())
@@ -101,6 +107,30 @@ def read(key, path) -> Trace | None:
         except OSError:
             pass
         return None
+
+
+def max_bytes() -> int:
+    """The cache's size limit: $TRACEKIT_CACHE_MAX_MB, default 1 GiB."""
+    try:
+        return int(float(os.environ.get("TRACEKIT_CACHE_MAX_MB", 1024)) * 2**20)
+    except ValueError:
+        return 2**30
+
+
+def evict(limit: int) -> None:
+    """Delete the least recently used cached files until the folder holds at most `limit` bytes."""
+    d = cache_dir()
+    files = []
+    for name in os.listdir(d):
+        if name.endswith(".npz"):
+            st = os.stat(os.path.join(d, name))
+            files.append((st.st_mtime, st.st_size, name))
+    total = sum(size for _, size, _ in files)
+    for _, size, name in sorted(files):
+        if total <= limit:
+            break
+        os.unlink(os.path.join(d, name))
+        total -= size
 
 
 def clear() -> int:
