@@ -92,18 +92,20 @@ def test_oom_and_multi_device_report(tmp_path):
     assert oom["top_stacks"][0]["frames"][0] == {"filename": "/home/me/train.py", "line": 42, "name": "forward"}
 
 
-def test_progress_appears_only_after_a_second(capsys):
+def test_progress_appears_only_after_a_second():
     import io
-    import time
 
+    now = [100.0]
     stream = io.StringIO()
-    p = StderrProgress("opening x", delay=0.05, stream=stream)
+    p = StderrProgress("opening x", stream=stream, clock=lambda: now[0])
+    now[0] += 0.9
     p(0.1, "reading")
     assert stream.getvalue() == ""
-    time.sleep(0.06)
+    now[0] += 0.2
     p(0.5, "reading")
-    assert "50%" in stream.getvalue()
+    assert "opening x" in stream.getvalue() and "50%" in stream.getvalue()
     p.close()
+    assert stream.getvalue().endswith("\r")
 
 
 def test_help_lists_commands():

@@ -50,15 +50,16 @@ class ProgressReader:
 class StderrProgress:
     """Callback that draws a one-line progress bar on stderr once `delay` seconds have passed."""
 
-    def __init__(self, label, delay=1.0, stream=None):
+    def __init__(self, label, delay=1.0, stream=None, clock=time.monotonic):
         self.label = label
         self.delay = delay
         self.stream = stream or sys.stderr
-        self.start = time.monotonic()
+        self.clock = clock
+        self.start = clock()
         self.shown = False
 
     def __call__(self, fraction, message):
-        if time.monotonic() - self.start < self.delay:
+        if self.clock() - self.start < self.delay:
             return
         self.shown = True
         width = 30
