@@ -16,10 +16,9 @@ import numpy as np
 
 from ..model import Trace
 from .categories import ACTIVATION, categorize
-from .frames import where
+from .frames import user_frames, where
 from .phases import phases
 from .replay import replay
-from .frames import user_frames
 from .units import fmt_bytes
 
 MAX_GROUPS = 5
