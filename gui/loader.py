@@ -6,7 +6,8 @@ signals from the worker while the GUI thread garbage-collects Qt wrappers can
 deadlock PySide6 6.12 between the GIL and its own lock; this design has no
 such window.) While any load runs, automatic garbage collection is paused, so
 a collection the worker's allocations would trigger never destroys Qt objects
-on the worker thread; it runs on the GUI thread when the loads are done.
+on the worker thread; the worker turns it back on as it ends (even if its
+window is gone), and the GUI thread collects once it sees the result.
 """
 from __future__ import annotations
 
@@ -20,22 +21,29 @@ from tracekit.errors import Cancelled, TracekitError
 from .document import Document
 
 POLL_MS = 40
-_running = 0  # loads in progress (GUI thread only)
+_lock = threading.Lock()
+_running = 0  # loads in progress
+_reenable = False  # whether automatic collection was on before the first load paused it
 
 
 def _pause_gc():
-    global _running
-    if _running == 0 and gc.isenabled():
-        gc.disable()
-    _running += 1
+    """Called on the GUI thread before a worker starts."""
+    global _running, _reenable
+    with _lock:
+        if _running == 0:
+            _reenable = gc.isenabled()
+            gc.disable()
+        _running += 1
 
 
 def _resume_gc():
+    """Called by each worker as it ends, whatever happens to its Qt side: the last one turns
+    automatic collection back on (it does no collecting itself, so no Qt object dies off the GUI thread)."""
     global _running
-    _running -= 1
-    if _running == 0:
-        gc.enable()
-        gc.collect()
+    with _lock:
+        _running -= 1
+        if _running == 0 and _reenable:
+            gc.enable()
 
 
 class LoadThread(QObject):
@@ -73,11 +81,11 @@ class LoadThread(QObject):
             self._finish()
 
     def _finish(self):
-        """Stop polling and let garbage collection run again (once)."""
+        """Stop polling; collect what the load left behind, here on the GUI thread."""
         self._timer.stop()
         if not self._finished:
             self._finished = True
-            _resume_gc()
+            gc.collect()
 
     # ---- worker thread: no Qt here ----------------------------------------------------
 
@@ -99,6 +107,8 @@ class LoadThread(QObject):
                                        "please report this with the file")
         else:
             self._outcome = ("cancelled", None) if self._cancel.is_set() else ("loaded", doc)
+        finally:
+            _resume_gc()
 
     # ---- GUI thread ----------------------------------------------------------------------
 

@@ -311,3 +311,21 @@ def test_selecting_an_allocation_out_of_view_brings_it_into_view(newest):
     assert not view.timeline.region_in_view(int(al.alloc_index[target]), int(al.free_index[target]))
     assert view.select_allocation(target) >= 0
     assert view.timeline.region_in_view(int(al.alloc_index[target]), int(al.free_index[target]))
+
+
+def test_garbage_collection_is_back_on_after_a_load_nobody_polls(qtbot):
+    """Loads pause automatic gc; it must come back when the worker ends, even if the GUI side
+    never polls it again (its window closed mid-load), or every later allocation leaks cycles."""
+    import gc
+
+    from gui.loader import LoadThread
+
+    assert gc.isenabled()
+    loader = LoadThread(NEWEST)
+    loader.start()
+    loader._timer.stop()  # as if its window went away
+    loader._thread.join(60)
+    try:
+        assert gc.isenabled()
+    finally:
+        gc.enable()
