@@ -1,0 +1,23 @@
+"""`tracekit diff A B`: what changed between two recordings (b − a)."""
+import click
+
+from ..analysis.diff import diff
+from ..render import diff_text
+from ._common import echo_json, json_option, no_cache_option, open_trace, rules_option
+
+
+@click.command("diff")
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@json_option
+@rules_option
+@no_cache_option
+def command(a, b, as_json, rules, no_cache):
+    """Compare recording A (before) with B (after): peaks, categories and sites at the peak."""
+    result = diff(open_trace(a, no_cache), open_trace(b, no_cache), rules)
+    if not result["devices"]:
+        raise click.ClickException("the two files have no device in common")
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(diff_text(result), nl=False)
