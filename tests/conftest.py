@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "real"
+# Real third-party fixtures live in the repository with their licences (tests/fixtures/real/SOURCES.md).
+FIXTURES = ROOT / "tests" / "fixtures" / "real"
 SAMPLES = ROOT / "samples"
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -20,5 +21,5 @@ def _private_cache(tmp_path_factory, monkeypatch):
 def fixture(name) -> Path:
     path = FIXTURES / name
     if not path.exists():
-        pytest.skip(f"{path} is missing (../shared/fixtures/real beside the checkout)")
+        raise FileNotFoundError(f"{path} is missing: the real fixtures ship with the repository")
     return path

@@ -26,7 +26,7 @@ from gui.tables import SIZE, WHERE  # noqa: E402
 pytestmark = pytest.mark.gui
 
 ROOT = Path(__file__).parents[1]
-REAL = ROOT / ".." / "shared" / "fixtures" / "real"
+REAL = ROOT / "tests" / "fixtures" / "real"
 NEWEST = REAL / "snapshot_newest_format_windows_paths.pickle"
 KINETO = REAL / "kineto_trace_memory_v100_rank1.json.gz"
 REAL_FILES = sorted(p for p in REAL.glob("*") if p.suffix != ".md") if REAL.is_dir() else []
