@@ -37,10 +37,10 @@ import numpy as np
 from ..model import NO_TIME, Trace
 from . import phases as ph
 from .memo import per_trace
-from .replay import DeviceReplay, replay
+from .replay import DeviceReplay, block_size, replay
 
-CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other")
-PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, OTHER = range(7)
+CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "kv_cache", "other")
+PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, KV_CACHE, OTHER = range(8)
 METHODS = ("tag", "rule", "inferred")
 TAG, RULE, INFERRED = range(3)
 
@@ -63,6 +63,11 @@ class DeviceCategories:
     names: list  # CATEGORIES, then user categories
     method: np.ndarray  # int8: index into METHODS
     tagged: np.ndarray  # int16: the tags' category, -1 where untagged (for checks and accuracy)
+    reason: np.ndarray  # int16: index into reasons
+    reasons: list  # short phrases: what each allocation is and what says so
+
+    def reason_names(self) -> np.ndarray:
+        return np.array(self.reasons, dtype=object)[self.reason]
 
     def label_names(self) -> np.ndarray:
         return np.array(self.names, dtype=object)[self.labels]
@@ -91,32 +96,84 @@ def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
     names = list(CATEGORIES) + ([c for c in rules.categories if c not in CATEGORIES] if rules else [])
     out = {}
     for d in trace.devices:
-        labels = infer(trace, reps[d], phs[d])
+        labels, reason = infer(trace, reps[d], phs[d])
+        reasons = list(REASONS)
         method = np.full(len(labels), INFERRED, np.int8)
         tagged = tag_labels(trace, reps[d])
         has_tag = tagged >= 0
         labels[has_tag] = tagged[has_tag]
         method[has_tag] = TAG
+        reason[has_tag] = len(reasons) + tagged[has_tag]
+        reasons += [f"tagged by the recorder: {name}" for name in CATEGORIES]
         if rules:
             hit = rules.apply(trace, reps[d], names, labels)
             m = hit >= 0
             labels[m] = hit[m]
             method[m] = RULE
+            reason[m] = len(reasons) + hit[m]
+            reasons += [f"user rule: {name}" for name in names]
         out[d] = DeviceCategories(device=d, labels=labels.astype(np.int16), names=names, method=method,
-                                  tagged=tagged.astype(np.int16))
+                                  tagged=tagged.astype(np.int16), reason=reason.astype(np.int16), reasons=reasons)
     return out
 
 
 # -- inference --------------------------------------------------------------------------------------
 
-def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> np.ndarray:
-    """Inferred category per allocation (int16), from lifetimes, phases and frames."""
+# What each inferred label rests on, as the report, the viewer and JSON show it.
+REASONS = (
+    "no evidence",
+    "cuBLAS workspace",
+    "cuBLAS workspace (by its size: live before the trace, no stack)",
+    "NCCL / c10d communication buffer",
+    "Triton autotuning buffer",
+    "KV cache (Hugging Face cache)",
+    "autocast copy of a weight (freed when autocast exits)",
+    "optimizer state created by the optimizer (_init_group)",
+    "p.grad (AccumulateGrad)",
+    "made in forward, alive when backward begins (saved for backward)",
+    "made in forward, alive at an out-of-memory error",
+    "made in forward under no_grad, alive at the end",
+    "made in forward with no backward in the trace, alive at the end (output or saved for backward)",
+    "made and freed in forward",
+    "made in backward, alive at the optimizer step or the end (gradient)",
+    "made and freed in backward",
+    "made in the optimizer step, alive after it",
+    "made and freed in the optimizer step",
+    "made while building or loading the model",
+    "made by the data loader",
+    "made between steps, alive when the next step uses it (input batch)",
+    "made and freed between steps",
+    "made between steps, alive at the end",
+    "made before the trace, state of a stateful optimizer (by sizes: k blocks per trainable parameter)",
+    "made before the trace, p.grad kept across steps (by sizes: one block per trainable parameter)",
+    "live before the trace and throughout it (model weights or buffers, by lifetime)",
+    "live before the trace, no evidence of what it is",
+    "made before the trace, freed by zero_grad (gradient)",
+    "made before the trace, freed in backward (saved for backward)",
+    "made before the trace, replaced in the optimizer step (previous optimizer state)",
+    "made before the trace, freed between steps",
+    "made before the trace, freed in forward",
+    "made in forward, alive at the end (block stack of a dump)",
+    "short-lived (no phase evidence)",
+    "made in the trace, alive at an out-of-memory error",
+)
+R = {text: i for i, text in enumerate(REASONS)}
+# cuBLAS keeps one workspace per handle and stream, of CUBLAS_WORKSPACE_CONFIG's default size:
+# ":4096:2:16:8" (8 MiB + 128 KiB) before Hopper, ":4096:8:16:8" (32 MiB + 128 KiB) on it.
+CUBLAS_WORKSPACE_SIZES = (4096 * 1024 * 2 + 16 * 1024 * 8, 4096 * 1024 * 8 + 16 * 1024 * 8)
+
+
+def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.ndarray, np.ndarray]:
+    """Inferred (category, reason) per allocation, from frames, phases and lifetimes."""
+    from ..model import OOM
+
     al = rep.allocations
     m = len(al)
     n = rep.n
     labels = np.full(m, OTHER, np.int16)
+    reason = np.zeros(m, np.int16)
     if m == 0:
-        return labels
+        return labels, reason
     a, f = al.alloc_index, al.free_index
     traced, freed = a >= 0, f >= 0
     f_end = np.where(freed, f, n)  # "freed after the last entry" for the live ones
@@ -132,108 +189,173 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> np.ndarra
         nxt = phases.next_of(p)[np.minimum(after_a, n)]
         return nxt < f_end
 
-    if phases.source == "none":
-        return _lifetimes_only(al, n)
     fl = ph.stack_flags(trace)
     sflags = fl[al.stack_id.astype(np.int64) + 1]
     free_flags = fl[al.free_stack_id.astype(np.int64) + 1]
     has = lambda bits: (sflags & bits) != 0  # noqa: E731
-    any_optim = bool((phase == ph.OPTIMIZER).any())
+    no_stack = al.stack_id < 0
+    before = ~traced
+    ooms = np.flatnonzero(trace.events.action[rep.events] == OOM)
+    at_oom = np.zeros(m, bool)
+    for i in ooms.tolist():
+        at_oom |= (a <= i) & (f_end > i)
+    evidence = [  # what the frames say, whatever the phase
+        (has(ph.F_WORKSPACE), OTHER, "cuBLAS workspace"),
+        (before & no_stack & ~freed & np.isin(al.size, CUBLAS_WORKSPACE_SIZES), OTHER, REASONS[2]),
+        (has(ph.F_COMM), OTHER, "NCCL / c10d communication buffer"),
+        (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
+        (has(ph.F_KV_CACHE), KV_CACHE, "KV cache (Hugging Face cache)"),
+        (((free_flags & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before), PARAMETER, REASONS[6]),
+        (has(ph.F_INIT_STATE) & ~same_run, OPTIMIZER_STATE, REASONS[7]),
+        (has(ph.F_ACCUMULATE_GRAD) & ~same_run, GRADIENT, "p.grad (AccumulateGrad)"),
+    ]
+    if phases.source == "none":
+        rules = evidence + _lifetimes_only(al, n, at_oom)
+    else:
+        rules = evidence + _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next,
+                                     has, free_flags, no_stack, at_oom)
+    done = np.zeros(m, bool)
+    for mask, cat, why in rules:
+        take = mask & ~done
+        labels[take] = cat
+        reason[take] = R[why]
+        done |= take
+    if (phase == ph.OPTIMIZER).any():
+        _split_static(trace, al, labels, reason, phases.iteration)
+    return labels, reason
 
-    # Traced allocations, by the phase they were made in.
+
+def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next, has, free_flags, no_stack,
+              at_oom) -> list:
+    """(mask, category, reason) rules from the phase each allocation was made and freed in."""
+    phase = phases.phase
+    any_optim = bool((phase == ph.OPTIMIZER).any())
+    any_pass = bool(np.isin(phase, (ph.FORWARD, ph.BACKWARD)).any())
     fwd, bwd, opt, none = (traced & (pa == p) for p in (ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.NONE))
     at_backward, at_forward = alive_at_next(ph.BACKWARD), alive_at_next(ph.FORWARD)
     at_optim = alive_at_next(ph.OPTIMIZER)
-    rules = [
-        (fwd & at_backward, ACTIVATION),
-        (fwd & ~at_backward & ~freed, OTHER),
-        (fwd, TEMPORARY),
-        (bwd & (at_optim | ~freed), GRADIENT),
-        (bwd & ~same_run & (not any_optim), GRADIENT),
-        (bwd, TEMPORARY),
-        (opt & ~same_run, OPTIMIZER_STATE),
-        (opt, TEMPORARY),
-        (none & has(ph.F_PARAM_INIT) & ~same_run, PARAMETER),
-        (none & has(ph.F_DATA), INPUT),
-        (none & at_forward & ~same_run, INPUT),
-        (none & same_run, TEMPORARY),
+    freed_by = lambda bits: (free_flags & bits) != 0  # noqa: E731
+    return [
+        (fwd & at_backward, ACTIVATION, REASONS[9]),
+        (fwd & at_oom, ACTIVATION, REASONS[10]),
+        (fwd & ~freed & has(ph.F_NO_GRAD), TEMPORARY, REASONS[11]),
+        (fwd & ~freed, ACTIVATION, REASONS[12]),
+        (fwd, TEMPORARY, REASONS[13]),
+        (bwd & (at_optim | ~freed), GRADIENT, REASONS[14]),
+        (bwd & ~same_run & (not any_optim), GRADIENT, REASONS[14]),
+        (bwd, TEMPORARY, REASONS[15]),
+        (opt & ~same_run, OPTIMIZER_STATE, REASONS[16]),
+        (opt, TEMPORARY, REASONS[17]),
+        (none & has(ph.F_PARAM_INIT) & ~same_run, PARAMETER, REASONS[18]),
+        (none & has(ph.F_DATA), INPUT, REASONS[19]),
+        (none & (at_forward | at_backward) & ~same_run, INPUT, REASONS[20]),
+        (none & at_oom, OTHER, REASONS[34]),
+        (none & same_run, TEMPORARY, REASONS[21]),
+        (none & ~freed, OTHER, REASONS[22]),
+        # allocations made before the trace
+        (before & ~freed & has(ph.F_INIT_STATE | ph.F_OPTIM), OPTIMIZER_STATE, REASONS[7]),
+        (before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD), GRADIENT, REASONS[14]),
+        (before & ~freed & has(ph.F_PARAM_INIT), PARAMETER, REASONS[18]),
+        (before & ~freed & has(ph.F_MODULE), ACTIVATION, REASONS[32]),
+        (before & ~freed & no_stack & any_pass, PARAMETER, REASONS[25]),
+        (before & ~freed, OTHER, REASONS[26]),
+        (before & freed_by(ph.F_ZERO_GRAD), GRADIENT, REASONS[27]),
+        (before & (pf == ph.BACKWARD), ACTIVATION, REASONS[28]),
+        (before & (pf == ph.OPTIMIZER), OPTIMIZER_STATE, REASONS[29]),
+        (before & (pf == ph.FORWARD), OTHER, REASONS[31]),
+        (before, OTHER, REASONS[30]),
     ]
-    # Allocations made before the trace.
-    before = ~traced
-    rules += [
-        (before & ~freed & has(ph.F_INIT_STATE | ph.F_OPTIM), OPTIMIZER_STATE),
-        (before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD), GRADIENT),
-        (before & ~freed, PARAMETER),
-        (before & ((free_flags & ph.F_ZERO_GRAD) != 0), GRADIENT),
-        (before & (pf == ph.BACKWARD), ACTIVATION),
-    ]
-    # Frames say more than lifetimes for a few well-known places.
-    rules = [
-        (traced & has(ph.F_INIT_STATE) & ~same_run, OPTIMIZER_STATE),
-        (traced & has(ph.F_ACCUMULATE_GRAD) & ~same_run, GRADIENT),
-    ] + rules
-    done = np.zeros(m, bool)
-    for mask, cat in rules:
-        take = mask & ~done
-        labels[take] = cat
-        done |= take
-    if any_optim:
-        _split_static(al, labels, phases.iteration)
-    return labels
 
 
-def _split_static(al, labels, iteration):
-    """Optimizer state made before the trace looks like parameters: live throughout, no frames.
+def _split_static(trace, al, labels, reason, iteration):
+    """Optimizer state and gradients made before the trace look like parameters: live throughout, no frames.
 
-    Sizes tell them apart in aggregate: every trainable parameter has a
-    gradient of its size, and stateful optimizers keep k tensors of that size
-    per parameter (Adam: 2, SGD with momentum: 1). Per size s with g(s)
-    gradients per iteration and c(s) such blocks, k·g are state (k: the median
-    over sizes of (c - g) // g, capped at 2), g more are gradients kept from
-    before the trace when at least 2g remain, the rest parameters. Which
-    blocks of a size are which is not knowable from the trace: state takes the
-    highest addresses, then gradients.
+    Sizes tell them apart in aggregate. Stateful optimizers keep k tensors of
+    each trainable parameter's size (Adam: 2, SGD with momentum: 1), so the
+    optimizer state seen in the trace (made in the step, or replaced by it)
+    names the trainable sizes and k. Per size s with t(s) trainable
+    parameters and c(s) blocks live throughout: k·t are state when the trace
+    shows none yet; t more are gradients kept from before the trace when the
+    trace's backward made none of its own (they are accumulated in place) and
+    at least 2t remain. Which blocks of a size are which is not knowable from
+    the trace: state takes the highest addresses, then gradients.
     """
-    static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER)
-    if not static.any() or (labels == OPTIMIZER_STATE).any():
+    static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER) & (al.stack_id < 0)
+    if not static.any():
         return
-    grads = labels == GRADIENT
-    gsize, gcount = np.unique(al.size[grads & (al.alloc_index >= 0)], return_counts=True)
-    if not len(gsize):
-        gsize, gcount = np.unique(al.size[grads], return_counts=True)
-    if not len(gsize):
+    size = block_size(al.size)  # traced sizes are requests, static ones blocks: compare as blocks
+    traced_grads = (labels == GRADIENT) & (al.alloc_index >= 0)
+    state = labels == OPTIMIZER_STATE
+    iters = max(1, len(np.unique(iteration[iteration >= 0]))) if len(iteration) else 1
+    k_of_name = _optimizer_k(trace)
+    if traced_grads.any():  # gradients made in backward name the trainable sizes
+        gsize, gcount = np.unique(size[traced_grads], return_counts=True)
+        iters_g = len(np.unique(iteration[al.alloc_index[traced_grads]])) or 1
+        t_of = dict(zip(gsize.tolist(), np.maximum(1, gcount // iters_g).tolist()))
+        grads_kept = False
+    elif state.any():  # no gradients made: they exist already; the state names the sizes
+        made = state & (al.alloc_index >= 0)
+        replaced = state & (al.alloc_index < 0)
+        counts = {s: max(int((made & (size == s)).sum()) // iters, int((replaced & (size == s)).sum()))
+                  for s in np.unique(size[state]).tolist()}
+        k = k_of_name or 2
+        t_of = {s: max(1, c // k) for s, c in counts.items()}
+        grads_kept = True
+    else:
         return
-    # gradients per iteration: the traced ones repeat each iteration, so count one iteration's worth
-    traced = grads & (al.alloc_index >= 0)
-    iters = len(np.unique(iteration[al.alloc_index[traced]])) if traced.any() else 1
-    g_of = dict(zip(gsize.tolist(), np.maximum(1, gcount // iters).tolist()))
-    ssize, scount = np.unique(al.size[static], return_counts=True)
-    ks = [(c - g_of[s]) // g_of[s] for s, c in zip(ssize.tolist(), scount.tolist()) if s in g_of and c > g_of[s]]
-    k = min(2, int(np.median(ks))) if ks else 0
-    if k <= 0:
-        return
-    for s, c in zip(ssize.tolist(), scount.tolist()):
-        g = g_of.get(s, 0)
-        n_state = min(c - g, k * g) if g else 0
-        if n_state <= 0:
+    csize, ccount = np.unique(size[static], return_counts=True)
+    if state.any():
+        k = 0  # the state is in the trace already: nothing static is state
+    else:
+        ks = [(c - t_of[s]) // t_of[s] for s, c in zip(csize.tolist(), ccount.tolist()) if s in t_of and c > t_of[s]]
+        k = k_of_name if k_of_name is not None else (min(2, int(np.median(ks))) if ks else 0)
+    for s, c in zip(csize.tolist(), ccount.tolist()):
+        t = t_of.get(s, 0)
+        if not t:
             continue
-        # gradients kept across steps (zero_grad(set_to_none=False)) are one more block per parameter
-        n_grad = g if c - g - n_state >= 2 * g else 0
-        rows = np.flatnonzero(static & (al.size == s))
+        n_state = max(0, min(c - t, k * t))
+        if grads_kept:
+            n_grad = max(0, min(t, c - t - n_state))
+        else:  # gradients kept across steps (zero_grad(set_to_none=False)) are one more block per parameter
+            n_grad = t if c - t - n_state >= 2 * t else 0
+        if not (n_state or n_grad):
+            continue
+        rows = np.flatnonzero(static & (size == s))
         rows = rows[np.argsort(al.addr[rows], kind="stable")]
-        labels[rows[len(rows) - n_state:]] = OPTIMIZER_STATE
-        labels[rows[len(rows) - n_state - n_grad:len(rows) - n_state]] = GRADIENT
+        st = rows[len(rows) - n_state:] if n_state else rows[:0]
+        gr = rows[len(rows) - n_state - n_grad:len(rows) - n_state]
+        labels[st], reason[st] = OPTIMIZER_STATE, R[REASONS[23]]
+        labels[gr], reason[gr] = GRADIENT, R[REASONS[24]]
 
 
-def _lifetimes_only(al, n) -> np.ndarray:
-    """Without any phase evidence: short-lived allocations are temporaries, the rest
-    is "other", and what was live for the whole trace is taken for parameters."""
+_OPTIMIZER_K = (("adam", 2), ("lamb", 2), ("lion", 1), ("adagrad", 1), ("rmsprop", 1), ("adadelta", 2),
+                ("sgd", None), ("adafactor", None))
+
+
+def _optimizer_k(trace) -> int | None:
+    """State tensors per parameter from the optimizer's name in the file's annotations (None: unknown)."""
+    names = [str(a.get("name", "")) for a in trace.meta.get("external_annotations") or [] if isinstance(a, dict)]
+    opt = (trace.recorder or {}).get("optimizer")
+    if isinstance(opt, dict) and opt.get("name"):
+        names.append(str(opt["name"]))
+    for name in names:
+        low = name.lower()
+        if "optimizer.step" in low or low.isidentifier():
+            for key, k in _OPTIMIZER_K:
+                if key in low.split("#")[-1]:
+                    return k
+    return None
+
+
+def _lifetimes_only(al, n, at_oom) -> list:
+    """Rules without any phase evidence: short-lived allocations are temporaries; nothing else is known."""
     a, f = al.alloc_index, al.free_index
-    labels = np.full(len(al), OTHER, np.int16)
-    short = (a >= 0) & (f >= 0) & (f - a <= max(16, n // 100))
-    labels[short] = TEMPORARY
-    labels[(a < 0) & (f < 0)] = PARAMETER
-    return labels
+    short = (a >= 0) & (f >= 0) & (f - a <= max(16, n // 100)) & ~at_oom
+    return [
+        ((a >= 0) & at_oom, OTHER, REASONS[34]),
+        (short, TEMPORARY, REASONS[33]),
+        ((a < 0) & (f < 0), OTHER, REASONS[26]),
+    ]
 
 
 # -- tags -------------------------------------------------------------------------------------------

@@ -28,43 +28,67 @@ PHASES = ("none", "forward", "backward", "optimizer")
 NONE, FORWARD, BACKWARD, OPTIMIZER = range(4)
 
 # Bits of frame evidence, per frame and (OR-ed) per stack.
-F_OPTIM = 1  # torch/optim/ (the optimizer step)
+F_OPTIM = 1  # torch/optim/, or an optimizer kernel (_foreach_*, fused Adam): the optimizer step
 F_ZERO_GRAD = 2  # zero_grad
-F_BACKWARD = 4  # autograd backward entry points
-F_MODULE = 8  # an nn.Module call (forward)
+F_BACKWARD = 4  # autograd backward: Python entry points, the C++ engine, *Backward0 nodes
+F_MODULE = 8  # an nn.Module call, or any frame of a `forward` method (forward)
 F_INIT_STATE = 16  # the optimizer creating its state (_init_group, _init_state...)
 F_PARAM_INIT = 32  # building or moving a model: Module.to/_apply, load_state_dict, reset_parameters
 F_CHECKPOINT = 64  # torch/utils/checkpoint.py (recompute in backward)
 F_DATA = 128  # torch/utils/data (data loading)
 F_USER = 256  # any frame of the user's own code
 F_ACCUMULATE_GRAD = 512  # AccumulateGrad (C++ frames, stacks="all")
+F_AUTOCAST = 1024  # at::autocast::cached_cast (a cast made by autocast)
+F_AUTOCAST_CLEAR = 2048  # autocast's cache being cleared (frees the cached weight copies)
+F_WORKSPACE = 4096  # a cuBLAS / cuBLASLt workspace
+F_COMM = 8192  # NCCL / c10d communication
+F_AUTOTUNE = 16384  # Triton autotuning
+F_FACTORY = 32768  # a tensor made from nothing or copied in: randn, zeros, tensor, to(device)...
+F_KV_CACHE = 65536  # a Hugging Face KV cache (cache_utils.py)
+F_NO_GRAD = 131072  # torch.no_grad / inference_mode decorators (grad_mode.py)
 
 _SEP = r"[/\\]"
 _RE_OPTIM = re.compile(rf"torch{_SEP}optim{_SEP}(?!lr_scheduler)")
+_RE_OPTIM_KERNEL = re.compile(r"_fused_adamw?_|_fused_sgd_|fused_adam|multi_tensor_apply|_foreach_(?!zero_)")
 _RE_AUTOGRAD = re.compile(rf"torch{_SEP}(autograd{_SEP}|_tensor\.py$)")
 _BACKWARD_NAMES = {"backward", "_engine_run_backward", "grad", "_make_grads", "run_backward"}
+_RE_BACKWARD_CPP = re.compile(r"torch::autograd::(Engine|PythonEngine|python::PythonEngine)::|\w+Backward\d*::apply"
+                              r"|\w+Backward\d*_apply_functional|validate_outputs|torch::autograd::PyNode::apply"
+                              r"|torch::autograd::CppNode|SavedVariable::unpack|call_function\(")
+_RE_AOT_BACKWARD = re.compile(rf"_aot_autograd{_SEP}|_functorch{_SEP}")
 _RE_MODULE = re.compile(rf"torch{_SEP}nn{_SEP}modules{_SEP}module\.py$")
 _PARAM_INIT_NAMES = {"_apply", "load_state_dict", "_load_from_state_dict", "reset_parameters", "to_empty",
                      "cuda", "load", "from_pretrained", "_load_state_dict_into_model", "init_weights"}
 _RE_CHECKPOINT = re.compile(rf"torch{_SEP}utils{_SEP}checkpoint\.py$")
 _RE_DATA = re.compile(rf"torch{_SEP}utils{_SEP}data{_SEP}")
+_RE_WORKSPACE = re.compile(r"getNewWorkspace|getCUDABlasLtWorkspace|cublasLt?Workspace")
+_RE_COMM = re.compile(rf"c10d::|ProcessGroupNCCL|nccl|NCCL|torch{_SEP}distributed{_SEP}")
+_RE_AUTOTUNE = re.compile(rf"triton{_SEP}runtime{_SEP}autotuner|autotune|benchmarker")
+_RE_FACTORY = re.compile(
+    r"at::_ops::(randn|rand|randint|randperm|normal|bernoulli|zeros|ones|full|tensor|arange|linspace|scalar_tensor|"
+    r"_to_copy|lift_fresh_copy|from_file)(_like)?\w*::call|THPVariable_(randn|rand|randint|zeros|ones|full|tensor|"
+    r"as_tensor|from_numpy|arange|to|cuda)\(|torch::utils::tensor_new|internal_new_from_data|THPVariable_to\b")
+_RE_KV_CACHE = re.compile(rf"(transformers|vllm|peft){_SEP}.*cache(_utils)?\.py$")
+_RE_GRAD_MODE = re.compile(rf"torch{_SEP}(autograd{_SEP}grad_mode|utils{_SEP}_contextlib)\.py$")
 _RE_METADATA = re.compile(r"tracekit:iter=(-?\d+)(?::phase=(\w+))?")
 
 
-def frame_flags(filename: str, name: str) -> int:
-    """Evidence bits of one frame."""
-    from .frames import is_internal
+def frame_flags(filename: str, name: str, line: int | None = None) -> int:
+    """Evidence bits of one frame (Python or C++)."""
+    from .frames import USER, frame_kind
 
     bits = 0
     if name == "zero_grad":
         return F_ZERO_GRAD
-    if _RE_OPTIM.search(filename):
+    if _RE_OPTIM.search(filename) or _RE_OPTIM_KERNEL.search(name):
         bits |= F_OPTIM
-        if name.startswith("_init") or name in ("_lazy_init_state",):
+        if _RE_OPTIM.search(filename) and (name.startswith("_init") or name in ("_lazy_init_state",)):
             bits |= F_INIT_STATE
-    if name in _BACKWARD_NAMES and _RE_AUTOGRAD.search(filename):
+    if (name in _BACKWARD_NAMES and _RE_AUTOGRAD.search(filename)) or _RE_BACKWARD_CPP.search(name) \
+            or (name in ("backward", "_backward_impl") and _RE_AOT_BACKWARD.search(filename)):
         bits |= F_BACKWARD
-    if _RE_MODULE.search(filename) and name in ("_call_impl", "_wrapped_call_impl", "inner"):
+    if (_RE_MODULE.search(filename) and name in ("_call_impl", "_wrapped_call_impl", "inner")) \
+            or (name == "forward" and filename.endswith(".py")):
         bits |= F_MODULE
     if name in _PARAM_INIT_NAMES:
         bits |= F_PARAM_INIT
@@ -72,25 +96,55 @@ def frame_flags(filename: str, name: str) -> int:
         bits |= F_CHECKPOINT
     if _RE_DATA.search(filename):
         bits |= F_DATA
-    if "AccumulateGrad" in name:
-        bits |= F_ACCUMULATE_GRAD
-    if filename and not is_internal(filename) and not bits:
+    if "AccumulateGrad" in name or filename.endswith("accumulate_grad.cpp"):
+        bits |= F_ACCUMULATE_GRAD | F_BACKWARD
+    if "at::autocast::cached_cast" in name:
+        bits |= F_AUTOCAST
+    if "clear_autocast_cache" in name or (name == "__exit__" and filename.endswith("autocast_mode.py")):
+        bits |= F_AUTOCAST_CLEAR
+    if _RE_WORKSPACE.search(name):
+        bits |= F_WORKSPACE
+    if _RE_COMM.search(name) or _RE_COMM.search(filename):
+        bits |= F_COMM
+    if _RE_AUTOTUNE.search(filename) or _RE_AUTOTUNE.search(name):
+        bits |= F_AUTOTUNE
+    if _RE_KV_CACHE.search(filename):
+        bits |= F_KV_CACHE
+    if _RE_GRAD_MODE.search(filename):
+        bits |= F_NO_GRAD
+    if not bits and filename and frame_kind(filename, name, line) == USER:
         bits |= F_USER
     return bits
 
 
+_RE_OP = re.compile(r"at::_ops::\w+::call|THPVariable_\w+\(")
+
+
+def _op_kind(name: str) -> int:
+    """0: not an op frame; 1: an op; 2: an op that makes a tensor from nothing or copies one in."""
+    if not _RE_OP.search(name):
+        return 0
+    return 2 if _RE_FACTORY.search(name) else 1
+
+
 @per_trace
 def stack_flags(trace: Trace) -> np.ndarray:
-    """Evidence bits per stack id (OR over its frames); index with stack_id + 1 (0 = no stack)."""
+    """Evidence bits per stack id (OR over its frames); index with stack_id + 1 (0 = no stack).
+
+    F_FACTORY is decided by the outermost op of the stack (the one the user's
+    code called): `randn` is a factory, a `bmm` that allocates through `empty`
+    is not.
+    """
     fr, strings = trace.frames, trace.strings
     memo = {}
     per_frame = np.zeros(len(fr), np.int32)
-    for i, (f, n) in enumerate(zip(fr.filename.tolist(), fr.name.tolist())):
-        k = (f, n)
-        bits = memo.get(k)
-        if bits is None:
-            bits = memo[k] = frame_flags(strings[f], strings[n])
-        per_frame[i] = bits
+    op = np.zeros(len(fr), np.int8)
+    for i, (f, n, ln) in enumerate(zip(fr.filename.tolist(), fr.name.tolist(), fr.line.tolist())):
+        k = (f, n, ln == 0)
+        got = memo.get(k)
+        if got is None:
+            got = memo[k] = (frame_flags(strings[f], strings[n], ln), _op_kind(strings[n]))
+        per_frame[i], op[i] = got
     st = trace.stacks
     out = np.zeros(len(st) + 1, np.int32)
     if len(st) and len(st.frame_ids):
@@ -99,6 +153,13 @@ def stack_flags(trace: Trace) -> np.ndarray:
         vals = per_frame[st.frame_ids]
         starts = st.offsets[:-1][nonempty]
         out[1:][nonempty] = np.bitwise_or.reduceat(vals, starts)
+        ops = op[st.frame_ids]
+        pos = np.where(ops > 0, np.arange(len(ops)), -1)
+        last = np.maximum.reduceat(pos, starts)  # outermost op frame of each stack (-1: none)
+        factory = np.zeros(len(starts), bool)
+        ok = last >= starts
+        factory[ok] = ops[last[ok]] == 2
+        out[1:][np.flatnonzero(nonempty)[factory]] |= F_FACTORY
     return out
 
 
@@ -214,11 +275,11 @@ def _from_recorder(trace, sl):
 
 
 # Evidence codes per entry (0: none, inherit the phase before it).
-_E_NONE, _E_FORWARD, _E_BACKWARD, _E_OPTIM, _E_ZERO, _E_USER, _E_FRAMELESS = range(7)
+_E_NONE, _E_FORWARD, _E_BACKWARD, _E_OPTIM, _E_ZERO, _E_USER, _E_FRAMELESS, _E_FACTORY, _E_RECOMPUTE = range(9)
 
 
 def _inferred(trace, sl) -> DevicePhases:
-    """Phases from annotations and stack frames, for files recorded elsewhere."""
+    """Phases from annotations and stack frames (Python and C++), for files recorded elsewhere."""
     ev = trace.events
     action, stack = ev.action[sl], ev.stack_id[sl]
     n = len(action)
@@ -227,12 +288,15 @@ def _inferred(trace, sl) -> DevicePhases:
     is_free = action == FREE_COMPLETED
     code = np.zeros(n, np.int8)
     has_frames = stack >= 0
-    code[has_frames & ((flags & F_USER) != 0)] = _E_USER
-    code[has_frames & ((flags & F_MODULE) != 0)] = _E_FORWARD
-    code[has_frames & ((flags & F_BACKWARD) != 0)] = _E_BACKWARD
-    code[has_frames & ((flags & F_OPTIM) != 0)] = _E_OPTIM
-    code[has_frames & ((flags & F_ZERO_GRAD) != 0)] = _E_ZERO
-    code[~(is_alloc | is_free) & (code == _E_USER)] = _E_NONE  # segment events etc. say little
+    has = lambda bits: has_frames & ((flags & bits) != 0)  # noqa: E731
+    code[has(F_USER)] = _E_USER
+    code[has(F_USER) & has(F_FACTORY)] = _E_FACTORY
+    code[has(F_MODULE)] = _E_FORWARD
+    code[has(F_MODULE) & has(F_CHECKPOINT)] = _E_RECOMPUTE
+    code[has(F_BACKWARD)] = _E_BACKWARD
+    code[has(F_OPTIM)] = _E_OPTIM
+    code[has(F_ZERO_GRAD)] = _E_ZERO
+    code[~(is_alloc | is_free) & np.isin(code, (_E_USER, _E_FACTORY))] = _E_NONE  # segment events etc. say little
     if (is_alloc & has_frames).any():  # Python stacks were recorded: frameless allocations are autograd's
         code[is_alloc & ~has_frames] = _E_FRAMELESS
     _annotate(trace, sl, code)
@@ -265,7 +329,13 @@ def _annotate(trace, sl, code):
 
 
 def _resolve(code):
-    """Walk the evidence runs once: a small state machine over runs, broadcast back to entries."""
+    """Walk the evidence runs once: a small state machine over runs, broadcast back to entries.
+
+    A backward pass with no forward evidence before it (a model called as
+    `model.forward()` or plain functions, under C++ stacks) makes its own
+    forward: the user's code since the previous step, from its first
+    computation (tensors made from nothing or copied in before it are inputs).
+    """
     n = len(code)
     nz = np.flatnonzero(code)
     keep = np.ones(len(nz), bool)
@@ -275,13 +345,20 @@ def _resolve(code):
     any_optim = _E_OPTIM in codes
     phase_at, iter_at = [], []
     phase, it, done = NONE, 0, False
-    for c in codes:
-        if c == _E_FORWARD:
+    user_since = None  # first run of user computation since the phase went back to none
+    for k, c in enumerate(codes):
+        if c == _E_FORWARD or (c == _E_RECOMPUTE and phase != BACKWARD):
             if phase != FORWARD and done:
                 it += 1
                 done = False
             phase = FORWARD
         elif c == _E_BACKWARD:
+            if phase == NONE and user_since is not None:  # the forward that had no evidence of its own
+                if done:
+                    it += 1
+                    done = False
+                for j in range(user_since, k):
+                    phase_at[j], iter_at[j] = FORWARD, it
             phase = BACKWARD
         elif c == _E_OPTIM:
             phase = OPTIMIZER
@@ -290,9 +367,13 @@ def _resolve(code):
         elif c == _E_FRAMELESS:
             if phase in (FORWARD, BACKWARD):
                 phase = BACKWARD
-        elif c == _E_USER:
+        elif c in (_E_USER, _E_FACTORY):
             if phase in (BACKWARD, OPTIMIZER):
                 phase = NONE
+        if phase != NONE:
+            user_since = None
+        elif c == _E_USER and user_since is None:
+            user_since = k
         if phase == OPTIMIZER or (phase == BACKWARD and not any_optim):
             done = True
         phase_at.append(phase)

@@ -242,6 +242,27 @@ def _reserved(trace, device, action, size, has_segments):
     return initial + np.cumsum(delta), initial
 
 
+MIN_BLOCK = 512  # the caching allocator rounds every request up to a multiple of this
+ROUND_LARGE = 2 << 20  # requests of 10 MiB and more get a segment rounded up to this...
+MIN_LARGE_ALLOC = 10 << 20
+SMALL_SIZE = 1 << 20  # ...whose remainder is not split off when it is no larger than this
+
+
+def block_size(requested):
+    """The block the CUDA caching allocator hands out for a request (array or int), in its usual case.
+
+    Every request is rounded up to 512 bytes; one of 10 MiB or more that gets
+    a segment of its own takes the whole segment (rounded up to 2 MiB), as the
+    remainder under 1 MiB is not split off. A request served from a larger
+    cached block may get less than that; blocks in the final segments give the
+    exact figure.
+    """
+    r = np.maximum(np.asarray(requested, np.int64), 1)
+    b = -(-r // MIN_BLOCK) * MIN_BLOCK
+    big = -(-r // ROUND_LARGE) * ROUND_LARGE
+    return np.where((r >= MIN_LARGE_ALLOC) & (big - b <= SMALL_SIZE), big, b)
+
+
 def time_of(trace: Trace, rep: DeviceReplay, index: int) -> int | None:
     """time_us of a device's trace entry, or None when the file has no times."""
     if index < 0 or index >= rep.n:
