@@ -51,7 +51,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
         out += _phase_rows(d)
         if d["top_stacks_at_peak"]:
             out.append("  live at the peak, by allocation site:")
-            out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {where(s['frames'])}")
+            out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {_site(s)}")
                           for s in d["top_stacks_at_peak"]], indent="    ")
         out.append("")
     others = [f for f in report["findings"] if f["kind"] != "peak"]
@@ -88,17 +88,23 @@ def _phase_rows(d: dict) -> list[str]:
 
 def finding_lines(f: dict) -> list[str]:
     """A finding as text: its summary, where, and its details."""
-    out = [f"  [{f['kind']}] {f['summary']}"]
+    label = f" {f['label']}" if f.get("label") else ""
+    out = [f"  [{f['kind']}{label}] {f['summary']}"]
     if f.get("frames"):
-        out.append(f"      at {where(f['frames'])}")
+        out.append(f"      at {_site(f)}")
     if f["kind"] in ("spike", "leak", "oom"):
         for s in [s for s in f.get("top_stacks", [])[1:3] if s["bytes"] >= 0.01 * max(f["bytes"], 1)]:
-            out.append(f"      {fmt_bytes(s['bytes']):>10}  {s['count']:>4}×  {where(s['frames'])}")
+            out.append(f"      {fmt_bytes(s['bytes']):>10}  {s['count']:>4}×  {_site(s)}")
     if f["kind"] == "leak":
         out.append("      retained per iteration: " + ", ".join(fmt_bytes(b) for b in f["bytes_per_iteration"]))
     if f["kind"] == "advice":
         out.append(f"      assumes {f['assumes']}")
     return out
+
+
+def _site(s: dict) -> str:
+    """The one-line site of a finding or site group (older JSON without "where": from its frames)."""
+    return s.get("where") or where(s.get("frames") or [])
 
 
 def info_text(info: dict) -> str:

@@ -35,9 +35,16 @@ def advice_findings(trace: Trace, device: int, at_peak: dict, peak_bytes: int, p
         })
 
     if act >= SHARES["activation"] * peak:
-        add("activation", "activation checkpointing", 0.7 * act,
-            "checkpointing each of 8 or more similar blocks keeps only their inputs plus one block's "
-            "recompute, about 30% of today's activations",
+        blocks = model.get("repeated_blocks") if isinstance(model.get("repeated_blocks"), int) else None
+        if blocks and blocks >= 2:
+            ratio = max(0.0, 1 - 1 / blocks - 0.1)
+            assumes = (f"checkpointing each of the model's {blocks} repeated blocks keeps only their inputs (about "
+                       f"10% of their activations) plus one block's recompute")
+        else:
+            ratio = 0.7
+            assumes = ("the model is a stack of 8 or more similar blocks: checkpointing each keeps only their "
+                       "inputs plus one block's recompute, about 30% of today's activations")
+        add("activation", "activation checkpointing", ratio * act, assumes,
             f"Activations hold {fmt_bytes(act)} at the peak; wrap each block in torch.utils.checkpoint "
             "(costs about one extra forward pass).")
         add("activation", "halve the micro-batch, double gradient accumulation", (act + inp) / 2,
@@ -82,9 +89,10 @@ def _bytes_per_parameter(model: dict):
 
 
 def _looks_like_loss(spike) -> bool:
-    words = ("loss", "cross_entropy", "log_softmax", "softmax", "logits", "nll")
+    """The spike's largest sites run in a loss (their user frames name it; an attention softmax does not)."""
+    words = ("loss", "cross_entropy", "log_softmax", "logits", "nll")
     for g in spike.get("top_stacks", [])[:2]:
-        for f in g["frames"]:
+        for f in g["frames"][:4]:
             if any(w in f["name"].lower() for w in words):
                 return True
     return False

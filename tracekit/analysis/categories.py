@@ -336,8 +336,8 @@ def _optimizer_k(trace) -> int | None:
     """State tensors per parameter from the optimizer's name in the file's annotations (None: unknown)."""
     names = [str(a.get("name", "")) for a in trace.meta.get("external_annotations") or [] if isinstance(a, dict)]
     opt = (trace.recorder or {}).get("optimizer")
-    if isinstance(opt, dict) and opt.get("name"):
-        names.append(str(opt["name"]))
+    if isinstance(opt, dict) and opt.get("class"):
+        names.append(str(opt["class"]).rsplit(".", 1)[-1])
     for name in names:
         low = name.lower()
         if "optimizer.step" in low or low.isidentifier():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model import Trace
-from .frames import user_frames, where
+from .sites import group_sites
 from .replay import replay
 from .report import build_report
 
@@ -44,14 +44,9 @@ def pair_devices(devs_a, devs_b) -> list:
 def peak_sites(trace: Trace, device: int) -> dict:
     """{"file:line in function" of the user's frame: bytes live at the peak} for one device."""
     rep = replay(trace)[device]
-    al = rep.allocations
-    live = al.live_at(rep.peak_index)
-    sids, inverse = np.unique(al.stack_id[live], return_inverse=True)
-    nbytes = np.bincount(inverse, weights=al.size[live].astype(np.float64), minlength=len(sids))
     out = {}
-    for sid, n in zip(sids.tolist(), nbytes.tolist()):
-        site = where(user_frames(trace, sid)) if sid >= 0 else "(no stack recorded)"
-        out[site] = out.get(site, 0) + int(n)
+    for g in group_sites(trace, rep, rep.allocations.live_at(rep.peak_index), limit=1 << 30):
+        out[g["where"]] = out.get(g["where"], 0) + g["bytes"]
     return out
 
 

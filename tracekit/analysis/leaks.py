@@ -7,7 +7,7 @@ the end of iteration k+1 is *retained*. The first recorded iteration is
 skipped (optimizer state, lazily built buffers and other one-off warm-up
 live on by design), so are iterations too close to the end to tell. A leak
 is a stack that retains memory in (nearly) every eligible iteration: the
-retained bytes are grouped by allocation stack, the user's own line first.
+retained bytes are grouped by allocation site (sites.py), the user's own line first.
 Needs at least three iterations.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 
 from ..model import Trace
 from .categories import ACTIVATION, categorize
-from .frames import user_frames, where
 from .phases import phases
 from .replay import replay
+from .sites import allocation_sites, site_info
 from .units import fmt_bytes
 
 MAX_GROUPS = 5
@@ -51,14 +51,17 @@ def leak_findings(trace: Trace, device: int, rules=None) -> list[dict]:
         return []
     eligible_its = list(range(1, len(its) - 1))
     need = len(eligible_its) if len(eligible_its) <= 2 else int(np.ceil(2 * len(eligible_its) / 3))
-    sid = al.stack_id.astype(np.int64)
+    sites = allocation_sites(trace, rep)
+    sid = sites.key
     groups = []
     for s in np.unique(sid[mask]).tolist():
         rows = mask & (sid == s)
         per_it = np.bincount(pos[rows], weights=al.size[rows].astype(np.float64), minlength=len(its))
         present = [k for k in eligible_its if per_it[k] > 0]
         if len(present) >= need:
-            groups.append({"stack_id": s, "rows": rows, "per_iteration": per_it})
+            lead = int(np.flatnonzero(rows)[0])
+            groups.append({"site": site_info(trace, int(al.stack_id[lead]), int(sites.site_stack[lead])),
+                           "rows": rows, "per_iteration": per_it})
     if not groups:
         return []
     groups.sort(key=lambda g: -g["per_iteration"].sum())
@@ -73,12 +76,12 @@ def leak_findings(trace: Trace, device: int, rules=None) -> list[dict]:
     act_share = float(al.size[rows & (cats.labels == ACTIVATION)].sum()) / max(1, float(al.size[rows].sum()))
     top = [{"bytes": int(g["per_iteration"].sum()), "count": int(g["rows"].sum()),
             "bytes_per_iteration": [int(g["per_iteration"][k]) for k in eligible_its],
-            "frames": user_frames(trace, g["stack_id"])} for g in groups[:MAX_GROUPS]]
+            **g["site"]} for g in groups[:MAX_GROUPS]]
     boundary = [rep.allocated_at(e) for _, _, e in its]
     hint = (" Most of it is activations: something keeps each step's outputs and their autograd graph "
             "alive (e.g. outputs appended to a list, or `total += loss` instead of `loss.item()`)."
             if act_share >= 0.5 else "")
-    where_list = "; ".join(f"{fmt_bytes(t['bytes'])} from {where(t['frames'])}" for t in top[:3])
+    where_list = "; ".join(f"{fmt_bytes(t['bytes'])} from {t['where']}" for t in top[:3])
     return [{
         "kind": "leak", "device": device, "bytes": rate, "index": its[-1][2],
         "start_index": int(al.alloc_index[rows].min()), "end_index": its[-1][2],
@@ -88,5 +91,5 @@ def leak_findings(trace: Trace, device: int, rules=None) -> list[dict]:
         "summary": (f"memory grows by about {fmt_bytes(rate)} per iteration and is never given back "
                     f"(allocated at iteration ends: {', '.join(fmt_bytes(b) for b in boundary)}): "
                     f"{where_list}.{hint}"),
-        "frames": top[0]["frames"], "top_stacks": top,
+        "frames": top[0]["frames"], "where": top[0]["where"], "top_stacks": top,
     }]

@@ -231,6 +231,22 @@ def device_phases(trace: Trace, device: int) -> DevicePhases:
     return got
 
 
+def when(trace: Trace, device: int, index: int) -> tuple[str | None, int | None, str]:
+    """(phase, iteration, "in the backward pass of iteration 2") of a device's trace entry.
+
+    The phase is "between" for entries outside forward, backward and the
+    optimizer step; (None, None, "") when the trace has no phases."""
+    ph = phases(trace)[device]
+    if index < 0 or ph.source == "none" or index >= ph.n:
+        return None, None, ""
+    code, it = int(ph.phase[index]), int(ph.iteration[index])
+    phase = PHASES[code] if code != NONE else "between"
+    text = {NONE: "between steps", OPTIMIZER: "in the optimizer step"}.get(code, f"in the {phase} pass")
+    if it >= 0:
+        text += f" of iteration {it}"
+    return phase, (it if it >= 0 else None), text
+
+
 def _from_metadata(trace, sl):
     """Phases from our `tracekit:iter=N:phase=P` user_metadata strings."""
     um = trace.events.user_metadata[sl]

@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..model import OOM, Trace
-from .frames import user_frames
 from .replay import DeviceReplay, replay, time_of
+from .phases import when
+from .sites import group_sites, public, site_info
 
 TOP_STACKS = 10
 
@@ -56,21 +57,8 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
 
 
 def top_stacks(trace: Trace, rep: DeviceReplay, index: int, limit: int = TOP_STACKS) -> list[dict]:
-    """Allocation stacks holding the most bytes just after entry `index`, largest first."""
-    al = rep.allocations
-    live = al.live_at(index)
-    if not live.any():
-        return []
-    sid = al.stack_id[live].astype(np.int64) + 1  # shift -1 ("no stack") to 0
-    nbytes = np.bincount(sid, weights=al.size[live].astype(np.float64))
-    count = np.bincount(sid)
-    order = np.argsort(-nbytes, kind="stable")[:limit]
-    out = []
-    for s in order:
-        if nbytes[s] <= 0:
-            break
-        out.append({"bytes": int(nbytes[s]), "count": int(count[s]), "frames": user_frames(trace, int(s) - 1)})
-    return out
+    """Allocation sites holding the most bytes just after entry `index`, largest first (see sites.py)."""
+    return [public(g) for g in group_sites(trace, rep, rep.allocations.live_at(index), limit)]
 
 
 def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
@@ -145,6 +133,8 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None) -
     found += oom_findings(trace, rep, rules)
     found += advice_findings(trace, rep.device, summary["categories_at_peak"], rep.peak_allocated,
                              rep.peak_index, spikes)
+    for f in found:
+        f["label"] = trace.device_label(rep.device)  # every finding names its device
     return found
 
 
@@ -160,64 +150,99 @@ def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
 
     p = rep.peak_index
     stacks = top_stacks(trace, rep, p, limit=5)
-    when = "before the first trace entry" if p < 0 else f"at trace entry {p}"
+    phase, iteration, during = when(trace, rep.device, p)
+    at = "before the first trace entry" if p < 0 else f"at trace entry {p}"
+    largest = f"; largest site: {fmt_bytes(stacks[0]['bytes'])} from {stacks[0]['where']}" if stacks else ""
     return {"kind": "peak", "device": rep.device, "bytes": rep.peak_allocated, "index": p,
-            "time_us": time_of(trace, rep, p),
-            "summary": f"{trace.device_label(rep.device)} peaks at {fmt_bytes(rep.peak_allocated)} allocated {when}",
-            "frames": stacks[0]["frames"] if stacks else [], "top_stacks": stacks}
+            "time_us": time_of(trace, rep, p), "phase": phase, "iteration": iteration,
+            "summary": f"{trace.device_label(rep.device)} peaks at {fmt_bytes(rep.peak_allocated)} allocated {at}"
+                       f"{' ' + during if during else ''}{largest}",
+            "frames": stacks[0]["frames"] if stacks else [], "where": stacks[0]["where"] if stacks else None,
+            "top_stacks": stacks}
 
 
 MIN_FRAGMENTATION_SHARE = 0.05  # of peak reserved, at the peak or at its worst
 
 
 def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
-    """Reserved but unallocated memory at the peak and at its worst; None if reserved is unknown."""
+    """Reserved but unallocated memory where it matters: at the peak, and when the cache could not serve a request.
+
+    The cache could not serve a request when the allocator asked CUDA for a
+    new segment (the entry before a segment_alloc) or failed (an oom entry):
+    what it held unused then was too fragmented to use. Idle moments (after
+    an OOM, the first and last entries) are not measured. None if reserved is unknown.
+    """
+    from ..model import SEGMENT_ALLOC, SEGMENT_MAP
     from .units import fmt_bytes
 
     if rep.reserved is None or rep.n == 0 or not rep.reserved.any():
         return None
     if (trace.recorder or {}).get("backend") == "cpu":
         return None  # no caching allocator: CPU "segments" are the blocks themselves
-    waste = rep.reserved - rep.allocated
-    worst = int(np.argmax(waste))
+    action = trace.events.action[rep.events]
+    # large-pool growth only: a 2 MiB small-pool segment says nothing about large free blocks
+    grows = np.flatnonzero(np.isin(action, (SEGMENT_ALLOC, SEGMENT_MAP)) & (trace.events.size[rep.events] > 2 << 20))
+    ooms = np.flatnonzero(action == OOM)
     p = rep.peak_index
-    at_peak = (rep.reserved_at(p) or 0) - rep.peak_allocated
     reserved_peak = rep.reserved_at(p) or 0
+    at_peak = reserved_peak - rep.peak_allocated
     share = at_peak / reserved_peak if reserved_peak else 0.0
-    if max(at_peak, int(waste[worst])) < MIN_FRAGMENTATION_SHARE * (rep.peak_reserved or 0):
+    points = np.concatenate([grows[grows > 0] - 1, ooms]).astype(np.int64)
+    waste = rep.reserved[points] - rep.allocated[points] if len(points) else np.zeros(0, np.int64)
+    k = int(np.argmax(waste)) if len(points) else -1
+    worst, worst_bytes = (int(points[k]), int(waste[k])) if k >= 0 and waste[k] > at_peak else (p, int(at_peak))
+    if max(at_peak, worst_bytes) < MIN_FRAGMENTATION_SHARE * (rep.peak_reserved or 0):
         return None  # too little to be worth a finding (the device figures still show it)
     settings = trace.meta.get("allocator_settings") or {}
     remedy = ""
-    if share >= 0.2 and at_peak >= 256 * 2**20 and not settings.get("expandable_segments"):
+    if (share >= 0.2 and at_peak >= 256 * 2**20 or len(ooms)) and not settings.get("expandable_segments"):
         remedy = (" Setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets segments grow in place "
                   "and usually returns most of this.")
+    why = "at an out-of-memory error" if worst in set(ooms.tolist()) else "when the allocator had to reserve more"
+    worst_text = f"; {fmt_bytes(worst_bytes)} unused {why} (entry {worst})" if worst != p else ""
     return {"kind": "fragmentation", "device": rep.device, "bytes": int(at_peak), "index": p,
-            "worst_index": worst, "worst_bytes": int(waste[worst]), "share_at_peak": round(share, 4),
-            "mean_bytes": int(waste.mean()),
-            "summary": (f"{fmt_bytes(at_peak)} reserved but not allocated at the peak ({share:.0%} of reserved); "
-                        f"at worst {fmt_bytes(waste[worst])} at entry {worst}.{remedy}"),
+            "worst_index": worst, "worst_bytes": worst_bytes, "share_at_peak": round(share, 4),
+            "summary": (f"{fmt_bytes(at_peak)} reserved but not allocated at the peak ({share:.0%} of reserved)"
+                        f"{worst_text}.{remedy}"),
             "frames": []}
 
 
 def oom_findings(trace: Trace, rep: DeviceReplay, rules=None) -> list[dict]:
+    """Each out-of-memory entry: the request, what the device had free, what was live by site and category."""
+    from .categories import categorize
     from .timeline import categories_at
     from .units import fmt_bytes
 
     ev = trace.events
     sl = rep.events
+    cats = categorize(trace, rules)[rep.device]
     out = []
     for i in np.flatnonzero(ev.action[sl] == OOM):
         i = int(i)
         row = sl.start + i
         request, free = int(ev.size[row]), int(ev.device_free[row])
         live = rep.allocated_at(i)
-        frames = user_frames(trace, int(ev.stack_id[row]))
+        asked = site_info(trace, int(ev.stack_id[row]))
         by_cat = {k: int(v[0]) for k, v in categories_at(trace, rep.device, [i], rules).items() if v[0]}
+        groups = group_sites(trace, rep, rep.allocations.live_at(i), limit=5)
+        for g in groups:
+            g["by_category"] = {k: v for k, v in cats.bytes_by_category(rep.allocations.size, _rows_mask(cats, g)).items() if v}
+        held = "; ".join(f"{fmt_bytes(g['bytes'])} from {g['where']} ({shares(g['by_category'], 2)})" for g in groups[:3])
+        _, _, during = when(trace, rep.device, i)
         out.append({"kind": "oom", "device": rep.device, "bytes": request, "index": i,
                     "time_us": time_of(trace, rep, i), "device_free_bytes": free, "allocated_bytes": live,
                     "reserved_bytes": rep.reserved_at(i), "live_by_category": by_cat,
-                    "summary": (f"out of memory at entry {i}: asked for {fmt_bytes(request)} with "
-                                f"{fmt_bytes(free)} free on the device and {fmt_bytes(live)} allocated"
-                                f"{' (' + shares(by_cat) + ')' if by_cat else ''}"),
-                    "frames": frames, "top_stacks": top_stacks(trace, rep, i, limit=5)})
+                    "summary": (f"out of memory at entry {i}{' ' + during if during else ''}: "
+                                f"{asked['where']} asked for {fmt_bytes(request)} with {fmt_bytes(free)} free on the "
+                                f"device and {fmt_bytes(live)} allocated"
+                                f"{' (' + shares(by_cat) + ')' if by_cat else ''}"
+                                f"{'; live: ' + held if held else ''}"),
+                    "frames": asked["frames"], "where": asked["where"],
+                    "top_stacks": [public(g) for g in groups]})
     return out
+
+
+def _rows_mask(cats, group) -> np.ndarray:
+    m = np.zeros(len(cats.labels), bool)
+    m[group["rows"]] = True
+    return m

@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..model import Trace
-from .frames import user_frames
-from .frames import where
-from .phases import PHASES, phases
+from .phases import phases, when
 from .replay import DeviceReplay, replay
+from .sites import group_sites, public
 from .units import fmt_bytes
 
 MIN_SHARE = 0.10  # of the device's peak
@@ -25,10 +24,17 @@ MAX_SPIKES = 3
 
 
 def transient_mask(trace: Trace, rep: DeviceReplay) -> np.ndarray:
-    """Per allocation: made and freed within one phase run (or a short window without phases)."""
+    """Per allocation: made and freed within one phase run (or a short window without phases).
+
+    What is live at an out-of-memory error is a build-up, freed only because
+    the error unwound the step: never transient."""
+    from ..model import OOM
+
     al = rep.allocations
     a, f = al.alloc_index, al.free_index
     both = (a >= 0) & (f >= 0)
+    for i in np.flatnonzero(trace.events.action[rep.events] == OOM).tolist():
+        both &= ~((a <= i) & (f > i))
     p = phases(trace)[rep.device]
     if p.source == "none" or not rep.n:
         return both & (f - a <= max(16, rep.n // 100))
@@ -63,7 +69,7 @@ def spike_findings(trace: Trace, device: int) -> list[dict]:
     found, seen = [], {}
     for i in tops.tolist():
         groups = _groups_at(trace, rep, mask, i)
-        key = (int(p.phase[i]), groups[0]["stack_id"] if groups else -1)
+        key = (int(p.phase[i]), groups[0]["where"] if groups else "")
         if key in seen:  # the same spike in another iteration
             seen[key]["repeats"] += 1
             continue
@@ -79,19 +85,7 @@ def spike_findings(trace: Trace, device: int) -> list[dict]:
 
 
 def _groups_at(trace, rep, mask, i, limit=5):
-    al = rep.allocations
-    live = mask & al.live_at(i)
-    sid = al.stack_id[live].astype(np.int64)
-    uniq, inv = np.unique(sid, return_inverse=True)
-    nbytes = np.bincount(inv, weights=al.size[live].astype(np.float64))
-    count = np.bincount(inv)
-    out = []
-    for k in np.argsort(-nbytes, kind="stable")[:limit]:
-        rows = np.flatnonzero(live)[inv == k]
-        out.append({"stack_id": int(uniq[k]), "bytes": int(nbytes[k]), "count": int(count[k]),
-                    "frames": user_frames(trace, int(uniq[k])),
-                    "start_index": int(al.alloc_index[rows].min()), "end_index": int(al.free_index[rows].max())})
-    return out
+    return group_sites(trace, rep, mask & rep.allocations.live_at(i), limit)
 
 
 def _finding(trace, rep, mask, curve, i, groups):
@@ -100,20 +94,17 @@ def _finding(trace, rep, mask, curve, i, groups):
     spike = int(curve[i])
     base = rep.allocated_at(i) - spike
     p = phases(trace)[rep.device]
-    phase = PHASES[int(p.phase[i])] if p.source != "none" else None
-    when = f"in the {phase} pass" if phase and phase != "none" else "between steps" if phase else ""
-    if phase and p.iteration[i] >= 0:
-        when += f" of iteration {int(p.iteration[i])}"
+    phase, _, when_text = when(trace, rep.device, i)
     frames = groups[0]["frames"] if groups else []
     at_peak = rep.allocated_at(i) >= rep.peak_allocated
     summary = (f"{fmt_bytes(spike)} of short-lived allocations on top of {fmt_bytes(base)} at entry {i}"
-               f"{' ' + when if when else ''}{' (this is the peak)' if at_peak else ''}; "
-               f"largest: {fmt_bytes(groups[0]['bytes'])} from {where(frames)}" if groups else "")
+               f"{' ' + when_text if when_text else ''}{' (this is the peak)' if at_peak else ''}; "
+               f"largest: {fmt_bytes(groups[0]['bytes'])} from {groups[0]['where']}" if groups else "")
     return {
         "kind": "spike", "device": rep.device, "bytes": spike, "index": int(i),
         "start_index": int(al.alloc_index[live].min()), "end_index": int(al.free_index[live].max()),
         "baseline_bytes": int(base), "allocated_bytes": rep.allocated_at(i), "phase": phase,
         "iteration": int(p.iteration[i]) if p.source != "none" else None, "at_peak": bool(at_peak),
-        "repeats": 1, "summary": summary, "frames": frames,
-        "top_stacks": [{k: g[k] for k in ("bytes", "count", "frames", "start_index", "end_index")} for g in groups],
+        "repeats": 1, "summary": summary, "frames": frames, "where": groups[0]["where"] if groups else None,
+        "top_stacks": [public(g) for g in groups],
     }

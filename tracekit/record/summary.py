@@ -15,6 +15,7 @@ def model_summary(model) -> dict:
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "repeated_blocks": max((len(m) for m in model.modules() if type(m).__name__ == "ModuleList"), default=0),
     }
 
 

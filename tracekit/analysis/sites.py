@@ -1,0 +1,177 @@
+"""Allocation sites as a user reads them: their own line first, grouped by it.
+
+A site is the user's frame that made an allocation. Allocations whose stack
+holds no user frame at all (the autograd engine's thread in the backward
+pass, recorded with C++ stacks) take the user's line that ran that pass (the
+`loss.backward()` call seen on entries of the same phase run), and say which
+autograd node made them. Sites group by (user frame, autograd node), so one
+line never shows twice and the engine's work splits by node.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model import Trace
+from .frames import USER, describe, frame_kinds, is_user, user_first, where
+from .memo import per_trace
+from .phases import phases
+from .replay import DeviceReplay
+
+_NODE = re.compile(r"(\w+Backward\d*)(::apply|_apply_functional)|(AccumulateGrad)")
+
+
+@dataclass
+class StackSites:
+    """Per stack id + 1 (0: no stack): its first user frame and its autograd node."""
+
+    user_frame: np.ndarray  # int32 frame id, -1 where the stack has no user frame
+    node: np.ndarray  # int32 string id of the innermost autograd node name, 0 where none
+
+
+@per_trace
+def stack_sites(trace: Trace) -> StackSites:
+    st = trace.stacks
+    n = len(st)
+    user = np.full(n + 1, -1, np.int32)
+    node = np.zeros(n + 1, np.int32)
+    if not n or not len(st.frame_ids):
+        return StackSites(user, node)
+    kinds = frame_kinds(trace)
+    node_of_frame = np.zeros(len(trace.frames), np.int32)
+    names = trace.frames.name
+    seen = {}
+    for i, nid in enumerate(names.tolist()):
+        v = seen.get(nid)
+        if v is None:
+            m = _NODE.search(trace.strings[nid])
+            v = seen[nid] = trace.strings.intern(m.group(1) or m.group(3)) if m else 0
+        node_of_frame[i] = v
+    fids = st.frame_ids
+    nonempty = np.diff(st.offsets) > 0
+    starts = st.offsets[:-1][nonempty]
+    big = np.iinfo(np.int64).max
+    pos = np.arange(len(fids), dtype=np.int64)
+    first_user = np.minimum.reduceat(np.where(kinds[fids] == USER, pos, big), starts)
+    first_node = np.minimum.reduceat(np.where(node_of_frame[fids] > 0, pos, big), starts)
+    rows = np.flatnonzero(nonempty) + 1
+    ok = first_user < big
+    user[rows[ok]] = fids[first_user[ok]]
+    ok = first_node < big
+    node[rows[ok]] = node_of_frame[fids[first_node[ok]]]
+    return StackSites(user, node)
+
+
+@dataclass
+class AllocationSites:
+    """Per allocation of a device: the stack that names its site, and its group key."""
+
+    site_stack: np.ndarray  # int32: own stack, or the stack of the user's line that ran its pass
+    key: np.ndarray  # int64: (user frame, node) packed; allocations with equal keys are one site
+    borrowed: np.ndarray  # bool: the site comes from the pass, not the allocation's own stack
+
+
+def allocation_sites(trace: Trace, rep: DeviceReplay) -> AllocationSites:
+    return _allocation_sites(trace, rep.device)
+
+
+@per_trace
+def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
+    from .replay import replay
+
+    rep = replay(trace)[device]
+    al = rep.allocations
+    ss = stack_sites(trace)
+    stack = trace.events.stack_id[rep.events]
+    n = rep.n
+    entry_site = stack.copy()
+    if n:
+        has_user = ss.user_frame[stack.astype(np.int64) + 1] >= 0
+        runs = phases(trace)[device].runs()
+        idx = np.arange(n)
+        prev = np.maximum.accumulate(np.where(has_user, idx, -1))
+        nxt = np.minimum.accumulate(np.where(has_user, idx, n)[::-1])[::-1]
+        ok_prev = (prev >= 0) & (runs[np.maximum(prev, 0)] == runs)
+        ok_next = (nxt < n) & (runs[np.minimum(nxt, n - 1)] == runs)
+        take = np.where(ok_prev, prev, np.where(ok_next, nxt, -1))
+        borrow = ~has_user & (take >= 0) & (stack >= 0)
+        entry_site = np.where(borrow, stack[np.maximum(take, 0)], stack)
+    own = al.stack_id.astype(np.int64)
+    site = own.copy()
+    traced = al.alloc_index >= 0
+    if n:
+        site[traced] = entry_site[al.alloc_index[traced]]
+    borrowed = site != own
+    user = ss.user_frame[site + 1].astype(np.int64)
+    nodes = ss.node[own + 1].astype(np.int64)
+    # no user frame: the stack itself is the site; no stack at all: what the categories say of it
+    from .categories import categorize
+
+    reason = categorize(trace)[device].reason.astype(np.int64)
+    first = np.where(user >= 0, user, np.where(own >= 0, -2 - own, -(1 << 40) - reason))
+    key = first * (len(trace.strings) + 1) + np.where(user >= 0, nodes, 0)
+    return AllocationSites(site_stack=site.astype(np.int32), key=key, borrowed=borrowed)
+
+
+def site_frames(trace: Trace, own_stack: int, site_stack: int) -> list[dict]:
+    """The allocation's whole stack, user frames first; a borrowed site's user frames lead."""
+    own = user_first(trace.stack(own_stack)) if own_stack >= 0 else []
+    if site_stack == own_stack or site_stack < 0:
+        return own
+    return [f for f in trace.stack(site_stack) if is_user(f)] + own
+
+
+def site_info(trace: Trace, own_stack: int, site_stack: int | None = None) -> dict:
+    """frames (user first), user_frame, what the internal frames reveal, and the one-line site."""
+    site_stack = own_stack if site_stack is None else site_stack
+    frames = site_frames(trace, own_stack, site_stack)
+    what = describe(trace.stack(own_stack)) if own_stack >= 0 else ""
+    user = frames[0] if frames and is_user(frames[0]) else None
+    # a user line says where; what the internals reveal is added when it is not the line's own op
+    shown = what if user is None or site_stack != own_stack or what in _WORTH_SAYING else ""
+    return {"frames": frames, "user_frame": user, "what": what or None, "where": where(frames, shown)}
+
+
+# What internal frames reveal that the user's line alone does not.
+_WORTH_SAYING = {"cuBLAS workspace", "p.grad (AccumulateGrad)", "autocast cast", "NCCL / c10d communication buffer",
+                 "Triton autotuning buffer"}
+
+
+def group_sites(trace: Trace, rep: DeviceReplay, mask: np.ndarray, limit: int = 10) -> list[dict]:
+    """Sites of the masked allocations, largest first: bytes, count, first/last entry, and site_info."""
+    al = rep.allocations
+    rows = np.flatnonzero(mask)
+    if not len(rows):
+        return []
+    sites = allocation_sites(trace, rep)
+    uniq, inv = np.unique(sites.key[rows], return_inverse=True)
+    nbytes = np.bincount(inv, weights=al.size[rows].astype(np.float64))
+    count = np.bincount(inv)
+    out = []
+    for k in np.argsort(-nbytes, kind="stable")[:limit]:
+        if nbytes[k] <= 0:
+            break
+        members = rows[inv == k]
+        lead = members[np.argmax(al.size[members])]
+        info = site_info(trace, int(al.stack_id[lead]), int(sites.site_stack[lead]))
+        if al.stack_id[lead] < 0:
+            info["where"] = f"(no stack) {_reason(trace, rep, lead)}"
+        out.append({"bytes": int(nbytes[k]), "count": int(count[k]), **info,
+                    "stack_id": int(al.stack_id[lead]),
+                    "start_index": int(al.alloc_index[members].min()), "end_index": int(al.free_index[members].max()),
+                    "rows": members})
+    return out
+
+
+def _reason(trace, rep, row) -> str:
+    from .categories import categorize
+
+    c = categorize(trace)[rep.device]
+    return f"{c.names[c.labels[row]]}: {c.reasons[c.reason[row]]}"
+
+
+def public(group: dict) -> dict:
+    """A site group as JSON-ready builtins (drops the row indices)."""
+    return {k: v for k, v in group.items() if k not in ("rows", "stack_id")}
