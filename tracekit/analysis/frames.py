@@ -101,7 +101,7 @@ def describe(frames: list[dict]) -> str:
                 return text.format(*(g for g in m.groups() if g)) if m.groups() else text
     for f in frames:
         if frame_kind(f.get("filename", ""), f.get("name", ""), f.get("line")) == LIB:
-            return where([f])
+            return f"{short_path(f['filename'])}:{f['line']} in {f['name']}"
     return ""
 
 
