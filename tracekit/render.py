@@ -24,9 +24,13 @@ def report_text(report: dict, t0_by_device=None) -> str:
     for d in report["devices"]:
         t0 = t0_by_device.get(d["device"])
         out.append(f"Device {d['label']}  ({d['entries']} trace entries)")
+        during = f" ({d['peak_phase']}{'' if d.get('peak_iteration') is None else ' ' + str(d['peak_iteration'])})" \
+            if d.get("peak_phase") else ""
         pairs = [
             ("peak allocated", f"{fmt_bytes(d['peak_allocated_bytes']):>10}  "
-                               f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}"),
+                               f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}{during}"),
+            ("in blocks", f"{fmt_bytes(d.get('peak_allocated_block_bytes') or 0):>10}  peak as the allocator counts it "
+                          f"(requests rounded to its blocks)"),
             ("peak reserved", f"{fmt_bytes(d['peak_reserved_bytes']):>10}"),
             ("before the trace", f"{fmt_bytes(d['allocated_before_trace_bytes']):>10}  allocated when recording began"),
             ("final allocated", f"{fmt_bytes(d['final_allocated_bytes']):>10}"),
@@ -37,6 +41,10 @@ def report_text(report: dict, t0_by_device=None) -> str:
             share = d["fragmentation_at_peak_bytes"] / r if r else 0
             pairs.append(("unused at peak", f"{fmt_bytes(d['fragmentation_at_peak_bytes']):>10}  "
                                             f"reserved but not allocated ({share:.0%})"))
+        stats = d.get("allocator_stats") or {}
+        if stats.get("max_memory_allocated") is not None:
+            pairs.append(("allocator says", f"{fmt_bytes(stats['max_memory_allocated']):>10}  "
+                                             f"torch.cuda.max_memory_allocated() when recording stopped"))
         if d["oom_count"]:
             pairs.append(("out of memory", f"{d['oom_count']:>10}  OOM entries"))
         inv = d["replay_invariant"]
@@ -47,7 +55,11 @@ def report_text(report: dict, t0_by_device=None) -> str:
             out.append("  at the peak, by category:")
             total = sum(d["categories_at_peak"].values()) or 1
             cats = sorted(d["categories_at_peak"].items(), key=lambda kv: -kv[1])
-            out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}") for c, b in cats if b], indent="    ")
+            why = {}
+            for r in d.get("reasons_at_peak") or []:  # largest first: the main reason of each category
+                why.setdefault(r["category"], r["reason"])
+            out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}  {why.get(c, '')}".rstrip()) for c, b in cats if b],
+                         indent="    ")
         out += _phase_rows(d)
         if d["top_stacks_at_peak"]:
             out.append("  live at the peak, by allocation site:")

@@ -263,6 +263,44 @@ def block_size(requested):
     return np.where((r >= MIN_LARGE_ALLOC) & (big - b <= SMALL_SIZE), big, b)
 
 
+@dataclass
+class AllocatorBytes:
+    """A device's allocated bytes in the allocator's sense (block sizes, as torch.cuda.memory_allocated counts)."""
+
+    sizes: np.ndarray  # int64 per allocation: its block size
+    curve: np.ndarray  # int64 per entry
+    initial: int
+
+    @property
+    def peak(self) -> int:
+        return int(max(self.initial, self.curve.max())) if len(self.curve) else self.initial
+
+    @property
+    def final(self) -> int:
+        return int(self.curve[-1]) if len(self.curve) else self.initial
+
+
+def allocator_bytes(trace: Trace, rep: DeviceReplay) -> AllocatorBytes:
+    """Block sizes: exact for blocks in the final segments, traced requests rounded as the allocator rounds them.
+
+    The end state equals the final segments' active bytes whenever the replay invariant holds."""
+    al = rep.allocations
+    sizes = block_size(al.size) if len(al) else al.size.copy()
+    bmask = (trace.blocks.device == rep.device) & np.isin(trace.blocks.state, LIVE_STATES)
+    final = dict(zip(trace.blocks.addr[bmask].tolist(), trace.blocks.size[bmask].tolist()))
+    live_end = np.flatnonzero(al.free_index < 0)
+    for r in live_end.tolist():
+        b = final.get(int(al.addr[r]))
+        if b is not None:
+            sizes[r] = b
+    delta = np.zeros(rep.n + 1, np.int64)
+    traced, freed = al.alloc_index >= 0, al.free_index >= 0
+    np.add.at(delta, al.alloc_index[traced], sizes[traced])
+    np.add.at(delta, al.free_index[freed], -sizes[freed])
+    initial = int(sizes[~traced].sum()) + (rep.initial_allocated - int(al.size[~traced].sum()))
+    return AllocatorBytes(sizes=sizes, curve=initial + np.cumsum(delta[:-1]), initial=initial)
+
+
 def time_of(trace: Trace, rep: DeviceReplay, index: int) -> int | None:
     """time_us of a device's trace entry, or None when the file has no times."""
     if index < 0 or index >= rep.n:

@@ -35,6 +35,12 @@ def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
 
 
 def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
+    from .replay import allocator_bytes
+
+    blocks = allocator_bytes(trace, rep)
+    phase, iteration, _ = when(trace, rep.device, p)
+    stats = next((d.get("allocator_stats") for d in (trace.recorder or {}).get("devices") or []
+                  if isinstance(d, dict) and d.get("index") == rep.device and d.get("type") == "cuda"), None)
     return {
         "device": rep.device,
         "label": trace.device_label(rep.device),
@@ -42,6 +48,13 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
         "peak_allocated_bytes": rep.peak_allocated,
         "peak_event_index": p,
         "peak_time_us": time_of(trace, rep, p),
+        "peak_phase": phase,
+        "peak_iteration": iteration,
+        # requested bytes (what the trace records) above; the allocator's block sizes here, as
+        # torch.cuda.max_memory_allocated counts them (its own figures under allocator_stats when recorded)
+        "peak_allocated_block_bytes": blocks.peak,
+        "final_allocated_block_bytes": blocks.final,
+        "allocator_stats": stats,
         "peak_reserved_bytes": rep.peak_reserved,
         "peak_reserved_event_index": rep.peak_reserved_index,
         "allocated_before_trace_bytes": rep.initial_allocated,
@@ -102,8 +115,17 @@ def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
     for row in iteration_rows:
         row["categories_at_peak"], row["categories_at_end"] = at(k), at(k + 1)
         k += 2
+    reasons = np.bincount(cats.reason[live].astype(np.int64), weights=rep.allocations.size[live].astype(np.float64),
+                          minlength=len(cats.reasons))
+    by_reason = []
+    for r in np.flatnonzero(reasons > 0)[np.argsort(-reasons[reasons > 0], kind="stable")].tolist():
+        rows = live & (cats.reason == r)
+        label = int(np.bincount(cats.labels[rows].astype(np.int64)).argmax())
+        by_reason.append({"category": cats.names[label], "reason": cats.reasons[r], "bytes": int(reasons[r]),
+                          "count": int(rows.sum())})
     return {
         "categories_at_peak": at(0),
+        "reasons_at_peak": by_reason,
         "categories_at_end": at(1) if rep.n else at(0),
         "classified_at_peak": {m: int(b) for m, b in zip(METHODS, method_bytes)},
         "category_names": list(cats.names),

@@ -63,6 +63,7 @@ class CudaBackend:
             return
         try:
             self._snapshot = self._memory()._snapshot()
+            self._stats = allocator_stats()
         finally:
             self.restore()
 
@@ -91,8 +92,34 @@ class CudaBackend:
         out = []
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            out.append({"index": i, "type": "cuda", "name": props.name, "total_memory": int(props.total_memory)})
+            out.append({"index": i, "type": "cuda", "name": props.name, "total_memory": int(props.total_memory),
+                        **({"allocator_stats": getattr(self, "_stats", {})[i]} if i in getattr(self, "_stats", {}) else {})})
         return out
+
+
+# memory_stats() keys kept in the file, so reports can be checked against the allocator's own figures
+STAT_KEYS = ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
+             "reserved_bytes.all.peak", "active_bytes.all.peak", "requested_bytes.all.peak", "num_alloc_retries",
+             "num_ooms", "num_device_alloc", "num_device_free")
+
+
+def allocator_stats() -> dict:
+    """{device: {max_memory_allocated, max_memory_reserved, memory_stats subset}} when recording stops.
+
+    Peaks count since the process began or the user's last reset_peak_memory_stats
+    (we never reset them: that would change what the user's own code reads)."""
+    import torch
+
+    out = {}
+    try:
+        for i in range(torch.cuda.device_count()):
+            stats = torch.cuda.memory_stats(i)
+            out[i] = {"max_memory_allocated": int(torch.cuda.max_memory_allocated(i)),
+                      "max_memory_reserved": int(torch.cuda.max_memory_reserved(i)),
+                      "memory_stats": {k: int(stats[k]) for k in STAT_KEYS if k in stats}}
+    except Exception:  # noqa: BLE001 - figures for checking only; never fail a recording over them
+        pass
+    return out
 
 
 def history_enabled() -> bool:
