@@ -13,7 +13,7 @@ import numpy as np
 
 import tracekit
 from tracekit.analysis.categories import categorize
-from tracekit.analysis.frames import user_first, where
+from tracekit.analysis.sites import allocation_where, allocation_sites, site_frames
 from tracekit.analysis.phases import PHASES, phases
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
@@ -164,12 +164,18 @@ class Document:
         c = self.categories[device]
         return c.labels, list(c.names), c.method
 
+    def reason(self, device, row) -> str:
+        c = self.categories[device]
+        return c.reasons[int(c.reason[row])]
+
+    def allocation_frames(self, device, row) -> list:
+        """An allocation's whole stack, the user's line first (borrowed from its pass when it has none)."""
+        rep = self.replays[device]
+        site = allocation_sites(self.trace, rep).site_stack[row]
+        return site_frames(self.trace, int(rep.allocations.stack_id[row]), int(site))
+
     def where_table(self, device):
         """(strings, ids): the top user frame of each allocation, as an index into unique strings."""
         if device not in self._where:
-            sid = self.replays[device].allocations.stack_id
-            uniq, inv = np.unique(sid, return_inverse=True)
-            strings = np.array([where(user_first(self.trace.stack(int(s)))) if s >= 0 else "(no stack recorded)"
-                                for s in uniq], dtype=object)
-            self._where[device] = (strings, inv.astype(np.int32))
+            self._where[device] = allocation_where(self.trace, self.replays[device])
         return self._where[device]

@@ -22,7 +22,7 @@ def format_frames(frames) -> list[str]:
         return ["  (no stack recorded for this entry)"]
     lines, shown_sep = [], False
     for f in ordered:
-        if is_internal(f["filename"]) and not shown_sep:
+        if is_internal(f.get("filename", ""), f.get("name", ""), f.get("line")) and not shown_sep:
             lines.append("  ── torch / library internals ──")
             shown_sep = True
         short = re.split(r"[/\\]", f["filename"])[-1]
@@ -63,10 +63,12 @@ class Inspector(QWidget):
 
     def show_allocation(self, doc, device, row, category=None, method=None):
         al = doc.replays[device].allocations
+        why = doc.reason(device, row)
         a, f = int(al.alloc_index[row]), int(al.free_index[row])
         cat = category.replace("_", " ") + (f" ({METHOD_TEXT.get(method, method)})" if method else "")
         self.title.setText(f"<b>{fmt_bytes(al.size[row])}</b> · {cat} · address 0x{int(al.addr[row]):x}")
-        lines = [f"size       {int(al.size[row]):,} bytes",
+        lines = [f"what       {why}",
+                 f"size       {int(al.size[row]):,} bytes",
                  f"allocated  {self._when(doc, device, a, 'before the trace began')}",
                  f"freed      {self._when(doc, device, f, 'still live at the end of the trace')}"]
         if a >= 0 and f >= 0 and doc.has_time(device):
@@ -75,7 +77,7 @@ class Inspector(QWidget):
         elif a >= 0 and f >= 0:
             lines.append(f"lifetime   {f - a:,} entries")
         lines += ["", "Allocated at (innermost first, your code first):"]
-        lines += format_frames(doc.trace.stack(int(al.stack_id[row])))
+        lines += format_frames(doc.allocation_frames(device, row))
         if al.free_stack_id[row] >= 0:
             lines += ["", "Freed at:"] + format_frames(doc.trace.stack(int(al.free_stack_id[row])))
         self.text.setPlainText("\n".join(lines))
@@ -90,9 +92,10 @@ class Inspector(QWidget):
         frames = finding.get("frames") or []
         if frames:
             lines += ["", "Stack (your code first):"] + format_frames(frames)
-        for s in finding.get("stacks") or []:
+        for s in (finding.get("top_stacks") or [])[1:]:
             if isinstance(s, dict) and s.get("frames"):
-                lines += ["", f"{fmt_bytes(s.get('bytes'))} in {s.get('count', '?')} allocations from:"]
+                lines += ["", f"{fmt_bytes(s.get('bytes'))} in {s.get('count', '?')} allocations from "
+                              f"{s.get('where') or ''}:"]
                 lines += format_frames(s["frames"])[:6]
         self.text.setPlainText("\n".join(lines))
 

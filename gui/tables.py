@@ -16,7 +16,7 @@ from tracekit.analysis.replay import BEFORE_TRACE
 
 from .palette import category_color, fmt_bytes, fmt_duration_us
 
-COLUMNS = ("Size", "Category", "Allocated at", "Freed at", "Lifetime", "Where (top user frame)", "Address")
+COLUMNS = ("Size", "Category", "Allocated at", "Freed at", "Lifetime", "Where (your line)", "Address")
 SIZE, CATEGORY, ALLOCATED, FREED, LIFETIME, WHERE, ADDRESS = range(len(COLUMNS))
 ROW_ROLE = Qt.UserRole + 1  # the allocation's row in replay(trace)[device].allocations
 
@@ -166,7 +166,7 @@ class AllocationsModel(QAbstractTableModel):
 
     def _tooltip(self, row, col):
         if col == CATEGORY:
-            return f"classified by {self.method_of(row)}"
+            return f"{self.doc.reason(self.device, row)} (classified by {self.method_of(row)})"
         if col == SIZE:
             return f"{int(self.al.size[row]):,} bytes"
         if col == ALLOCATED and self.al.origin[row] == BEFORE_TRACE:

@@ -165,6 +165,20 @@ def group_sites(trace: Trace, rep: DeviceReplay, mask: np.ndarray, limit: int = 
     return out
 
 
+def allocation_where(trace: Trace, rep: DeviceReplay) -> tuple[np.ndarray, np.ndarray]:
+    """(strings, ids): every allocation's one-line site, as an index into unique strings (tables, exports)."""
+    al = rep.allocations
+    sites = allocation_sites(trace, rep)
+    uniq, first, inv = np.unique(sites.key, return_index=True, return_inverse=True)
+    strings = np.empty(len(uniq), dtype=object)
+    for k, row in enumerate(first.tolist()):
+        if al.stack_id[row] < 0:
+            strings[k] = f"(no stack) {_reason(trace, rep, row)}"
+        else:
+            strings[k] = site_info(trace, int(al.stack_id[row]), int(sites.site_stack[row]))["where"]
+    return strings, inv.astype(np.int32)
+
+
 def _reason(trace, rep, row) -> str:
     from .categories import categorize
 
