@@ -69,7 +69,7 @@ def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_
     sys.exit(1 if problems else 0)
 
 
-CATEGORY_NAMES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other")
+from ..analysis.categories import CATEGORIES as CATEGORY_NAMES  # noqa: E402
 
 
 def over_budget(report, max_peak, max_reserved, budgets, no_leaks) -> list[dict]:
@@ -84,6 +84,9 @@ def over_budget(report, max_peak, max_reserved, budgets, no_leaks) -> list[dict]
     for d in report["devices"]:
         if max_peak is not None and (d["peak_allocated_bytes"] or 0) > max_peak:
             add("peak", d, d["peak_allocated_bytes"], max_peak, "peak allocated")
+            top = (d.get("top_stacks_at_peak") or [{}])[0]
+            if top.get("where"):
+                out[-1]["message"] += f"; largest site at the peak: {fmt_bytes(top['bytes'])} from {top['where']}"
         if max_reserved is not None and (d["peak_reserved_bytes"] or 0) > max_reserved:
             add("reserved", d, d["peak_reserved_bytes"], max_reserved, "peak reserved")
         at_peak = d.get("categories_at_peak", {})
