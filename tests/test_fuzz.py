@@ -28,7 +28,7 @@ from tracekit.io.unpickle import restricted_load
 
 from .conftest import FIXTURES, SAMPLES
 
-CASES = int(os.environ.get("TRACEKIT_FUZZ_CASES", "300"))
+CASES = int(os.environ.get("TRACEKIT_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("TRACEKIT_FUZZ_SEED", "20261123"))
 CASE_SECONDS = 20  # no single case may take longer (the slowest honest one takes well under 1 s)
 
@@ -98,7 +98,7 @@ def _containers(obj, rng, limit=6):
 def mutate_structure(obj, rng, as_pickle):
     obj = copy.deepcopy(obj)
     weird = WEIRD + (PICKLE_ONLY if as_pickle else [])
-    for _ in range(rng.randint(1, 4)):
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
         path = _containers(obj, rng)
         if not path:
             return rng.choice(weird)

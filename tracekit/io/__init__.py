@@ -15,7 +15,7 @@ import stat as _stat_mod
 from ..errors import Cancelled, LoadError, TracekitError
 from ..model import Trace
 from . import cache as _cache
-from .limits import (CappedReader, LimitExceeded, decompressed_cap, max_expansion, memory_budget, memory_limit,
+from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget, memory_limit,
                      over_memory_message, text)
 from .profiler import is_kineto, is_memory_timeline, kineto_to_trace, memory_timeline_to_trace
 from .progress import ProgressReader
@@ -35,6 +35,7 @@ def load(path, progress=None, use_cache=True) -> Trace:
     `Cancelled`. A columnar cache makes the second open of a file fast.
     """
     path = os.fspath(path)
+    check_settings(use_cache)
     st = _stat(path)
     key = _cache.key_for(path, st) if use_cache else None
     if key:
@@ -118,22 +119,24 @@ def _stat(path):
     return st
 
 
-def _head(path, n) -> bytes:
+def _open(path):
     try:
-        with open(path, "rb") as f:
-            return f.read(n)
+        return _cache.open_regular(path)
+    except IsADirectoryError:
+        raise LoadError(path, "it is not a regular file (save the data to a file and open that)") from None
     except OSError as e:
         raise LoadError(path, e.strerror or str(e)) from None
+
+
+def _head(path, n) -> bytes:
+    with _open(path) as f:
+        return f.read(n)
 
 
 def read_document(path, progress=None, size=None):
     """Decode a file to Python data. Returns (object, kind) with kind "pickle" or "JSON"."""
     size = size if size is not None else _stat(path).st_size
-    try:
-        raw = open(path, "rb")
-    except OSError as e:
-        raise LoadError(path, e.strerror or str(e)) from None
-    with raw:
+    with _open(path) as raw:
         head = raw.read(3)
         raw.seek(0)
         zipped = head[:2] == GZIP_MAGIC

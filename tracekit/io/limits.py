@@ -63,6 +63,13 @@ def memory_override():
     return None if mb is None else int(mb * MiB)
 
 
+def check_settings(use_cache=True) -> None:
+    """Validate every TRACEKIT_* setting that opening a file reads, before any work is done."""
+    max_expansion(), max_depth(), memory_override()
+    if use_cache:
+        env_number("TRACEKIT_CACHE_MAX_MB", 1024.0, minimum=0.0)
+
+
 def available_memory() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), else None (unknown)."""
     try:
@@ -206,21 +213,28 @@ def over_memory_message(budget, why) -> str:
 # -- depth and text ----------------------------------------------------------------------------------
 
 def check_depth(obj, what, limit=None):
-    """Raise LimitExceeded if `obj` (plain data) nests deeper than the limit. Iterative: any depth is safe."""
+    """Raise LimitExceeded if `obj` (plain data) nests deeper than the limit or contains itself.
+    Iterative, so any depth is safe; a container shared by reference is walked once."""
     limit = max_depth() if limit is None else limit
-    stack = [(obj, 1)]
-    seen = set()
+    stack = [(obj, 1, False)]
+    on_path, done = set(), set()
     while stack:
-        o, d = stack.pop()
-        if isinstance(o, (dict, list, tuple, set, frozenset)):
-            if id(o) in seen:
-                continue  # shared (or self-referencing) containers are checked once
-            seen.add(id(o))
-            if d > limit:
-                raise LimitExceeded(f"{what} is nested more than {limit} levels deep (TRACEKIT_MAX_DEPTH); "
-                                    "no memory snapshot is")
-            items = list(o.keys()) + list(o.values()) if isinstance(o, dict) else o
-            stack.extend((v, d + 1) for v in items)
+        o, d, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(o))
+            done.add(id(o))
+            continue
+        if not isinstance(o, (dict, list, tuple, set, frozenset)) or id(o) in done:
+            continue
+        if id(o) in on_path:
+            raise LimitExceeded(f"{what} contains itself; no memory snapshot does")
+        if d > limit:
+            raise LimitExceeded(f"{what} is nested more than {limit} levels deep (TRACEKIT_MAX_DEPTH); "
+                                "no memory snapshot is")
+        on_path.add(id(o))
+        stack.append((o, d, True))
+        items = list(o.keys()) + list(o.values()) if isinstance(o, dict) else o
+        stack.extend((v, d + 1, False) for v in items)
 
 
 _repr = reprlib.Repr()
