@@ -5,12 +5,17 @@ torch or Qt, and each command is a small module of its own.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 import sys
 
 import click
 
 from .errors import TracekitError
+
+# Commands that open files: any failure while they read or analyse one is one line and exit 2.
+READS_FILES = {"info", "report", "diff", "check"}
 
 # name -> (module in tracekit.commands, one-line help shown in `tracekit --help`)
 COMMANDS = {
@@ -38,7 +43,10 @@ class LazyGroup(click.Group):
             if e.name == f"tracekit.commands.{name}":
                 return None
             raise
-        return module.command
+        command = module.command
+        if name in READS_FILES and not getattr(command.callback, "guarded", False):
+            command.callback = guard(command.callback)
+        return command
 
     def format_commands(self, ctx, formatter):
         rows = [(n, COMMANDS[n]) for n in self.list_commands(ctx)]
@@ -53,8 +61,39 @@ def cli():
     """Record, classify and explain PyTorch memory use."""
 
 
+def guard(callback):
+    """The one guard for commands that read files: an unexpected exception while reading or
+    analysing a file becomes a TracekitError naming the file (one line, exit 2), not a traceback.
+    TRACEKIT_DEBUG=1 lets it through with its traceback, for a bug report."""
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except (TracekitError, click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:
+            if os.environ.get("TRACEKIT_DEBUG"):
+                raise
+            files = " and ".join(str(kwargs[k]) for k in ("file", "a", "b") if kwargs.get(k)) or "the file"
+            if isinstance(e, MemoryError):
+                raise TracekitError(f"cannot analyse {files}: out of memory") from None
+            what = "it is nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+            what = " ".join(what.split())
+            what = what if len(what) <= 300 else what[:300] + "..."
+            raise TracekitError(f"cannot analyse {files}: {what} (this is a bug in "
+                                "tracekit; please report it with the file, TRACEKIT_DEBUG=1 shows where)") from None
+
+    run.guarded = True
+    return run
+
+
 def main(argv=None):
     """Entry point: user errors become one line on stderr and exit code 2."""
+    for stream in (sys.stdout, sys.stderr):  # file names that are not UTF-8 print as their own bytes
+        try:
+            stream.reconfigure(errors="surrogateescape")
+        except (AttributeError, ValueError, OSError):
+            pass
     try:
         return cli.main(args=argv, prog_name="tracekit", standalone_mode=False)
     except click.exceptions.Exit as e:

@@ -1,6 +1,7 @@
 """Byte sizes for people: 1.5 GiB, 312.5 MiB; and back: "2GiB" -> 2147483648."""
 from __future__ import annotations
 
+import decimal
 import re
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -19,9 +20,28 @@ def fmt_bytes(n) -> str:
     return f"{sign}{n} B"
 
 
+MAX_BYTES = 2**63 - 1  # what an int64 byte count holds (8 EiB)
+
+
 def parse_bytes(text: str) -> int:
-    """Parse "2GiB", "512 MB", "1e9" or "1048576"; ValueError with a clear message otherwise."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (try 2GiB, 512MiB, 1.5GB or a number of bytes)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """Parse "2GiB", "512 MB", "1.5GB", "1e9" or "1048576" to bytes; ValueError with a clear message otherwise.
+
+    A number without a unit is bytes and must be whole ("1.5" is refused: give a unit, 1.5GiB); with a
+    unit it is rounded to the nearest byte. Negative, non-finite and over-8-EiB values are refused."""
+    shown = repr(str(text) if len(str(text)) <= 40 else str(text)[:40] + "...")
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]{1,6}))?\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(3).lower() not in _UNITS:
+        raise ValueError(f"{shown} is not a size (try 2GiB, 512MiB, 1.5GB or a whole number of bytes)")
+    number, exponent, unit = m.group(1), int(m.group(2) or 0), m.group(3).lower()
+    if exponent > 30:
+        raise ValueError(f"{shown} is larger than any memory (at most 8 EiB)")
+    with decimal.localcontext() as ctx:
+        ctx.prec = 80
+        value = decimal.Decimal(number).scaleb(exponent) * _UNITS[unit]
+        if unit in ("", "b") and value != value.to_integral_value():
+            raise ValueError(f"{shown} is not a whole number of bytes: add a unit (e.g. {number}GiB) "
+                             "or give an integer")
+        value = int(value.to_integral_value(decimal.ROUND_HALF_EVEN))
+    if value > MAX_BYTES:
+        raise ValueError(f"{shown} is larger than any memory (at most 8 EiB)")
+    return value

@@ -1,6 +1,9 @@
 """`tracekit check FILE`: a memory budget for CI. Exit 0 within budget, 1 over it, 2 on bad input.
 
     tracekit check step.pickle --max-peak 2GiB --max activation=1GiB --max optimizer_state=512MiB --no-leaks
+
+A SIZE is a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; 1.5GiB) or a whole number of
+bytes (1073741824, 1e9); anything else (1.5, -1, 1e999, inf) is refused in one line with exit 2.
 """
 from __future__ import annotations
 
@@ -9,7 +12,12 @@ import sys
 import click
 
 from ..analysis.units import fmt_bytes, parse_bytes
+from ..errors import TracekitError
 from ._common import file_argument, json_option, no_cache_option, open_trace, rules_option
+
+
+class BudgetError(TracekitError):
+    """A budget that is not a size: one line, exit 2 (never exit 1, which CI reads as over budget)."""
 
 
 def _size(ctx, param, value):
@@ -18,7 +26,7 @@ def _size(ctx, param, value):
     try:
         return parse_bytes(value)
     except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+        raise BudgetError(f"{param.opts[0]}: {e}") from None
 
 
 def _budgets(ctx, param, values):
@@ -26,11 +34,11 @@ def _budgets(ctx, param, values):
     for v in values:
         name, sep, size = v.partition("=")
         if not sep or not name.strip():
-            raise click.BadParameter(f"{v!r} is not CATEGORY=SIZE (e.g. activation=1GiB)")
+            raise BudgetError(f"--max: {v!r} is not CATEGORY=SIZE (e.g. activation=1GiB)")
         try:
             out[name.strip()] = parse_bytes(size)
         except ValueError as e:
-            raise click.BadParameter(f"{v!r}: {e}") from None
+            raise BudgetError(f"--max {name.strip()}: {e}") from None
     return out
 
 
@@ -53,8 +61,8 @@ def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_
     known = set(CATEGORY_NAMES) | {n for d in report["devices"] for n in d.get("category_names", [])}
     unknown = sorted(set(budgets) - known)
     if unknown:
-        raise click.BadParameter(f"unknown categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
-                                 f"(known: {', '.join(sorted(known))})", param_hint="--max")
+        raise BudgetError(f"--max: unknown categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(known))})")
     problems = over_budget(report, max_peak, max_reserved, budgets, no_leaks)
     if as_json:
         import json

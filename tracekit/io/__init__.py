@@ -1,21 +1,22 @@
 """Opening memory files: detect the format, read it safely, convert it to a Trace.
 
 `load(path)` is the one entry point. Every failure becomes a `LoadError` whose
-message names the file and what is wrong; nothing in a file is ever executed.
+message names the file and what is wrong; nothing in a file is ever executed,
+and reading is bounded in size, memory and nesting (see `limits`).
 """
 from __future__ import annotations
 
 import gzip
-
 import json
 import os
 import pickle
-import struct
-import zlib
+import stat as _stat_mod
 
-from ..errors import Cancelled, LoadError
+from ..errors import Cancelled, LoadError, TracekitError
 from ..model import Trace
 from . import cache as _cache
+from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget, memory_limit,
+                     over_memory_message, text)
 from .profiler import is_kineto, is_memory_timeline, kineto_to_trace, memory_timeline_to_trace
 from .progress import ProgressReader
 from .snapshot import SnapshotError, is_snapshot, snapshot_to_trace
@@ -24,6 +25,7 @@ from .unpickle import RefusedGlobal, RestrictedUnpickler
 __all__ = ["load", "read_document", "LoadError"]
 
 GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def load(path, progress=None, use_cache=True) -> Trace:
@@ -33,25 +35,43 @@ def load(path, progress=None, use_cache=True) -> Trace:
     `Cancelled`. A columnar cache makes the second open of a file fast.
     """
     path = os.fspath(path)
-    stat = _stat(path)
-    key = _cache.key_for(path, stat) if use_cache else None
+    check_settings(use_cache)
+    st = _stat(path)
+    key = _cache.key_for(path, st) if use_cache else None
     if key:
         trace = _cache.read(key, path)
         if trace is not None:
             if progress:
                 progress(1.0, "loaded from cache")
             return trace
-    obj, kind = read_document(path, progress, size=stat.st_size)
+    zipped = _head(path, 2) == GZIP_MAGIC
+    budget, why = memory_budget(st.st_size * (min(max_expansion(), 40) if zipped else 1))
     try:
-        trace = to_trace(obj, path, progress)
-        trace.meta.update(container=kind, file_bytes=stat.st_size)
-    except (SnapshotError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-        raise LoadError(path, _not_a_trace(obj, kind, e)) from None
-    finally:
-        del obj
+        with memory_limit(budget):
+            trace = _read_and_convert(path, st, progress)
+    except MemoryError:
+        raise LoadError(path, over_memory_message(budget, why)) from None
     if key:
         _cache.write(key, trace)
     return trace
+
+
+def _read_and_convert(path, st, progress) -> Trace:
+    obj, kind = read_document(path, progress, size=st.st_size)
+    try:
+        trace = to_trace(obj, path, progress)
+        trace.meta.update(container=kind, file_bytes=st.st_size)
+        return trace
+    except (Cancelled, LoadError, MemoryError):
+        raise
+    except LimitExceeded as e:
+        raise LoadError(path, str(e)) from None
+    except RecursionError:
+        raise LoadError(path, "it is nested too deeply to be a memory snapshot") from None
+    except Exception as e:  # any other wrong shape: say what we can, never a traceback
+        raise LoadError(path, _not_a_trace(obj, kind, e)) from None
+    finally:
+        del obj
 
 
 def to_trace(obj, path, progress=None) -> Trace:
@@ -66,14 +86,16 @@ def to_trace(obj, path, progress=None) -> Trace:
 
 
 def _not_a_trace(obj, kind, error) -> str:
-    if str(error):
-        return f"it is not a valid memory snapshot: {error}"
+    msg = str(error)
+    if msg and isinstance(error, ValueError):  # SnapshotError and the loaders' ValueErrors say what is wrong
+        return f"it is not a valid memory snapshot: {_short(msg, 400)}"
+    if msg:
+        return f"it is not a valid memory file ({type(error).__name__}: {_short(msg)})"
     if isinstance(obj, dict):
-        keys = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
+        keys = ", ".join(repr(k[:40]) if isinstance(k, str) else text(k) for k in list(obj)[:6]) or "none"
         return (f"it is a {kind} dict without 'segments' or 'traceEvents' (keys: {keys}), "
                 "so it is neither a PyTorch memory snapshot nor a profiler trace")
-    what = type(obj).__name__
-    return (f"it is a {kind} {what}, not a PyTorch memory snapshot "
+    return (f"it is a {kind} {type(obj).__name__}, not a PyTorch memory snapshot "
             "(expected a dict with 'segments', a profiler trace, or a memory timeline)")
 
 
@@ -84,50 +106,69 @@ def _stat(path):
         raise LoadError(path, "no such file") from None
     except PermissionError:
         raise LoadError(path, "permission denied") from None
-    except OSError as e:
-        raise LoadError(path, e.strerror or str(e)) from None
-    if os.path.isdir(path):
+    except (OSError, ValueError) as e:
+        raise LoadError(path, getattr(e, "strerror", None) or str(e)) from None
+    if _stat_mod.S_ISDIR(st.st_mode):
         raise LoadError(path, "it is a directory, not a file")
+    if not _stat_mod.S_ISREG(st.st_mode):
+        kind = ("a named pipe (FIFO)" if _stat_mod.S_ISFIFO(st.st_mode) else "a socket" if _stat_mod.S_ISSOCK(st.st_mode)
+                else "a device" if _stat_mod.S_ISCHR(st.st_mode) or _stat_mod.S_ISBLK(st.st_mode) else "a special file")
+        raise LoadError(path, f"it is {kind}, not a regular file (save the data to a file and open that)")
     if st.st_size == 0:
         raise LoadError(path, "the file is empty (0 bytes)")
     return st
 
 
-def read_document(path, progress=None, size=None):
-    """Decode a file to Python data. Returns (object, kind) with kind "pickle" or "JSON"."""
-    size = size if size is not None else os.path.getsize(path)
+def _open(path):
     try:
-        raw = open(path, "rb")
+        return _cache.open_regular(path)
+    except IsADirectoryError:
+        raise LoadError(path, "it is not a regular file (save the data to a file and open that)") from None
     except OSError as e:
         raise LoadError(path, e.strerror or str(e)) from None
-    with raw:
-        head = raw.read(2)
+
+
+def _head(path, n) -> bytes:
+    with _open(path) as f:
+        return f.read(n)
+
+
+def read_document(path, progress=None, size=None):
+    """Decode a file to Python data. Returns (object, kind) with kind "pickle" or "JSON"."""
+    size = size if size is not None else _stat(path).st_size
+    with _open(path) as raw:
+        head = raw.read(3)
         raw.seek(0)
-        zipped = head == GZIP_MAGIC
+        zipped = head[:2] == GZIP_MAGIC
         reader = ProgressReader(raw, size, progress, span=(0.0, 0.8)) if progress else raw
-        stream = gzip.GzipFile(fileobj=reader, mode="rb") if zipped else reader
+        stream = CappedReader(gzip.GzipFile(fileobj=reader, mode="rb"), *decompressed_cap(size)) if zipped else reader
+        first = b""
         try:
-            first = _first_byte(stream)
+            first = _first_bytes(stream)
             prefix = "gzip-compressed " if zipped else ""
-            if first in b"{[ \t\r\n":
-                return _read_json(stream, path, zipped), prefix + "JSON"
-            if first in b"\x80(]}":
+            if first.startswith(UTF8_BOM) or first[:1] in b"{[ \t\r\n":
+                return _read_json(stream, path), prefix + "JSON"
+            if first[:1] in b"\x80(]}":
                 return _read_pickle(stream, path, zipped), prefix + "pickle"
-        except (gzip.BadGzipFile, EOFError, zlib.error, OSError) as e:
+        except (LoadError, Cancelled, MemoryError):
+            raise
+        except LimitExceeded as e:
+            raise LoadError(path, str(e)) from None
+        except Exception as e:  # gzip.BadGzipFile, EOFError, zlib.error, OSError, ...
             if not zipped:
                 raise LoadError(path, f"it could not be read ({e})") from None
             raise LoadError(path, f"it is a gzip file that is truncated or corrupt ({e})") from None
-    shown = " ".join(f"{b:02x}" for b in head + first)
+    shown = " ".join(f"{b:02x}" for b in (head[:2] + first[:1] if zipped else head[:3]))
     wrapped = "gzip-compressed data that is" if zipped else "a file that is"
     raise LoadError(path, f"{wrapped} neither a pickle nor JSON (it starts with bytes {shown}); "
                           "expected a PyTorch memory snapshot or profiler trace")
 
 
-def _first_byte(stream) -> bytes:
+def _first_bytes(stream) -> bytes:
     if hasattr(stream, "peek"):
-        b = stream.peek(1)[:1]
+        b = stream.peek(3)[:3]
     else:
-        b = stream.read(1)
+        b = stream.read(3)
         stream.seek(0)
     if not b:
         raise EOFError("no data after decompression")
@@ -137,12 +178,13 @@ def _first_byte(stream) -> bytes:
 def _read_pickle(stream, path, zipped):
     try:
         return RestrictedUnpickler(stream).load()
-    except Cancelled:
+    except (Cancelled, LimitExceeded, MemoryError):
         raise
     except RefusedGlobal as e:
-        raise LoadError(path, f"it is a pickle that asks to import {e.module}.{e.name}; refused, nothing was "
-                              "executed (memory snapshots hold only plain data, so this file is not one)") from None
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise LoadError(path, f"it is a pickle that asks to import {_short(e.module)}.{_short(e.name)}; refused, "
+                              "nothing was executed (memory snapshots hold only plain data, so this file is "
+                              "not one)") from None
+    except (EOFError, gzip.BadGzipFile, OSError) as e:
         if zipped and (str(e) or not isinstance(e, EOFError)):  # the compressed stream broke, not the pickle
             raise LoadError(path, f"it is a gzip file that is truncated or corrupt ({e})") from None
         raise LoadError(path, "it is truncated: the pickle data ends before its end marker") from None
@@ -150,23 +192,22 @@ def _read_pickle(stream, path, zipped):
         msg = str(e)
         if "truncated" in msg:
             raise LoadError(path, "it is truncated: the pickle data ends before its end marker") from None
-        raise LoadError(path, f"it is a corrupt pickle ({msg})") from None
-    except MemoryError:
-        raise LoadError(path, "it is a corrupt pickle (it asks for more memory than this machine has)") from None
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError, struct.error, OverflowError,
-            UnicodeDecodeError, RecursionError, OSError) as e:
-        raise LoadError(path, f"it is a corrupt pickle ({type(e).__name__}: {e})") from None
+        raise LoadError(path, f"it is a corrupt pickle ({_short(msg)})") from None
+    except RecursionError:
+        raise LoadError(path, "it is a pickle nested too deeply to be a memory snapshot") from None
+    except Exception as e:  # zlib.error, ValueError, struct.error, OverflowError, UnicodeDecodeError, ...
+        if zipped and type(e).__name__ == "error" and "zlib" in type(e).__module__:
+            raise LoadError(path, f"it is a gzip file that is truncated or corrupt ({e})") from None
+        raise LoadError(path, f"it is a corrupt pickle ({type(e).__name__}: {_short(str(e))})") from None
 
 
-def _read_json(stream, path, zipped):
+def _read_json(stream, path):
+    data = stream.read()
     try:
-        data = stream.read()
-    except (EOFError, OSError, zlib.error) as e:
-        raise LoadError(path, f"it is a gzip file that is truncated or corrupt ({e})") from None
-    try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is allowed
     except UnicodeDecodeError as e:
         raise LoadError(path, f"it looks like JSON but is not UTF-8 text (byte {e.start})") from None
+    del data
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -174,11 +215,16 @@ def _read_json(stream, path, zipped):
         raise LoadError(path, f"{where}: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise LoadError(path, "it is JSON nested too deeply to be a memory snapshot") from None
+    except ValueError as e:  # e.g. an integer with more digits than Python converts
+        raise LoadError(path, f"it is not valid JSON ({_short(str(e))})") from None
+
+
+def _short(s, n=200) -> str:
+    s = str(s).replace("\n", " ")
+    return s if len(s) <= n else s[:n] + "..."
 
 
 def _scaled(progress, lo, hi):
     if progress is None:
         return None
     return lambda f, msg: progress(lo + (hi - lo) * f, msg)
-
-

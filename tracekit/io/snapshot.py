@@ -12,7 +12,9 @@ from operator import itemgetter
 import numpy as np
 
 from ..model import (ACTION, BLOCK_STATE, NO_TIME, OOM, OTHER, Blocks, Events, Segments, Trace)
-from .columns import Interner, int_column
+from .columns import MAX_DEVICE, MAX_SIZE, MAX_TIME, MAX_TOTAL, FramesError, Interner, check_sizes, int_column
+from .extras import check_extras
+from .limits import shown, text
 
 
 class SnapshotError(ValueError):
@@ -42,18 +44,21 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise SnapshotError("'device_traces' is not a list of lists (one list of entries per device)")
 
+    check_extras(obj)
     it = Interner()
     meta = {k: obj[k] for k in ("allocator_settings", "external_annotations", "tracekit") if k in obj}
-    meta["other_keys"] = sorted(str(k) for k in obj if k not in KNOWN_TOP_KEYS)
+    meta["other_keys"] = sorted(text(k)[:100] for k in obj if k not in KNOWN_TOP_KEYS)
     meta["bare_list"] = bare_list
     columns, present, unknown = [], set(), set()
     total = sum(len(t) for t in traces) or 1
     done = 0
     for device, entries in enumerate(traces):
         if entries:
+            if len(traces) > MAX_DEVICE:
+                raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than any machine has devices")
             try:
                 columns.append(_events_of(device, entries, it, present, unknown))
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
                 raise SnapshotError(_explain_entries(device, entries, e)) from None
         done += len(entries)
         if progress:
@@ -72,11 +77,13 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
 
 def _events_of(device, entries, it, present, unknown) -> dict:
     n = len(entries)
+    if not all(type(e) is dict for e in entries):
+        raise TypeError("an entry is not a dict")
     keys = set().union(*entries)
-    present.update(keys)
+    present.update(text(k)[:100] for k in keys)
     actions = _values(entries, "action", keys, None)
     code = {a: ACTION.get(a, OTHER) for a in set(actions)}
-    unknown.update(str(a) for a in code if code[a] == OTHER and a != "other")
+    unknown.update(text(a)[:100] for a in code if code[a] == OTHER and a != "other")
     action = np.fromiter(map(code.__getitem__, actions), dtype=np.int8, count=n)
     what = f"device {device} entry"
     col = {
@@ -94,7 +101,16 @@ def _events_of(device, entries, it, present, unknown) -> dict:
         "device_free": np.zeros(n, dtype=np.int64),
     }
     for i in np.flatnonzero(action == OOM):
-        col["device_free"][i] = int(entries[i].get("device_free", 0) or 0)
+        free = entries[i].get("device_free", 0)
+        if free is not None and (isinstance(free, bool) or not isinstance(free, int) or not 0 <= free < MAX_TOTAL):
+            raise ValueError(f"device_traces[{device}][{i}] has device_free={shown(free)}, not a byte count")
+        col["device_free"][i] = free or 0
+    check_sizes(col["size"], what)
+    t = col["time_us"]
+    bad = (t != NO_TIME) & ((t >= MAX_TIME) | (t <= -MAX_TIME))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"device_traces[{device}][{i}] has time_us={int(t[i])}, too far from any real time")
     return col
 
 
@@ -110,7 +126,12 @@ def _values(entries, key, keys, default) -> list:
 
 def _string_column(values, it) -> np.ndarray:
     """Intern only the distinct values (most entries share a handful)."""
-    ids = {v: it.strings.intern(v if isinstance(v, str) else str(v)) for v in set(values)}
+    try:
+        distinct = set(values)
+    except TypeError:  # unhashable values: intern their short text
+        values = [text(v) for v in values]
+        distinct = set(values)
+    ids = {v: it.strings.intern(text(v)) for v in distinct}
     return np.fromiter(map(ids.__getitem__, values), dtype=np.int32, count=len(values))
 
 
@@ -124,7 +145,7 @@ def _stream_column(values):
     except (OverflowError, TypeError, ValueError):
         # raw stream pointers beyond int64, or junk: keep distinct values distinct
         ids = {}
-        return np.array([ids.setdefault(repr(v), len(ids)) for v in values], dtype=np.int64)
+        return np.array([ids.setdefault(text(v), len(ids)) for v in values], dtype=np.int64)
 
 
 def _explain_entries(device, entries, error) -> str:
@@ -138,11 +159,16 @@ def _explain_entries(device, entries, error) -> str:
             hash(e["action"])
         except TypeError:
             return f"device_traces[{device}][{i}] has an 'action' of type {type(e['action']).__name__}"
-        for key in ("addr", "size", "time_us", "stream"):
+        for key in ("addr", "size", "time_us"):
             v = e.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, int) or not (0 if key == "addr" else -(2**63)) <= v < 2**64:
-                return f"device_traces[{device}][{i}] has {key}={v!r}, not an integer in range"
-    return f"device_traces[{device}] could not be read ({error})"
+                return f"device_traces[{device}][{i}] has {key}={shown(v)}, not an integer in range"
+        frames = e.get("frames")
+        if frames and not isinstance(frames, (list, tuple)):
+            return f"device_traces[{device}][{i}] has 'frames' of type {type(frames).__name__}, not a list"
+    if isinstance(error, (ValueError, OverflowError)) and str(error):
+        return text(str(error))[:300] if not isinstance(error, FramesError) else f"device_traces[{device}]: {error}"
+    return f"device_traces[{device}] could not be read ({type(error).__name__}: {text(str(error))[:200]})"
 
 
 def _concat_events(columns) -> Events:
@@ -168,40 +194,45 @@ def _segments_of(segments, it):
         if not isinstance(s, dict):
             raise SnapshotError(f"{where} is a {type(s).__name__}, not a segment (dict)")
         device = _int(s.get("device", 0), where, "device")
+        if device >= MAX_DEVICE:
+            raise SnapshotError(f"{where} has device={device}, more than any machine has")
         address = _int(s.get("address", 0), where, "address")
         blocks = s.get("blocks", [])
         if not isinstance(blocks, list):
             raise SnapshotError(f"{where}.blocks is not a list")
         total = s.get("total_size")
         if total is None:
-            total = sum(_int(b.get("size", 0), where, "block size") for b in blocks if isinstance(b, dict))
+            total = sum(_size(b.get("size", 0), where, "block size") for b in blocks if isinstance(b, dict))
         seg["device"].append(device)
         seg["address"].append(address)
-        seg["total_size"].append(_int(total, where, "total_size"))
-        seg["stream"].append(s.get("stream", 0) if isinstance(s.get("stream", 0), int) else 0)
-        seg["segment_type"].append(intern(str(s.get("segment_type", ""))))
+        seg["total_size"].append(_size(total, where, "total_size"))
+        stream = s.get("stream", 0)
+        seg["stream"].append(stream if isinstance(stream, int) and -(2**63) <= stream < 2**63 else 0)
+        seg["segment_type"].append(intern(text(s.get("segment_type", ""))))
         seg["pool_id"].append(intern(_pool(s.get("segment_pool_id"))))
-        seg["is_expandable"].append(bool(s.get("is_expandable", False)))
-        seg["stack_id"].append(it.stack_id(s.get("frames")))
+        seg["is_expandable"].append(s.get("is_expandable") is True)
+        seg["stack_id"].append(_stack(it, s.get("frames"), where))
         offset = address
         for bi, b in enumerate(blocks):
             bw = f"{where}.blocks[{bi}]"
             if not isinstance(b, dict):
                 raise SnapshotError(f"{bw} is a {type(b).__name__}, not a block (dict)")
-            size = _int(b.get("size", 0), bw, "size")
+            size = _size(b.get("size", 0), bw, "size")
             addr = _int(b["address"], bw, "address") if "address" in b else offset
             offset = addr + size
             frames = b.get("frames")
             if frames is None and isinstance(b.get("history"), list) and b["history"]:
                 last = b["history"][-1]
                 frames = last.get("frames") if isinstance(last, dict) else None
+            state = b.get("state")
             blk["device"].append(device)
             blk["segment"].append(si)
             blk["addr"].append(addr)
             blk["size"].append(size)
-            blk["requested_size"].append(_int(b.get("requested_size", size), bw, "requested_size"))
-            blk["state"].append(BLOCK_STATE.get(b.get("state"), BLOCK_STATE["unknown"]))
-            blk["stack_id"].append(it.stack_id(frames))
+            blk["requested_size"].append(_size(b.get("requested_size", size), bw, "requested_size"))
+            blk["state"].append(BLOCK_STATE.get(state, BLOCK_STATE["unknown"]) if isinstance(state, str)
+                                else BLOCK_STATE["unknown"])
+            blk["stack_id"].append(_stack(it, frames, bw))
     dtypes = {"device": np.int32, "address": np.uint64, "total_size": np.int64, "stream": np.int64,
               "segment_type": np.int32, "pool_id": np.int32, "is_expandable": bool, "stack_id": np.int32,
               "segment": np.int32, "addr": np.uint64, "size": np.int64, "requested_size": np.int64, "state": np.int8}
@@ -210,12 +241,34 @@ def _segments_of(segments, it):
         blk = {k: np.array(v, dtype=dtypes[k]) for k, v in blk.items()}
     except (OverflowError, ValueError) as e:
         raise SnapshotError(f"a segment or block field is out of range ({e})") from None
+    for what, sizes in (("segments' total_size", seg["total_size"]), ("blocks' size", blk["size"])):
+        if float(sizes.sum(dtype=np.float64)) >= MAX_TOTAL:
+            raise SnapshotError(f"the {what} add up to more than 2**62 bytes")
     return seg, blk
+
+
+def _stack(it, frames, where) -> int:
+    try:
+        return it.stack_id(frames)
+    except FramesError as e:
+        raise SnapshotError(f"{where}: {e}") from None
+
+
+def _size(v, where, what) -> int:
+    v = _int(v, where, what)
+    if v > MAX_SIZE:
+        raise SnapshotError(f"{where} has {what}={v}, larger than any device (1 PiB)")
+    return v
+
+
+
 
 
 def _int(v, where, what) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise SnapshotError(f"{where} has {what}={v!r}, not an integer")
+        raise SnapshotError(f"{where} has {what}={shown(v)}, not an integer")
+    if v >= 2**64:
+        raise SnapshotError(f"{where} has {what}={shown(v)}, out of range")
     if v < 0:
         raise SnapshotError(f"{where} has a negative {what} ({v})")
     return v
@@ -225,5 +278,5 @@ def _pool(p) -> str:
     if p is None:
         return ""
     if isinstance(p, (list, tuple)):
-        return ",".join(str(x) for x in p)
-    return str(p)
+        return ",".join(text(x) for x in p[:8])
+    return text(p)
