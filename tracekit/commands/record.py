@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import click
 
-from ..record.recorder import DEFAULT_MAX_ENTRIES, DEFAULT_PATH
+from ..errors import TracekitError
+from ..io.write import check_writable
+from ..record.recorder import DEFAULT_MAX_ENTRIES, DEFAULT_PATH, expand_path
 from ..record.script import NotPython, child_command, child_env
+from ..record.signals import Forwarder
 
 
 @click.command(
@@ -17,7 +19,8 @@ from ..record.script import NotPython, child_command, child_env
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option("-o", "--output", default=DEFAULT_PATH, show_default=True,
-              help="File to write; {rank} and {pid} are filled in. Under torchrun each rank adds .rankN by default.")
+              help="File to write: .pickle, .pkl or .json, optionally + .gz; {rank} and {pid} are filled in. "
+                   "Under torchrun each rank adds .rankN by default.")
 @click.option("--max-entries", type=click.IntRange(min=1), default=DEFAULT_MAX_ENTRIES, show_default=True,
               help="Trace entries kept (the newest).")
 @click.option("--stacks", type=click.Choice(["python", "all"]), default="python", show_default=True,
@@ -48,6 +51,10 @@ def command(output, max_entries, stacks, warmup, steps, backend, no_activations,
         "output": os.path.abspath(output), "max_entries": max_entries, "stacks": stacks, "warmup": warmup,
         "steps": steps, "backend": backend, "activations": not no_activations, "command": argv,
     }
+    try:  # refused now, not after the run, when the recording would be lost
+        check_writable(expand_path(output))
+    except ValueError as e:
+        raise TracekitError(f"cannot write the recording to {output}: {e}") from None
     try:
         cmd = child_command(argv, settings)
     except NotPython as e:
@@ -57,15 +64,14 @@ def command(output, max_entries, stacks, warmup, steps, backend, no_activations,
 
 
 def run_child(cmd, env) -> int:
-    """Run the child with Ctrl-C left to it (it writes the file on KeyboardInterrupt); return its exit code."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        proc = subprocess.Popen(cmd, env=env)
+    """Run the child, passing Ctrl-C, SIGTERM and SIGHUP on to it as a terminal would; return its exit code."""
+    with Forwarder() as forwarder:
+        try:
+            proc = subprocess.Popen(cmd, env=env)
+        except FileNotFoundError:
+            raise click.UsageError(f"cannot run {cmd[0]!r}: not found") from None
+        forwarder.started(proc)
         code = proc.wait()
-    except FileNotFoundError:
-        raise click.UsageError(f"cannot run {cmd[0]!r}: not found") from None
-    finally:
-        signal.signal(signal.SIGINT, previous)
     if code < 0:  # killed by a signal: report it the way a shell does
         return 128 - code
     sys.stdout.flush()

@@ -1,14 +1,19 @@
-"""Write a snapshot dict atomically as a PyTorch-format pickle (protocol 4).
+"""Write a snapshot dict atomically as a PyTorch-format pickle (protocol 4) or as JSON.
 
-Only plain builtins are written (dict, list, tuple, str, int, float, bool,
-None, bytes), so the file opens with a restricted unpickler that refuses
-every global. The dict is written as it is: callers may add keys (our
-"tracekit" key, a "category" on each entry) before writing.
+The name says the format: ``.pickle`` / ``.pkl`` (pickle), ``.json`` (the
+same dict as JSON, as pytorch.org/memory_viz and tracekit also open), each
+optionally ``.gz``; any other name is refused (`output_format`). Only plain
+builtins are written (dict, list, tuple, str, int, float, bool, None, bytes),
+so the file opens with a restricted unpickler that refuses every global. The
+dict is written as it is: callers may add keys (our "tracekit" key, a
+"category" on each entry) before writing. Files get the permissions the
+umask allows, as any file the user creates.
 """
 from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import pickle
 import tempfile
@@ -32,14 +37,65 @@ def snapshot_bytes(snapshot) -> bytes:
     return buf.getvalue()
 
 
+PICKLE_SUFFIXES = (".pickle", ".pkl")
+JSON_SUFFIXES = (".json",)
+
+
+def output_format(path):
+    """("pickle" | "json", gzipped) from a file name; ValueError (one sentence) for any other name."""
+    name = os.path.basename(os.fspath(path)).lower()
+    gz = name.endswith(".gz")
+    if gz:
+        name = name[:-3]
+    if name.endswith(PICKLE_SUFFIXES):
+        return "pickle", gz
+    if name.endswith(JSON_SUFFIXES):
+        return "json", gz
+    raise ValueError(f"cannot tell the format from the name {os.fspath(path)!r}: "
+                     "end it in .pickle, .pkl or .json (optionally + .gz)")
+
+
+def check_writable(path) -> None:
+    """Raise ValueError (one sentence) unless a recording can be written to `path` now.
+
+    The format must be known from the name, and the folder (or the nearest one
+    that exists, for folders still to be made) must take a new file; `path`
+    must not be a folder. Nothing is left behind.
+    """
+    path = os.path.abspath(os.fspath(path))
+    output_format(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder")
+    folder = os.path.dirname(path)
+    while not os.path.exists(folder):
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder} is not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tracekit-check.", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise ValueError(f"cannot create a file in {folder} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def snapshot_json_bytes(snapshot) -> bytes:
+    """`snapshot` as compact JSON (tuples become lists)."""
+    return json.dumps(snapshot, separators=(",", ":")).encode()
+
+
 def write_snapshot(path, snapshot) -> str:
     """Write `snapshot` to `path` atomically (temp file in the same folder + os.replace).
 
-    A path ending in ".gz" is gzip-compressed. Returns the path written.
+    The format follows the name (`output_format`). Returns the path written.
     """
     path = os.fspath(path)
-    data = snapshot_bytes(snapshot)
-    if path.endswith(".gz"):
+    fmt, gz = output_format(path)
+    data = snapshot_bytes(snapshot) if fmt == "pickle" else snapshot_json_bytes(snapshot)
+    if gz:
         data = gzip.compress(data, compresslevel=6)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -49,7 +105,7 @@ def write_snapshot(path, snapshot) -> str:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600: give what open() would
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -58,3 +114,17 @@ def write_snapshot(path, snapshot) -> str:
             pass
         raise
     return path
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where /proc tells it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

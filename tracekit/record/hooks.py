@@ -6,15 +6,19 @@
   (``Tensor.backward`` calls the former);
 - optimizer: step pre/post hooks on the optimizer (or global ones);
 - activations: ``saved_tensors_hooks`` whose pack hook sees every tensor saved
-  for backward and returns it detached (same storage, same values; PyTorch
-  asks for ``detach()`` so that the saved tensor holds no reference cycle).
+  for backward (see `pack`: autograd's in-place check is kept). Features that
+  refuse saved-tensor hooks (torch.func grad/vjp/jacrev/hessian) enter
+  ``torch.autograd.graph.disable_saved_tensors_hooks``; while they run, our
+  hooks step off the stack (one warning), so they run as without us.
 
 Every hook calls a `listener` method and nothing else, never raises into the
 training code, and only listens on the thread that installed it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import threading
 import warnings
 
@@ -29,6 +33,8 @@ class Hooks:
         self._handles = []
         self._patched = []  # (module, attribute, original, wrapper)
         self._saved_hooks = None
+        self._disable_patch = None  # (torch.autograd.graph, original, wrapper)
+        self._warned_disabled = False
         self._depth = 0  # outermost-module tracking for global hooks
         self._thread = None
         self._warned = False
@@ -40,6 +46,8 @@ class Hooks:
         import torch.optim.optimizer as optim
         from torch.nn.modules import module as nn_module
 
+        global _compiling
+        _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
         self._thread = threading.get_ident()
         if self.model is not None:
             self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
@@ -56,9 +64,17 @@ class Hooks:
             self._handles.append(optim.register_optimizer_step_post_hook(self._optimizer_post))
         for name in ("backward", "grad"):
             self._patch(torch.autograd, name, self._wrap_backward(getattr(torch.autograd, name)))
-        if self.activations:
+        if self.activations and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            # Pushing ours would hide the user's (save_on_cpu, their own offload...) until we pop.
+            warnings.warn("tracekit: saved-tensor hooks of your own are active; tensors saved for backward "
+                          "are not tagged as activations", RuntimeWarning, stacklevel=4)
+        elif self.activations:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._saved_hooks.__enter__()
+            graph = torch.autograd.graph
+            original = graph.disable_saved_tensors_hooks
+            self._disable_patch = (graph, original, self._wrap_disable(original))
+            graph.disable_saved_tensors_hooks = self._disable_patch[2]
         self.active = True
 
     def remove(self, pop_saved_hooks=True):
@@ -77,13 +93,46 @@ class Hooks:
             self.pop_saved_hooks()
 
     def pop_saved_hooks(self):
+        if self._disable_patch is not None:
+            (graph, original, wrapper), self._disable_patch = self._disable_patch, None
+            if graph.disable_saved_tensors_hooks is wrapper:
+                graph.disable_saved_tensors_hooks = original
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
 
+    def _wrap_disable(self, original):
+        """`disable_saved_tensors_hooks` that first takes our hooks off the stack when they are on top."""
+        hooks = self
+
+        @contextlib.contextmanager
+        def wrapper(error_message):
+            import torch
+
+            autograd = torch._C._autograd
+            ours = hooks._saved_hooks
+            top = autograd._top_saved_tensors_default_hooks(True)
+            popped = ours is not None and top is not None and top[0] is ours.pack_hook
+            if popped:
+                if not hooks._warned_disabled:
+                    hooks._warned_disabled = True
+                    warnings.warn("tracekit: torch.func transforms do not support saved-tensor hooks; tensors "
+                                  "they save for backward are not tagged as activations", RuntimeWarning,
+                                  stacklevel=3)
+                autograd._pop_saved_tensors_default_hooks()
+            try:
+                with original(error_message):
+                    yield
+            finally:
+                if popped:
+                    autograd._push_saved_tensors_default_hooks(ours.pack_hook, ours.unpack_hook)
+
+        return wrapper
+
     # -- hooks -------------------------------------------------------------
     def _listening(self):
-        return self.active and threading.get_ident() == self._thread
+        # torch.compile traces module hooks into the graph: there, we are not (pruned, no graph break).
+        return self.active and not _compiling() and threading.get_ident() == self._thread
 
     def _call(self, method, *args):
         try:
@@ -104,9 +153,11 @@ class Hooks:
         if self._depth == 1:
             self._call("forward_started", module, args, None)
 
-    def _global_post(self, module, args, kwargs, output):
+    def _global_post(self, module, args, *rest):
+        # (kwargs, output); torch passes (output) alone to an always-call hook when forward raised
         if not self._listening():
             return
+        kwargs = rest[0] if len(rest) == 2 else None
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and kwargs:
             self._call("forward_kwargs", module, kwargs)
@@ -122,7 +173,7 @@ class Hooks:
     def _pack(self, tensor):
         if self._listening():
             self._call("saved_tensor", tensor)
-        return tensor.detach()
+        return pack(tensor)
 
     def _wrap_backward(self, original):
         hooks = self
@@ -145,5 +196,56 @@ class Hooks:
         self._patched.append((module, attr, original, wrapper))
 
 
-def _unpack(tensor):
+def _never():
+    return False
+
+
+_compiling = _never  # torch.compiler.is_compiling, once install() has found it
+
+
+def pack(tensor):
+    """What our pack hook saves: the tensor detached, and its version now.
+
+    Autograd checks a saved tensor's version counter at backward only when no
+    saved-tensor hooks are set ("Only check version counter in the case
+    without hooks", saved_variable.cpp). `detach()` shares the storage and the
+    version counter (PyTorch asks for it: the saved tensor then holds no
+    reference cycle), so `_unpack` can make the same check autograd would.
+    """
+    try:
+        version = tensor._version
+    except Exception:  # inference tensors have no version counter
+        version = None
+    return _Saved(tensor.detach(), version, tensor)
+
+
+class _Saved:
+    __slots__ = ("tensor", "version", "fn", "output_nr")
+
+    def __init__(self, detached, version, original):
+        self.tensor = detached
+        self.version = version
+        fn = original.grad_fn  # its name only: holding the node would make a reference cycle
+        self.fn = type(fn).__name__ if fn is not None else None
+        self.output_nr = original.output_nr
+
+
+def _unpack(saved):
+    tensor = saved.tensor
+    if saved.version is not None and tensor._version != saved.version:
+        raise RuntimeError(inplace_message(saved, tensor._version))
     return tensor
+
+
+def inplace_message(saved, version):
+    """Autograd's own words for a saved tensor modified in place (torch/csrc/autograd/saved_variable.cpp)."""
+    t = saved.tensor
+    what = f"[{t.type()} {list(t.shape)}]"
+    if saved.fn is not None:
+        what += f", which is output {saved.output_nr} of {re.sub(r'Backward[0-9]*$', '', saved.fn)},"
+    return (
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"{what} is at version {version}; expected version {saved.version} instead. Hint: enable anomaly "
+        "detection to find the operation that failed to compute its gradient, with "
+        "torch.autograd.set_detect_anomaly(True, check_nan=False)."
+    )

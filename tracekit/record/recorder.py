@@ -13,12 +13,14 @@ goes wrong inside the recorder becomes a warning: training runs on untouched.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import warnings
 
 from . import summary
 from .hooks import Hooks
 from .marks import Marks, now_us
+from .signals import TermHandler, deferred, exit_code
 from .tags import (
     BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, Tags, optimizer_params, param_names, storages,
 )
@@ -43,6 +45,9 @@ class Recorder:
         if backend not in ("auto", "cuda", "cpu"):
             raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu', not {backend!r}")
         self.path = expand_path(path)
+        from ..io.write import output_format
+
+        output_format(self.path)  # ValueError for a name whose format we cannot tell
         self.model = model
         self.optimizer = optimizer
         self.backend_name = backend
@@ -54,6 +59,7 @@ class Recorder:
         self.command = list(command) if command is not None else list(sys.argv)
         self.exit_code = None
         self.error = None
+        self.signal = None  # "SIGINT" / "SIGTERM" when one cut the recording short (the file is partial)
         self.written = None  # the path written, once it is
         self.enabled = False  # hooks are on (recording or waiting for warm-up to end)
         self.recording = False  # the backend is recording
@@ -67,6 +73,7 @@ class Recorder:
         self._start_us = None
         self._preexisting_frames = []
         self._watch = None
+        self._term = None
 
     # -- context manager ---------------------------------------------------
     def __enter__(self):
@@ -76,11 +83,20 @@ class Recorder:
     def __exit__(self, exc_type, exc, tb):
         if exc is not None and self.error is None:
             self.error = f"{exc_type.__name__}: {exc}"
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and self.signal is None:
+            self.signal = "SIGINT"
         self.close()
         return False
 
     def start(self):
         """Install the hooks and start recording (or wait for the warm-up iterations)."""
+        try:
+            from ..io.write import check_writable
+
+            check_writable(self.path)
+        except ValueError as e:  # found now, not after the run: the recording would be lost
+            self._disable(f"cannot write the recording to {self.path} ({e}); training runs without it")
+            return self
         try:
             import torch  # noqa: F401
 
@@ -93,6 +109,8 @@ class Recorder:
                 self._optimizers.append(self.optimizer)
             self._hooks = Hooks(self, model=self.model, optimizer=self.optimizer, activations=self.activations)
             self._hooks.install()
+            self._term = TermHandler(self._terminated)
+            self._term.install()
             self.enabled = True
             self._marks.start()
             if self.warmup <= 0:
@@ -118,6 +136,8 @@ class Recorder:
         finally:
             if self._hooks is not None:
                 self._hooks.remove()
+            if self._term is not None:
+                self._term.remove()
 
     # -- listener methods (called by Hooks) --------------------------------
     def forward_started(self, module, args, kwargs):
@@ -158,6 +178,16 @@ class Recorder:
             self._tags.add_activation(tensor)
 
     # -- internals ---------------------------------------------------------
+    def _terminated(self, signum):
+        """SIGTERM (TermHandler): write what we have, marked partial; the process then dies of it."""
+        self.signal = signal.Signals(signum).name
+        self.exit_code = exit_code(signum)
+        if self.error is None:
+            self.error = f"terminated by {self.signal}"
+        self.close()
+        if self.written:
+            print(f"tracekit: wrote {self.written} (partial: {self.signal})", file=sys.stderr, flush=True)
+
     def _iteration_began(self):
         self._tags.new_iteration()
         it = self._marks.iteration
@@ -231,6 +261,12 @@ class Recorder:
         if not self.recording:
             return
         self.recording = False
+        with deferred():  # Ctrl-C / SIGTERM now would lose the file: they wait until it is written
+            self._write()
+        if remove_hooks and self._term is not None:
+            self._term.remove()
+
+    def _write(self):
         end_us = now_us()
         try:
             self._marks.finish(end_us)
@@ -295,6 +331,8 @@ class Recorder:
             "command": self.command,
             "exit_code": self.exit_code,
             "error": self.error,
+            "partial": self.signal is not None,
+            "signal": self.signal,
             "settings": {
                 "backend": self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
                 "activations": self.activations, "warmup": self.warmup, "steps": self.steps,
@@ -327,6 +365,7 @@ class Recorder:
         for cleanup in (
             lambda: self._hooks.remove(pop_saved_hooks) if self._hooks is not None else None,
             lambda: self._backend.restore() if self._backend is not None else None,
+            lambda: self._term.remove() if self._term is not None else None,
         ):
             try:
                 cleanup()

@@ -110,6 +110,8 @@ def main():
         _note_exit(recorder, _exit_code(e.code), None)
         raise
     except KeyboardInterrupt:
+        if recorder is not None and recorder.signal is None:
+            recorder.signal = "SIGINT"
         _note_exit(recorder, 130, "KeyboardInterrupt")
         raise
     except BaseException as e:
