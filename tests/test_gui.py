@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-os.environ.setdefault("QT_LOGGING_RULES", "qt.qpa.*=false")
 pytest.importorskip("PySide6")
 pytest.importorskip("pyqtgraph")
 pytest.importorskip("pytestqt")
@@ -19,9 +18,9 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent  # noqa: E402
 
-from gui.app import MainWindow  # noqa: E402
-from gui.docview import DocumentView  # noqa: E402
-from gui.tables import SIZE, WHERE  # noqa: E402
+from tracekit_gui.app import MainWindow  # noqa: E402
+from tracekit_gui.docview import DocumentView  # noqa: E402
+from tracekit_gui.tables import SIZE, WHERE  # noqa: E402
 
 pytestmark = pytest.mark.gui
 
@@ -29,7 +28,7 @@ ROOT = Path(__file__).parents[1]
 REAL = ROOT / "tests" / "fixtures" / "real"
 NEWEST = REAL / "snapshot_newest_format_windows_paths.pickle"
 KINETO = REAL / "kineto_trace_memory_v100_rank1.json.gz"
-REAL_FILES = sorted(p for p in REAL.glob("*") if p.suffix != ".md") if REAL.is_dir() else []
+REAL_FILES = sorted(p for p in REAL.glob("*") if p.suffix != ".md" and p.name != "truth.json")  # truth.json: answers
 SAMPLES = sorted(p for p in (ROOT / "samples").glob("*") if p.is_file() and p.suffix in (".pickle", ".gz", ".json"))
 
 
@@ -278,7 +277,7 @@ def test_cli_without_qt(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "PySide6", None)
     result = CliRunner().invoke(command, ["x.pickle"])
-    assert result.exit_code != 0 and "pip install 'tracekit[gui]'" in result.output
+    assert result.exit_code != 0 and "pip install 'torch-tracekit[gui]'" in result.output
 
 
 def test_hover_shows_breakdown_under_mouse(newest, qtbot):
@@ -318,7 +317,7 @@ def test_garbage_collection_is_back_on_after_a_load_nobody_polls(qtbot):
     never polls it again (its window closed mid-load), or every later allocation leaks cycles."""
     import gc
 
-    from gui.loader import LoadThread
+    from tracekit_gui.loader import LoadThread
 
     assert gc.isenabled()
     loader = LoadThread(NEWEST)
