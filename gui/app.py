@@ -338,12 +338,28 @@ def wait_loaded(window, timeout_s=600) -> bool:
     return not window.threads
 
 
+def _wait_exposed(window, timeout_s=20) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (window.windowHandle() and window.windowHandle().isExposed()) and time.monotonic() < deadline:
+        QApplication.instance().processEvents()
+        time.sleep(0.01)
+    return window.windowHandle().isExposed()
+
+
 def screenshot(files, out, size=(1440, 900)) -> int:
-    """Open files, render the window offscreen at `size` and write a PNG. Returns an exit code."""
+    """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
+
+    On a real display (xcb under Xvfb, say) the window is shown there and must be
+    exposed by the display server before it is rendered."""
     app = QApplication.instance() or QApplication([sys.argv[0]])
     window = MainWindow(remember=False)
     window.resize(*size)
     window.show()
+    if app.platformName() != "offscreen" and not _wait_exposed(window):
+        print(f"tracekit: the window never appeared on the {app.platformName()} display", file=sys.stderr)
+        return 2
     for f in files:
         window.open_file(f)
     wait_loaded(window)

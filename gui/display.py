@@ -23,7 +23,8 @@ XCB_PACKAGES = ("libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-image0 libx
 RUNTIME_LIBRARIES = ("libxcb-cursor.so.0",)
 # Debian package names that do not follow the soname rule in `debian_package`.
 _PACKAGE_EXCEPTIONS = {"libglib-2.0.so.0": "libglib2.0-0", "libgthread-2.0.so.0": "libglib2.0-0",
-                       "libz.so.1": "zlib1g", "libharfbuzz.so.0": "libharfbuzz0b"}
+                       "libz.so.1": "zlib1g", "libharfbuzz.so.0": "libharfbuzz0b", "libGLdispatch.so.0": "libglvnd0",
+                       "libbrotlidec.so.1": "libbrotli1", "libbrotlicommon.so.1": "libbrotli1"}
 
 
 def debian_package(soname: str) -> str:

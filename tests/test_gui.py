@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent  # noqa: E402
 
+from tracekit_gui import display  # noqa: E402
 from tracekit_gui.app import MainWindow  # noqa: E402
 from tracekit_gui.docview import DocumentView  # noqa: E402
 from tracekit_gui.tables import SIZE, WHERE  # noqa: E402
@@ -328,3 +330,83 @@ def test_garbage_collection_is_back_on_after_a_load_nobody_polls(qtbot):
         assert gc.isenabled()
     finally:
         gc.enable()
+
+
+# ---- a real display (Xvfb) ---------------------------------------------------------------------------
+
+def _xvfb_problem() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "Xvfb is a Linux test"
+    if not shutil.which("Xvfb"):
+        return "Xvfb is not installed (apt-get install xvfb; .ci/run installs it)"
+    return display.problem({"DISPLAY": ":0"})
+
+
+@pytest.fixture(scope="module")
+def xvfb():
+    """A private X server (Xvfb picks a free display number); yields its DISPLAY."""
+    why = _xvfb_problem()
+    if why:
+        pytest.skip(f"no real-window test: {why}")
+    server = subprocess.Popen(["Xvfb", "-displayfd", "1", "-screen", "0", "1600x1000x24", "-nolisten", "tcp"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        number = server.stdout.readline().strip()
+        assert number.isdigit(), "Xvfb did not start"
+        yield f":{number}"
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_real_window_under_xvfb(xvfb, tmp_path):
+    """The viewer opens a window on a real X server (Qt's xcb plugin), draws the sample, and screenshots it."""
+    out = tmp_path / "shot.png"
+    env = dict(os.environ, DISPLAY=xvfb, QT_QPA_PLATFORM="xcb", TRACEKIT_SETTINGS=str(tmp_path / "s.ini"))
+    proc = subprocess.run([sys.executable, "-m", "tracekit.cli", "view", str(SAMPLES[0]), "--screenshot", str(out)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from PySide6.QtGui import QColor, QImage
+
+    from tracekit_gui.palette import CATEGORY_COLORS
+
+    image = QImage(str(out))
+    assert (image.width(), image.height()) == (1440, 900)
+    # The plot was drawn: the parameter band's colour covers a visible area of the window.
+    want = QColor(CATEGORY_COLORS["parameter"]).rgb()
+    hits = sum(image.pixel(x, y) == want for x in range(0, 1440, 4) for y in range(0, 900, 4))
+    assert hits > 500
+
+
+def test_missing_system_libraries_are_named_with_their_packages(monkeypatch):
+    monkeypatch.setattr(display, "missing_libraries", lambda plugin: ["libxcb-icccm.so.4", "libxcb-cursor.so.0"])
+    monkeypatch.setattr(display, "xcb_plugin", lambda: "/x/libqxcb.so")
+    why = display.problem({"DISPLAY": ":1"})
+    assert "libxcb-icccm.so.4" in why and "sudo apt-get install libxcb-icccm4 libxcb-cursor0" in why
+    assert "\n" not in why
+    assert display.problem({"DISPLAY": ":1", "QT_QPA_PLATFORM": "offscreen"}) is None  # no window needed
+    assert display.problem({}) is None  # no display: `tracekit view` says so itself
+
+
+@pytest.mark.skipif(not shutil.which("dpkg"), reason="dpkg (Debian/Ubuntu) is needed to check package names")
+def test_package_names_match_the_packages_that_ship_the_libraries():
+    """debian_package(soname) against dpkg's own answer, for every library the xcb plugin links that is installed."""
+    plugin = display.xcb_plugin()
+    out = subprocess.run(["ldd", plugin], capture_output=True, text=True).stdout
+    checked = 0
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "=>" and parts[2].startswith("/") and "PySide6" not in parts[2]:
+            owner = subprocess.run(["dpkg", "-S", os.path.realpath(parts[2])], capture_output=True, text=True)
+            if owner.returncode == 0:
+                package = owner.stdout.split(":")[0]
+                assert display.debian_package(parts[0]) == package, parts[0]
+                checked += 1
+    assert checked >= 10
+
+
+def test_readme_and_ci_install_the_packages_the_check_knows():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    for package in display.XCB_PACKAGES:
+        assert package in readme and package in ci, package
