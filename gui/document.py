@@ -17,7 +17,7 @@ from tracekit.analysis.frames import user_first, where
 from tracekit.analysis.phases import PHASES, phases
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
-from tracekit.analysis.timeline import categories_at, category_series
+from tracekit.analysis.timeline import categories_at, category_series, time_origin
 from tracekit.errors import Cancelled
 from tracekit.model import NO_TIME
 
@@ -91,8 +91,7 @@ class Document:
             t = self.trace.events.time_us[self.replays[device].events]
             valid = t != NO_TIME
             if valid.any():
-                all_t = self.trace.events.time_us
-                t0 = all_t[all_t != NO_TIME].min()
+                t0 = time_origin(self.trace)  # the report's time base too
                 # entries without a time sit at their predecessor's time (monotone for lookups)
                 filled = np.maximum.accumulate(np.where(valid, t, np.iinfo(np.int64).min))
                 filled = np.where(filled == np.iinfo(np.int64).min, t[valid][0], filled)

@@ -102,6 +102,28 @@ def test_device_selector(window, qtbot):
     assert view.model.rowCount() == len(view.doc.replays[other].allocations)
 
 
+def test_report_and_viewer_give_one_time_for_the_peak(window, qtbot):
+    """Same entry, same seconds: the report's "+t s" and the viewer's axis share one time base
+    (the file's first timed entry on any device), checked on a two-device profiler trace."""
+    import re
+
+    from tracekit.model import NO_TIME
+
+    report = subprocess.run([sys.executable, "-m", "tracekit.cli", "report", str(KINETO)], capture_output=True,
+                            text=True, timeout=120).stdout
+    report_times = [float(t) for t in re.findall(r"peak allocated .* at entry \d+ \(\+([\d.]+) s\)", report)]
+    view = open_and_wait(window, qtbot, KINETO)
+    doc = view.doc
+    t = doc.trace.events.time_us
+    t0 = t[t != NO_TIME].min()  # independent: the earliest time in the file
+    viewer_times, expected = [], []
+    for d in doc.devices:
+        rep = doc.replays[d]
+        viewer_times.append(round(doc.x_of(d, rep.peak_index), 3))
+        expected.append(round((int(t[rep.events][rep.peak_index]) - t0) / 1e6, 3))
+    assert len(report_times) == 2 and report_times == viewer_times == expected
+
+
 def test_several_files_in_tabs_and_close(window, qtbot, newest):
     open_and_wait(window, qtbot, NEWEST)
     assert len(window.document_views()) == 2
