@@ -183,3 +183,9 @@ def test_demo_writes_into_the_cache_folder(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "cache" / "demo.pickle").stat().st_size > 0
     assert not (tmp_path / "home").exists()
+
+
+def test_a_raw_memory_timeline_is_not_labelled_cuda():
+    """export_memory_timeline's raw file names no device: the report says so instead of guessing cuda:0."""
+    out = json.loads(run("report", "--json", fixture("profiler_memory_timeline_raw.json.gz")).stdout)
+    assert [d["label"] for d in out["devices"]] == ["(device not in file)"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..model import Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 
-VERSION = 2  # bump whenever Trace or meta layout changes
+VERSION = 3  # bump whenever Trace or meta layout changes (3: memory-timeline device label)
 _TABLES = {"ev": Events, "fr": Frames, "st": Stacks, "sg": Segments, "bl": Blocks}
 
 
