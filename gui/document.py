@@ -13,7 +13,7 @@ import numpy as np
 
 import tracekit
 from tracekit.analysis.categories import categorize
-from tracekit.analysis.frames import user_first, where
+from tracekit.analysis.live import has_timeline, live_by_site, site
 from tracekit.analysis.phases import PHASES, phases
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
@@ -151,6 +151,14 @@ class Document:
         """Memory by category over entries [start, end), at most max_points points (min/max envelope)."""
         return category_series(self.trace, device, max_points=max_points, start=start, end=end)
 
+    def has_timeline(self, device) -> bool:
+        """False for a bare snapshot: nothing is allocated or freed in its trace, so nothing moves in time."""
+        return has_timeline(self.trace, device)
+
+    def live_by_site(self, device) -> list[dict]:
+        """What is live at the end, by category and allocation site (see tracekit.analysis.live)."""
+        return live_by_site(self.trace, device)
+
     def breakdown_at(self, device, index) -> dict:
         """Bytes by category just after entry `index` (-1: before the first)."""
         index = min(int(index), self.replays[device].n - 1)
@@ -168,7 +176,6 @@ class Document:
         if device not in self._where:
             sid = self.replays[device].allocations.stack_id
             uniq, inv = np.unique(sid, return_inverse=True)
-            strings = np.array([where(user_first(self.trace.stack(int(s)))) if s >= 0 else "(no stack recorded)"
-                                for s in uniq], dtype=object)
+            strings = np.array([site(self.trace, s) for s in uniq], dtype=object)
             self._where[device] = (strings, inv.astype(np.int32))
         return self._where[device]

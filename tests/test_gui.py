@@ -270,6 +270,36 @@ def test_settings_remember_recent_and_geometry(window, newest, settings_file):
     assert "geometry" in text and "recent" in text
 
 
+def test_a_snapshot_without_a_timeline_is_shown_as_bars_of_what_was_live(window, qtbot):
+    legacy = REAL / "snapshot_legacy_torch20_oom_observer.pickle"
+    view = open_and_wait(window, qtbot, legacy)
+    tl = view.timeline
+    assert tl.snapshot_only and tl.bars.isVisibleTo(window) and not tl.graphics.isVisibleTo(window)
+    from tracekit.analysis.live import live_by_site
+
+    sites = live_by_site(view.doc.trace, view.device)
+    (row,) = tl.bars.rows  # one category: every block is a weight allocated by FlexGen
+    assert row["category"] == "parameter" and row["bytes"] == sum(r["bytes"] for r in sites) == 11840159744
+    assert row["count"] == 460 and row["parts"][0][0] == "flexgen/pytorch_backend.py:190 in allocate"
+    timeline = open_and_wait(window, qtbot, NEWEST).timeline  # a real trace keeps its time axis
+    assert not timeline.snapshot_only and timeline.graphics.isVisibleTo(window)
+
+
+def test_peak_caption_stays_inside_the_plot(newest, qtbot):
+    """Zoomed so the peak sits at the left or right edge, or at the top, its caption is not clipped."""
+    tl = newest.timeline
+    qtbot.waitExposed(newest)
+    label, x, y = tl._marker_labels[0]
+    lo, hi = newest.doc.x_range(newest.device)
+    span = (hi - lo) * 0.2
+    for x0, x1 in ((x, x + span), (x - span, x), (lo, hi)):
+        tl.vb.setXRange(x0, x1, padding=0)
+        tl.refresh()
+        qtbot.wait(10)
+        inside = tl.vb.sceneBoundingRect().adjusted(-1, -1, 1, 1)
+        assert inside.contains(label.sceneBoundingRect()), (x0, x1)
+
+
 # ---- command line ----------------------------------------------------------------------------------
 
 @needs(NEWEST)
