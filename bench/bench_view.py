@@ -98,7 +98,7 @@ def main():
         os.environ.update(QT_QPA_PLATFORM="offscreen", TRACEKIT_CACHE_DIR=tmp, TRACEKIT_SETTINGS=settings)
         from PySide6.QtWidgets import QApplication
 
-        from gui.app import MainWindow, wait_loaded
+        from tracekit_gui.app import MainWindow, wait_loaded
 
         app = QApplication.instance() or QApplication([])
         window = MainWindow(remember=False)

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QApplication, QFileDialog, QLabel, QMainWindow, Q
 
 from tracekit.errors import TracekitError
 
-from . import export
+from . import display, export
 from .docview import DocumentView, LoadingView
 from .loader import LoadThread
 
@@ -338,12 +338,28 @@ def wait_loaded(window, timeout_s=600) -> bool:
     return not window.threads
 
 
+def _wait_exposed(window, timeout_s=20) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (window.windowHandle() and window.windowHandle().isExposed()) and time.monotonic() < deadline:
+        QApplication.instance().processEvents()
+        time.sleep(0.01)
+    return window.windowHandle().isExposed()
+
+
 def screenshot(files, out, size=(1440, 900)) -> int:
-    """Open files, render the window offscreen at `size` and write a PNG. Returns an exit code."""
+    """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
+
+    On a real display (xcb under Xvfb, say) the window is shown there and must be
+    exposed by the display server before it is rendered."""
     app = QApplication.instance() or QApplication([sys.argv[0]])
     window = MainWindow(remember=False)
     window.resize(*size)
     window.show()
+    if app.platformName() != "offscreen" and not _wait_exposed(window):
+        print(f"tracekit: the window never appeared on the {app.platformName()} display", file=sys.stderr)
+        return 2
     for f in files:
         window.open_file(f)
     wait_loaded(window)
@@ -359,18 +375,26 @@ def screenshot(files, out, size=(1440, 900)) -> int:
 
 
 def _without_offscreen_noise(mode, context, message):
-    """Qt's messages, less the offscreen plugin's harmless propagateSizeHints() complaint."""
+    """Qt's messages, less the offscreen plugin's harmless propagateSizeHints() complaint.
+
+    Everything else (the platform plugin's hints above all) still reaches stderr."""
     if "propagateSizeHints" not in message:
         sys.stderr.write(message + "\n")
 
 
 def main(files=(), screenshot_path=None) -> int:
-    """Run the viewer on `files` (or render a screenshot and exit)."""
+    """Run the viewer on `files` (or render a screenshot and exit).
+
+    Before Qt starts, checks that a window can open here; if not, says in one line
+    what to install and returns 2."""
+    if screenshot_path and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # a screenshot needs no screen
+    why = display.problem()
+    if why:
+        print(f"tracekit: {why}", file=sys.stderr)
+        return 2
+    qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
-        if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
-            os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-        os.environ.setdefault("QT_LOGGING_RULES", "qt.qpa.*=false")
-        qInstallMessageHandler(_without_offscreen_noise)
         return screenshot(files, screenshot_path)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")

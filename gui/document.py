@@ -13,11 +13,12 @@ import numpy as np
 
 import tracekit
 from tracekit.analysis.categories import categorize
-from tracekit.analysis.sites import allocation_where, allocation_sites, site_frames
+from tracekit.analysis.live import has_timeline, live_by_site
+from tracekit.analysis.sites import allocation_sites, allocation_where, site_frames
 from tracekit.analysis.phases import PHASES, phases
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
-from tracekit.analysis.timeline import categories_at, category_series
+from tracekit.analysis.timeline import categories_at, category_series, time_origin
 from tracekit.errors import Cancelled
 from tracekit.model import NO_TIME
 
@@ -91,8 +92,7 @@ class Document:
             t = self.trace.events.time_us[self.replays[device].events]
             valid = t != NO_TIME
             if valid.any():
-                all_t = self.trace.events.time_us
-                t0 = all_t[all_t != NO_TIME].min()
+                t0 = time_origin(self.trace)  # the report's time base too
                 # entries without a time sit at their predecessor's time (monotone for lookups)
                 filled = np.maximum.accumulate(np.where(valid, t, np.iinfo(np.int64).min))
                 filled = np.where(filled == np.iinfo(np.int64).min, t[valid][0], filled)
@@ -151,6 +151,14 @@ class Document:
     def series(self, device, start=None, end=None, max_points=None):
         """Memory by category over entries [start, end), at most max_points points (min/max envelope)."""
         return category_series(self.trace, device, max_points=max_points, start=start, end=end)
+
+    def has_timeline(self, device) -> bool:
+        """False for a bare snapshot: nothing is allocated or freed in its trace, so nothing moves in time."""
+        return has_timeline(self.trace, device)
+
+    def live_by_site(self, device) -> list[dict]:
+        """What is live at the end, by category and allocation site (see tracekit.analysis.live)."""
+        return live_by_site(self.trace, device)
 
     def breakdown_at(self, device, index) -> dict:
         """Bytes by category just after entry `index` (-1: before the first)."""

@@ -12,12 +12,14 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from .snapshot import SnapshotBars
 from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, PHASE_COLORS, RESERVED_COLOR, RESERVED_FILL, byte_unit,
                       category_color, fmt_bytes)
 
 REFRESH_MS = 25  # debounce between a view change and the re-query
 MAX_PHASE_LABELS = 40
 MAX_ITERATION_LABELS = 30
+LABEL_LIFT = 1.6  # a marker's caption sits this many caption heights above it
 MARKER_SYMBOLS = {"peak": "t", "spike": "t", "leak": "d", "oom": "x", "fragmentation": "s"}
 
 
@@ -81,6 +83,7 @@ class TimelineWidget(QWidget):
         self._highlight = []
         self._phase_labels = []
         self._iteration_labels = []
+        self._marker_labels = []  # (TextItem, x, y in plot units): peak and OOM captions kept inside the plot
         self._iteration_x = np.zeros(0)
         self._fetched = None  # (start, end, max_points, view width) of the drawn query
         self._shown_index = self._shown_top = np.zeros(0)
@@ -145,8 +148,12 @@ class TimelineWidget(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
+        self.bars = SnapshotBars(self)  # shown instead of the plot for a file without a timeline
+        self.bars.hide()
+        self.snapshot_only = False
         layout.addWidget(self.legend)
         layout.addWidget(self.graphics, 1)
+        layout.addWidget(self.bars, 1)
 
     # ---- content ---------------------------------------------------------------
 
@@ -160,6 +167,7 @@ class TimelineWidget(QWidget):
         self._fills.clear()
         self._decor.clear()
         self._iteration_labels.clear()
+        self._marker_labels.clear()
         self.clear_highlight()
         self.cursor_line.hide()
         self._fetched = None
@@ -177,6 +185,11 @@ class TimelineWidget(QWidget):
 
         full = doc.series(device, max_points=2000)
         present = [n for n in self.names if len(full.by_category.get(n, [])) and np.any(full.by_category[n])]
+        self.snapshot_only = not doc.has_timeline(device)
+        if self.snapshot_only:
+            sites = doc.live_by_site(device)
+            present = [n for n in self.names if any(r["category"] == n for r in sites)]
+            self.bars.set_rows(sites, self.names, self.unit, self.scale, rep.n)
         self.present_names = present or list(self.names)
         for z, name in enumerate(self.names):
             item = pg.PlotDataItem(pen=None, fillLevel=0, brush=pg.mkBrush(category_color(name, self.names)))
@@ -184,12 +197,14 @@ class TimelineWidget(QWidget):
             self.plot.addItem(item)
             self._fills[name] = item
         entries = [(n.replace("_", " "), category_color(n, self.names), "fill") for n in present or self.names]
-        if full.reserved is not None:
+        if full.reserved is not None and not self.snapshot_only:
             entries.append(("reserved", RESERVED_COLOR, "line"))
             entries.append(("unused reserved", "#D0D0D0", "fill"))
         self._add_phases(entries)
         self._add_markers()
         self.legend.set_entries(entries)
+        self.graphics.setVisible(not self.snapshot_only)
+        self.bars.setVisible(self.snapshot_only)
 
         lo, hi = doc.x_range(device)
         pad = (hi - lo) * 0.01
@@ -250,11 +265,12 @@ class TimelineWidget(QWidget):
                           "pen": pg.mkPen("w", width=1)})
             if kind in ("peak", "oom"):
                 label = pg.TextItem(f"{kind} {fmt_bytes(f.get('bytes'))}" if kind == "peak" else "OOM",
-                                    color=colour, anchor=(0.5, 1.6), fill=pg.mkBrush(255, 255, 255, 200))
+                                    color=colour, anchor=(0.5, LABEL_LIFT), fill=pg.mkBrush(255, 255, 255, 200))
                 label.setPos(*spots[-1]["pos"])
                 label.setZValue(71)
                 self.plot.addItem(label, ignoreBounds=True)
                 self._decor.append((self.plot, label))
+                self._marker_labels.append((label, *spots[-1]["pos"]))
             if kind == "oom":
                 line = pg.InfiniteLine(spots[-1]["pos"][0], angle=90, pen=pg.mkPen(colour, width=2))
                 self.plot.addItem(line, ignoreBounds=True)
@@ -303,7 +319,7 @@ class TimelineWidget(QWidget):
             self._fetched = (lo, hi, 3 * width, width)
         visible = (self._shown_index >= start - 1) & (self._shown_index < end)
         top = float(self._shown_top[visible].max()) if visible.any() else float(self._shown_top.max(initial=0))
-        self._set_top(_nice_ceil(max(top / self.scale, 1e-9) * 1.08))
+        self._set_top(max(_nice_ceil(max(top / self.scale, 1e-9) * 1.08), self._room_for_labels()))
         self._fit_phase_labels()
         self.last_query = (self._fetched[0], self._fetched[1], width, len(self._shown_index))
 
@@ -340,6 +356,23 @@ class TimelineWidget(QWidget):
         self.iteration_lines.setData(self._iteration_x, y)
         for label in self._iteration_labels + self._highlight[1:]:
             label.setPos(label.pos().x(), top)
+
+    def _room_for_labels(self) -> float:
+        """The y range top that keeps every peak/OOM caption in view inside the plot, and their
+        horizontal anchors set so none runs off the left or right edge."""
+        (x0, x1), _ = self.vb.viewRange()
+        height = self.vb.height()
+        need = 0.0
+        for label, x, y in self._marker_labels:
+            if not x0 <= x <= x1:
+                continue
+            frac = (x - x0) / ((x1 - x0) or 1.0)
+            half_width = label.boundingRect().width() / 2 / max(self.vb.width(), 1.0)
+            label.setAnchor((0.0 if frac < half_width else 1.0 if frac > 1 - half_width else 0.5, LABEL_LIFT))
+            above = (LABEL_LIFT * label.boundingRect().height() + 4) / max(height, 1.0)  # share of the plot height
+            if above < 0.8:
+                need = max(need, y / (1 - above))
+        return need
 
     def _fit_phase_labels(self):
         """Show a phase's name only where its band is wide enough on screen."""

@@ -1,4 +1,5 @@
 """`tracekit report` and `tracekit info` as a user runs them."""
+import io
 import json
 import os
 import pickle
@@ -55,7 +56,7 @@ def test_report_text_is_readable():
 
 def test_report_on_every_fixture():
     for path in sorted(FIXTURES.glob("*")):
-        if path.suffix == ".md" or path.name == "truth.json":  # truth.json holds expected figures, not a trace
+        if path.suffix == ".md" or path.name == "truth.json":  # notes and answers, not recordings
             continue
         r = run("report", "--json", path)
         assert r.returncode == 0, (path, r.stderr)
@@ -97,7 +98,7 @@ def test_progress_appears_only_after_a_second():
 
     now = [100.0]
     stream = io.StringIO()
-    p = StderrProgress("opening x", stream=stream, clock=lambda: now[0])
+    p = StderrProgress("opening x", stream=stream, clock=lambda: now[0], interactive=True)
     now[0] += 0.9
     p(0.1, "reading")
     assert stream.getvalue() == ""
@@ -106,6 +107,28 @@ def test_progress_appears_only_after_a_second():
     assert "opening x" in stream.getvalue() and "50%" in stream.getvalue()
     p.close()
     assert stream.getvalue().endswith("\r")
+
+
+class _Log(io.StringIO):
+    def isatty(self):
+        return False
+
+
+class _Terminal(_Log):
+    def isatty(self):
+        return True
+
+
+def test_progress_only_on_a_terminal():
+    """A log or a pipe gets no progress at all (no redraws, no clearing); a terminal gets the bar."""
+    now = [0.0]
+    for stream, shown in ((_Log(), False), (_Terminal(), True)):
+        p = StderrProgress("opening x", stream=stream, clock=lambda: now[0])
+        now[0] += 5
+        for i in range(10):
+            p(i / 10, "reading")
+        p.close()
+        assert ("opening x" in stream.getvalue()) == shown and (stream.getvalue() == "") != shown
 
 
 def test_help_lists_commands():
@@ -117,7 +140,7 @@ def test_report_needs_neither_torch_nor_qt():
     code = ("import sys; from tracekit.cli import main; "
             "sys.argv = ['tracekit', 'report', sys.argv[1]]\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "bad = [m for m in ('torch', 'PySide6', 'pyqtgraph', 'gui') if m in sys.modules]\n"
+            "bad = [m for m in ('torch', 'PySide6', 'pyqtgraph', 'gui', 'tracekit_gui') if m in sys.modules]\n"
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code, str(fixture(NEWEST))], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -143,3 +166,26 @@ def test_cache_command_lists_and_clears(tmp_path, monkeypatch):
     assert "1 cached files" in runner.invoke(cli, ["cache"]).output
     assert "removed 1 cached files" in runner.invoke(cli, ["cache", "--clear"]).output
     assert "0 cached files" in runner.invoke(cli, ["cache"]).output
+
+
+def test_demo_without_torch_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    result = CliRunner().invoke(cli, ["demo", "--no-open"])
+    assert result.exit_code == 2
+    assert "pip install 'torch-tracekit[record]'" in result.output and "Traceback" not in result.output
+
+
+def test_demo_writes_into_the_cache_folder(tmp_path, monkeypatch):
+    """TRACEKIT_CACHE_DIR moves demo.pickle too; nothing lands in the home folder."""
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    result = CliRunner().invoke(cli, ["demo", "--no-open", "--steps", "1", "--backend", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "cache" / "demo.pickle").stat().st_size > 0
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_raw_memory_timeline_is_not_labelled_cuda():
+    """export_memory_timeline's raw file names no device: the report says so instead of guessing cuda:0."""
+    out = json.loads(run("report", "--json", fixture("profiler_memory_timeline_raw.json.gz")).stdout)
+    assert [d["label"] for d in out["devices"]] == ["(device not in file)"]

@@ -18,6 +18,16 @@ from .memo import per_trace
 from .replay import replay
 
 
+def time_origin(trace: Trace) -> int | None:
+    """The time base of every time shown: the trace's first entry with a time, on any device (µs).
+
+    The report and the viewer both show times as seconds since this, so one
+    entry reads the same in both, and devices of one file share one axis."""
+    t = trace.events.time_us
+    t = t[t != NO_TIME]
+    return int(t.min()) if len(t) else None
+
+
 @dataclass
 class Series:
     """Bytes per category at selected trace entries of one device."""

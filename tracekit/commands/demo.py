@@ -6,19 +6,28 @@ import os
 
 import click
 
+from ..io.cache import cache_dir
+from .view import window_problem
+
+
+class _UserError(click.ClickException):
+    exit_code = 2
+
 
 def default_path() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "tracekit", "demo.pickle")
+    """demo.pickle in tracekit's cache folder ($TRACEKIT_CACHE_DIR, else the user cache folder)."""
+    return os.path.join(cache_dir(), "demo.pickle")
 
 
-def can_show_viewer() -> bool:
-    has_display = bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
-    return has_display and all(importlib.util.find_spec(m) for m in ("gui", "tracekit.commands.view"))
+def viewer_problem() -> str | None:
+    """Why the viewer will not open here (no display, not installed, missing system libraries), or None."""
+    if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return "no display"
+    return window_problem()
 
 
 @click.command("demo")
-@click.option("-o", "--output", default=None, help="File to write (default: ~/.cache/tracekit/demo.pickle).")
+@click.option("-o", "--output", default=None, help="File to write (default: demo.pickle in the cache folder, see `tracekit cache`).")
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Training steps recorded.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--no-open", is_flag=True, help="Only record; do not open the viewer or print the report.")
@@ -28,6 +37,8 @@ def command(output, steps, backend, no_open):
     The viewer opens when there is a display and it is installed; otherwise
     the text report is printed.
     """
+    if importlib.util.find_spec("torch") is None:
+        raise _UserError("the demo records a model and needs torch: pip install 'torch-tracekit[record]'")
     import torch
 
     from ..record import record_steps
@@ -45,6 +56,9 @@ def command(output, steps, backend, no_open):
         return
     from ..cli import main as cli_main
 
-    if can_show_viewer():
+    why = viewer_problem()
+    if why is None:
         return cli_main(["view", written])
+    if why != "no display":
+        click.echo(f"tracekit demo: {why}; showing the text report instead", err=True)
     return cli_main(["report", written])

@@ -2,6 +2,7 @@
 import click
 
 from ..analysis.report import build_report
+from ..analysis.timeline import time_origin
 from ..render import report_text
 from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace, rules_option
 
@@ -18,15 +19,5 @@ def command(file, as_json, rules, no_cache):
     if as_json:
         echo_json(report)
     else:
-        click.echo(report_text(report, t0_by_device=_first_times(trace)))
-
-
-def _first_times(trace):
-    from ..model import NO_TIME
-
-    out = {}
-    for d in trace.devices:
-        t = trace.events.time_us[trace.device_events(d)]
-        t = t[t != NO_TIME]
-        out[d] = int(t.min()) if len(t) else None
-    return out
+        t0 = time_origin(trace)  # the viewer's time base too
+        click.echo(report_text(report, t0_by_device={d: t0 for d in trace.devices}))

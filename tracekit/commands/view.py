@@ -1,7 +1,8 @@
 """`tracekit view FILE ...`: open files in the desktop viewer (needs the `gui` extra).
 
-The viewer is started as `python -m gui` in a process of its own, so the
-tracekit package never imports Qt or the gui package."""
+The viewer is started as `python -m tracekit_gui` in a process of its own, so the
+tracekit package never imports Qt or the viewer's package. Before Qt starts, the
+viewer checks that a window can open here and otherwise says what to install."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,19 @@ import subprocess
 import sys
 
 import click
+
+
+VIEWER = "tracekit_gui"  # the viewer's package (source folder gui/)
+
+
+def window_problem() -> str | None:
+    """Why the viewer cannot open a window here (one line: what to install), or None when it can."""
+    if importlib.util.find_spec(VIEWER) is None:
+        return "the viewer is not installed: pip install 'torch-tracekit[gui]'"
+    done = subprocess.run([sys.executable, "-m", VIEWER, "--check"], capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    return done.stderr.strip().removeprefix("tracekit: ") or "the viewer cannot start"
 
 
 class _UserError(click.ClickException):
@@ -22,10 +36,10 @@ class _UserError(click.ClickException):
               help="Render the window offscreen after loading, write this PNG and exit.")
 def command(files, screenshot):
     """Open FILES (snapshots or profiler traces) in the desktop viewer."""
-    missing = [m for m in ("PySide6", "pyqtgraph", "gui") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("PySide6", "pyqtgraph", VIEWER) if importlib.util.find_spec(m) is None]
     if missing:
-        raise click.ClickException(f"the viewer needs PySide6 and pyqtgraph ({', '.join(missing)} missing): "
-                                   "pip install 'tracekit[gui]'")
+        raise _UserError(f"the viewer needs PySide6 and pyqtgraph ({', '.join(missing)} missing): "
+                         "pip install 'torch-tracekit[gui]'")
     if screenshot and not files:
         raise click.UsageError("--screenshot needs at least one FILE to open")
     no_screen = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("QT_QPA_PLATFORM"))
@@ -33,8 +47,8 @@ def command(files, screenshot):
         raise _UserError("there is no display to show a window on (DISPLAY and WAYLAND_DISPLAY are unset): "
                          "use `tracekit report FILE`, or `tracekit view FILE --screenshot OUT.png` to render "
                          "the window to a picture")
-    # The viewer runs as `python -m gui`, a process of its own: tracekit never imports Qt.
+    # The viewer runs as `python -m tracekit_gui`, a process of its own: tracekit never imports Qt.
     shot = ["--screenshot", screenshot] if screenshot else []
-    code = subprocess.call([sys.executable, "-m", "gui", *shot, "--", *files])
+    code = subprocess.call([sys.executable, "-m", VIEWER, *shot, "--", *files])
     if code:
         raise SystemExit(code)

@@ -30,7 +30,7 @@ import numpy as np
 from ..model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 from .limits import env_number
 
-VERSION = 3  # bump whenever Trace or meta layout changes
+VERSION = 4  # bump whenever Trace or meta layout changes (4: memory-timeline device label)
 _TABLES = {"ev": ("events", Events), "fr": ("frames", Frames), "st": ("stacks", Stacks),
            "sg": ("segments", Segments), "bl": ("blocks", Blocks)}
 _I32, _I64, _U64, _I8 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int8)

@@ -112,7 +112,9 @@ def memory_timeline_to_trace(rows_in, path) -> Trace:
         cats.append(TIMELINE_CATEGORIES[cat] if 0 <= cat < len(TIMELINE_CATEGORIES) else "other")
     meta = {"has_addresses": False, "has_segments": False, "initial_allocated": {0: 0},
             "present_fields": ["time_ns", "action", "bytes", "category"],
-            "category_source": "torch.profiler._memory_profiler"}
+            "category_source": "torch.profiler._memory_profiler",
+            # the raw export names no device (export_memory_timeline picks cpu or cuda:0 itself): say so
+            "device_labels": {0: "(device not in file)"}}
     return _trace(path, "memory_timeline", rows, meta, categories=cats)
 
 

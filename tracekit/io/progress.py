@@ -48,18 +48,25 @@ class ProgressReader:
 
 
 class StderrProgress:
-    """Callback that draws a one-line progress bar on stderr once `delay` seconds have passed."""
+    """Callback that draws a one-line progress bar on stderr once `delay` seconds have passed.
 
-    def __init__(self, label, delay=1.0, stream=None, clock=time.monotonic):
+    Only on a terminal: in a log or a pipe (stream not a tty) it writes nothing,
+    so redraws never pile up in CI logs."""
+
+    def __init__(self, label, delay=1.0, stream=None, clock=time.monotonic, interactive=None):
         self.label = label
         self.delay = delay
         self.stream = stream or sys.stderr
         self.clock = clock
         self.start = clock()
         self.shown = False
+        if interactive is None:
+            isatty = getattr(self.stream, "isatty", None)
+            interactive = bool(isatty and isatty())
+        self.interactive = interactive
 
     def __call__(self, fraction, message):
-        if self.clock() - self.start < self.delay:
+        if not self.interactive or self.clock() - self.start < self.delay:
             return
         self.shown = True
         width = 30
