@@ -22,6 +22,7 @@ COMMANDS = {
     "demo": "Record a small model step here and open the result.",
     "view": "Open files in the desktop viewer.",
     "cache": "Show or clear the cache that makes a second open fast.",
+    "estimate": "Predict memory by category from a model config and a training setup.",
 }
 
 
