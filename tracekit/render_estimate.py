@@ -80,3 +80,29 @@ def deepspeed_rows(est, nodes=1) -> dict:
                       f"{per_node} GPUs, {est.params // 10**6}M total params"
                       + (f", {largest // 10**6}M largest layer params" if stage == 3 else "")),
             "rows": deepspeed.table(stage, est.params, largest, per_node, nodes)}
+
+
+def _signed(n) -> str:
+    return ("+" if n > 0 else "") + fmt_bytes(n) if n else "="
+
+
+def comparison_lines(e: dict) -> list[str]:
+    """Predicted vs measured for one device, for `tracekit report`."""
+    s = e["setup"]
+    what = f"{s['precision']}, {s['optimizer']}" + (f", batch {s['batch']} × seq {s['seq']}" if s["seq"] else "")
+    out = [f"  predicted vs measured ({e['model']}: {e['params']:,} params; {what}):",
+           f"    {'':<16} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12}"]
+    for r in e["categories"]:
+        if r["predicted"] or r["measured"]:
+            share = f" ({r['difference'] / r['predicted']:+.1%})" if r["predicted"] and r["difference"] else ""
+            out.append(f"    {r['category']:<16} {fmt_bytes(r['predicted']):>11} {fmt_bytes(r['measured']):>11} "
+                       f"{_signed(r['difference']):>11} {fmt_bytes(r['at_peak']):>12}{share}")
+    out.append(f"    {'total':<16} {fmt_bytes(e['predicted_total']):>11} {fmt_bytes(e['peak_allocated']):>11} "
+               f"{_signed(e['peak_difference']):>11}   (measured: the peak allocated)")
+    if e["gap_at_peak"]:
+        out.append("    the difference at the peak:")
+        out += [f"      {_signed(g['bytes']):>11}  {g['what']}" for g in e["gap_at_peak"]]
+    if e.get("not_visible"):
+        out.append(f"      {'?':>11}  {e['not_visible']}")
+    out.append(f"    (measured: {e['measured_is']})")
+    return out

@@ -48,37 +48,50 @@ def model_options(f):
     return functools.reduce(lambda g, o: o(g), reversed(opts), f)
 
 
-def setup_options(f):
-    """The training/inference knobs shared by estimate, whatif and report --estimate-config."""
-    opts = [
-        click.option("--mode", type=click.Choice(["train", "inference"]), default="train", show_default=True),
-        click.option("--precision", type=click.Choice(["fp32", "amp", "mixed", "bf16", "fp16"]), default="fp32",
-                     show_default=True, help="amp: autocast, fp32 weights; mixed: 16-bit weights + fp32 master "
-                                             "(DeepSpeed/Megatron); bf16/fp16: pure 16-bit."),
-        click.option("--optimizer", type=click.Choice(["none", "sgd", "sgd-momentum", "adam", "adamw", "adam8bit",
-                                                       "adafactor"]), default="adamw", show_default=True),
-        click.option("--quant", type=click.Choice(["none", "8bit", "4bit"]), default="none", show_default=True),
-        click.option("--double-quant", is_flag=True, help="4-bit: double quantization of the scales."),
-        click.option("--lora-rank", type=int, default=0),
-        click.option("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", show_default=True,
-                     help="Comma-separated module names, or all-linear."),
-        click.option("--batch", type=int, default=1, show_default=True, help="Micro-batch size."),
-        click.option("--seq", type=int, default=0, help="Sequence length (0: no activations)."),
-        click.option("--grad-accum", type=int, default=1, show_default=True),
-        click.option("--checkpointing", type=click.Choice(["none", "selective", "full"]), default="none",
-                     show_default=True),
-        click.option("--attention", type=click.Choice(["eager", "flash"]), default="eager", show_default=True,
-                     help="eager materializes the score matrix; flash (fused/SDPA) does not."),
-        click.option("--dropout", type=float, help="Dropout probability (default: the config's, else 0)."),
-        click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True),
-        click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel size."),
-        click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size."),
-        click.option("--offload-param", type=click.Choice(["none", "cpu"]), default="none", show_default=True),
-        click.option("--offload-optimizer", type=click.Choice(["none", "cpu"]), default="none", show_default=True),
-        click.option("--generate", type=int, default=0, help="Inference: KV cache for N new tokens."),
-        click.option("--kv-block-size", type=int, default=0, help="KV cache in fixed-size blocks (PagedAttention)."),
-    ]
-    return functools.reduce(lambda g, o: o(g), reversed(opts), f)
+def _knob(*decls, **attrs):
+    return decls, attrs
+
+
+KNOBS = [
+    _knob("--mode", type=click.Choice(["train", "inference"]), default="train", show_default=True),
+    _knob("--precision", type=click.Choice(["fp32", "amp", "mixed", "bf16", "fp16"]), default="fp32",
+                 show_default=True, help="amp: autocast, fp32 weights; mixed: 16-bit weights + fp32 master "
+                                         "(DeepSpeed/Megatron); bf16/fp16: pure 16-bit."),
+    _knob("--optimizer", type=click.Choice(["none", "sgd", "sgd-momentum", "adam", "adamw", "adam8bit",
+                                                   "adafactor"]), default="adamw", show_default=True),
+    _knob("--quant", type=click.Choice(["none", "8bit", "4bit"]), default="none", show_default=True),
+    _knob("--double-quant", is_flag=True, help="4-bit: double quantization of the scales."),
+    _knob("--lora-rank", type=int, default=0),
+    _knob("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", show_default=True,
+                 help="Comma-separated module names, or all-linear."),
+    _knob("--batch", type=int, default=1, show_default=True, help="Micro-batch size."),
+    _knob("--seq", type=int, default=0, help="Sequence length (0: no activations)."),
+    _knob("--grad-accum", type=int, default=1, show_default=True),
+    _knob("--checkpointing", type=click.Choice(["none", "selective", "full"]), default="none",
+                 show_default=True),
+    _knob("--attention", type=click.Choice(["eager", "flash"]), default="eager", show_default=True,
+                 help="eager materializes the score matrix; flash (fused/SDPA) does not."),
+    _knob("--dropout", type=float, help="Dropout probability (default: the config's, else 0)."),
+    _knob("--zero", type=click.IntRange(0, 3), default=0, show_default=True),
+    _knob("--dp", type=int, default=1, show_default=True, help="Data-parallel size."),
+    _knob("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size."),
+    _knob("--offload-param", type=click.Choice(["none", "cpu"]), default="none", show_default=True),
+    _knob("--offload-optimizer", type=click.Choice(["none", "cpu"]), default="none", show_default=True),
+    _knob("--generate", type=int, default=0, help="Inference: KV cache for N new tokens."),
+    _knob("--kv-block-size", type=int, default=0, help="KV cache in fixed-size blocks (PagedAttention)."),
+]
+
+
+def setup_options(f, defaults=True):
+    """The training/inference knobs shared by estimate, whatif and report --estimate-config.
+
+    defaults=False: every knob defaults to None (the recording says, unless given)."""
+    for decls, attrs in reversed(KNOBS):
+        attrs = dict(attrs)
+        if not defaults and not attrs.get("is_flag"):
+            attrs.update(default=None, show_default=False)
+        f = click.option(*decls, **attrs)(f)
+    return f
 
 
 def shape_from(kw):
@@ -103,16 +116,46 @@ def shape_from(kw):
     return None
 
 
+FIELDS = {"double_quant": "quant_double"}  # knob -> Setup field, where they differ
+
+
+def overrides_from(kw) -> dict:
+    """Setup fields from the knobs that were given (None: not given)."""
+    out = {}
+    for decls, _ in KNOBS:
+        knob = decls[0].lstrip("-").replace("-", "_")
+        value = kw.get(knob)
+        if value is None or (knob == "double_quant" and not value):
+            continue
+        if knob == "lora_targets":
+            value = tuple(t.strip() for t in value.split(",") if t.strip())
+        elif knob in ("offload_param", "offload_optimizer"):
+            value = value == "cpu"
+        out[FIELDS.get(knob, knob)] = value
+    return out
+
+
 def setup_from(kw):
     from ..analysis.estimate import Setup
 
-    return Setup(mode=kw["mode"], precision=kw["precision"], optimizer=kw["optimizer"], quant=kw["quant"],
-                 quant_double=kw["double_quant"], lora_rank=kw["lora_rank"],
-                 lora_targets=tuple(t.strip() for t in kw["lora_targets"].split(",") if t.strip()),
-                 batch=kw["batch"], seq=kw["seq"], grad_accum=kw["grad_accum"], checkpointing=kw["checkpointing"],
-                 attention=kw["attention"], dropout=kw["dropout"], zero=kw["zero"], dp=kw["dp"], tp=kw["tp"],
-                 offload_param=kw["offload_param"] == "cpu", offload_optimizer=kw["offload_optimizer"] == "cpu",
-                 generate=kw["generate"], kv_block_size=kw["kv_block_size"]).check()
+    return Setup(**overrides_from(kw)).check()
+
+
+def report_options(f):
+    """`report --estimate-config PATH|PRESET [knobs]`: predicted vs measured for files recorded anywhere."""
+    f = setup_options(f, defaults=False)
+    return click.option("--estimate-config", metavar="PATH|PRESET",
+                        help="Model config (or preset) to put predicted beside measured; the knobs "
+                             "(--precision, --optimizer, --batch, --seq...) override what the recording says.")(f)
+
+
+def report_spec(kw) -> dict:
+    """What analysis.report.build_report(estimate=...) takes, from report's options."""
+    from ..analysis.estimate.presets import load_shape
+
+    config = kw.pop("estimate_config", None)
+    overrides = overrides_from(kw)
+    return {"shape": load_shape(config) if config else None, "overrides": overrides}
 
 
 @click.command("estimate")

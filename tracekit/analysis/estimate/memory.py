@@ -134,7 +134,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     if setup.tp > 1 and (shape.heads % setup.tp or shape.n_kv % setup.tp and shape.n_kv >= setup.tp):
         raise TracekitError(f"--tp {setup.tp} does not divide the {shape.heads} attention heads")
     if isinstance(shape, ParamCount):
-        if setup.lora_rank or setup.optimizer == "adafactor" or setup.seq:
+        if setup.lora_rank or setup.optimizer == "adafactor" and shape.factored is None or setup.seq:
             raise TracekitError("--lora-rank, --optimizer adafactor and --seq need the model's shape "
                                 "(--config or --hidden/--layers/...), not just --params")
     trainable = _trainable(shape, setup)
@@ -150,8 +150,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         _inference_activations(est)
     if setup.seq:
         tokens = setup.batch * setup.seq
-        n = 1 if setup.mode == "inference" else 2
-        est.add("input", n * tokens * 8, f"{n} × batch × seq × 8 (int64 token ids{', targets' if n == 2 else ''})")
+        est.add("input", tokens * 8, "batch × seq × 8 (int64 token ids; labels passed to the model add as much)")
     return est
 
 
@@ -168,6 +167,8 @@ def _lora_params(shape: ModelShape, setup: Setup) -> int:
 def _trainable(shape, setup) -> int:
     if setup.mode == "inference":
         return 0
+    if isinstance(shape, ParamCount) and shape.trainable is not None:
+        return shape.trainable
     return _lora_params(shape, setup) if setup.lora_rank else shape.params()
 
 
@@ -247,7 +248,7 @@ def _optimizer(est: Estimate):
         parts.append(f"2 states × 1 B (+ fp32 absmax per {BNB_8BIT_BLOCK}); {small:,} params in tensors "
                      f"under {BNB_8BIT_MIN} elements keep 2 × 4 B")
     elif s.optimizer == "adafactor":
-        factored = _adafactor_elements(shape, s)
+        factored = shape.factored if isinstance(shape, ParamCount) else _adafactor_elements(shape, s)
         nbytes += factored * e
         parts.append(f"factored second moment: {factored:,} values (rows + columns of each matrix) × {e} B")
     elif k:
@@ -359,8 +360,8 @@ def _activations(est: Estimate):
     est.add("activation", tokens * shape.vocab * 4 / s.tp,
             f"loss: log-softmax of the logits in fp32, batch × seq × vocab {shape.vocab:,} × 4 B"
             + (f" / tp {s.tp}" if s.tp > 1 else ""))
-    est.add("temporary", tokens * shape.vocab * 4 / s.tp,
-            "gradient of the logits at the start of backward, batch × seq × vocab × 4 B")
+    est.add("temporary", 2 * tokens * shape.vocab * 4 / s.tp,
+            "the loss's backward: gradients of the log-softmax and of the logits, 2 × batch × seq × vocab × 4 B")
     if B != 4:
         est.add("temporary", tokens * shape.vocab * B / s.tp,
                 f"the {B * 8}-bit logits before the fp32 upcast, batch × seq × vocab × {B} B")

@@ -181,6 +181,8 @@ class ParamCount:
     n: int
     largest: int = 0  # DeepSpeed's largest layer, when known
     name: str = "params"
+    trainable: int | None = None  # None: all (a recording can say fewer, e.g. LoRA)
+    factored: int | None = None  # Adafactor's state elements, when the trainable shapes are known
     notes: tuple = ()
 
     def __post_init__(self):
