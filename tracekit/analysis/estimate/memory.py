@@ -283,9 +283,14 @@ def _small_tensor_params(shape: ModelShape) -> int:
 
 
 def _adafactor_elements(shape: ModelShape, s: Setup) -> int:
-    """torch.optim.Adafactor: rows + columns for each matrix, the full size for vectors."""
-    mats = [(i, o) for _, i, o, _ in shape.linears()]
-    per_layer = sum(i + o for i, o in mats)
+    """torch.optim.Adafactor: rows + columns for each matrix (as the model fuses them), the full size for vectors."""
+    mats = {name: (i, o) for name, i, o, _ in shape.linears()}
+    groups = [[n] for n in mats]
+    if shape.fused_qkv:
+        groups = [["q_proj", "k_proj", "v_proj"]] + [g for g in groups if g[0] not in ("q_proj", "k_proj", "v_proj")]
+    if shape.fused_gate_up and shape.gated:
+        groups = [["gate_proj", "up_proj"]] + [g for g in groups if g[0] not in ("gate_proj", "up_proj")]
+    per_layer = sum(mats[g[0]][0] + sum(mats[n][1] for n in g) for g in groups)
     per_layer += sum(o for _, _, o, b in shape.linears() if b) + 2 * shape.norm_params()
     if shape.qk_norm:
         per_layer += 2 * shape.norm_params(shape.d_head)
@@ -308,8 +313,9 @@ def activation_terms(shape: ModelShape, s: Setup) -> list[tuple[str, float]]:
     else:
         norm = (B * h, "input")
     kv_saved = hq if s.attention == "eager" else kv  # eager GQA repeats k and v to every head
+    n_norms = 1 if shape.parallel_residual and shape.norm == "layernorm" else 2
     terms = [
-        (f"2 norms: {norm[1]}", 2 * norm[0]),
+        (f"{n_norms} norm{'s' if n_norms > 1 else ''}: {norm[1]}", n_norms * norm[0]),
         ("q, k, v projections' input", B * h),
         ("q, k, v" + (" (k, v repeated to every head)" if s.attention == "eager" and kv < hq else ""),
          B * (hq + 2 * kv_saved) / tp),
@@ -326,7 +332,11 @@ def activation_terms(shape: ModelShape, s: Setup) -> list[tuple[str, float]]:
     if dropout:
         terms.append(("2 residual dropout masks (1 B)", 2 * h))
     if s.attention == "eager" and s.checkpointing == "none":
-        terms.append(("attention scores: softmax (heads × seq)", B * shape.heads * s.seq / tp))
+        if B == 4:
+            terms.append(("attention scores: softmax (heads × seq)", B * shape.heads * s.seq / tp))
+        else:
+            terms.append((f"attention scores: softmax in fp32 and its {B * 8}-bit copy (heads × seq)",
+                           (4 + B) * shape.heads * s.seq / tp))
         if dropout:
             terms.append(("attention dropout: mask (1 B) and output", (1 + B) * shape.heads * s.seq / tp))
     elif s.attention == "flash":

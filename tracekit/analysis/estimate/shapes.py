@@ -35,6 +35,9 @@ class ModelShape:
     tied: bool = False  # the output layer reuses the token embedding
     positions: int = 0  # learned position embeddings (GPT-2); 0 for rotary
     dropout: float = 0.0
+    fused_qkv: bool = False  # one matrix for q, k, v (GPT-2, GPT-NeoX, Phi-3): matters to Adafactor's state
+    fused_gate_up: bool = False  # Phi-3
+    parallel_residual: bool = False  # GPT-NeoX: attention and MLP norms read the same input
     name: str = "custom"
     notes: tuple = field(default=(), compare=False)
 
@@ -138,9 +141,10 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
         missing = [k for k, v in (("hidden_size", hidden), ("num_hidden_layers", layers),
                                   ("num_attention_heads", heads), ("vocab_size", vocab)) if v is None]
         raise TracekitError(f"{name}: not a transformer config this estimator knows (missing {', '.join(missing)})")
-    act = str(_get(cfg, "hidden_act", "activation_function", default="gelu")).lower()
     notes = []
     gpt_style = mt in ("gpt2", "gpt_neox", "gpt_neo", "gptj", "opt", "gpt_bigcode") or "n_embd" in cfg
+    act = str(_get(cfg, "hidden_act", "hidden_activation", "activation_function",
+                   default="gelu" if gpt_style else "silu")).lower()
     if gpt_style:
         activation = "relu" if act == "relu" else "gelu"
         norm, qkv_bias, out_bias, mlp_bias = "layernorm", True, True, True
@@ -171,6 +175,8 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
         head_dim=int(cfg.get("head_dim") or 0) if not gpt_style else 0,
         activation=activation, norm=norm, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias,
         qk_norm=mt.startswith("qwen3"), tied=bool(tied), positions=positions, dropout=dropout,
+        fused_qkv=mt in ("gpt2", "gpt_neox", "phi3") or (not mt and "n_embd" in cfg), fused_gate_up=mt == "phi3",
+        parallel_residual=mt == "gpt_neox" and bool(cfg.get("use_parallel_residual", True)),
         name=str(cfg.get("_name_or_path") or name), notes=tuple(notes))
 
 
