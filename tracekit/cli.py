@@ -23,6 +23,7 @@ COMMANDS = {
     "view": "Open files in the desktop viewer.",
     "cache": "Show or clear the cache that makes a second open fast.",
     "estimate": "Predict memory by category from a model config and a training setup.",
+    "whatif": "Largest micro-batch that fits a budget, and what each lever saves.",
 }
 
 

@@ -106,3 +106,33 @@ def comparison_lines(e: dict) -> list[str]:
         out.append(f"      {'?':>11}  {e['not_visible']}")
     out.append(f"    (measured: {e['measured_is']})")
     return out
+
+
+def whatif_text(r: dict) -> str:
+    f = r["fit"]
+    by = f["by"]
+    out = ["Recordings"]
+    for p in r["points"]:
+        out.append(f"  {by} {p['size']:>6}  peak {fmt_bytes(p['peak']):>10}  {p['file']}")
+    out += ["", f"Fit: peak ≈ {fmt_bytes(f['fixed_bytes'])} + {fmt_bytes(f['per_unit_bytes'])} × {by}",
+            f"  from {f['method']}"]
+    out += [f"  - {a}" for a in f["assumptions"]]
+    largest = r[f"largest_{by}"]
+    out.append("")
+    if largest is None:
+        out.append(f"The peak does not grow with the {by}: any {by} fits if the fixed part does.")
+    elif largest == 0:
+        out.append(f"Budget {fmt_bytes(r['budget'])}: even {by} 1 does not fit "
+                   f"(the fixed part alone is {fmt_bytes(f['fixed_bytes'])}).")
+    else:
+        out.append(f"Budget {fmt_bytes(r['budget'])}: largest {by} that fits = {largest} "
+                   f"(peak ≈ {fmt_bytes(r['peak_at_largest'])})")
+    if r["levers"]:
+        lf = r["levers_for"]
+        out += ["", f"Levers, for {by} {lf[by]} (measured peak {fmt_bytes(max(p['peak'] for p in r['points']))}):"]
+        for lv in r["levers"]:
+            fits = "fits" if lv["fits"] else "over budget"
+            out.append(f"  saves {fmt_bytes(lv['saves_bytes']):>10}  -> {fmt_bytes(lv['peak_after']):>10}  "
+                       f"{fits:<11}  {lv['lever']}")
+    out += [f"  - {a}" for a in r["levers_assumptions"]]
+    return "\n".join(out) + "\n"
