@@ -196,3 +196,26 @@ class NeoX(nn.Module):
 
 def count(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+class LoRALinear(nn.Module):
+    """PEFT-style LoRA around a frozen nn.Linear: base(x) + B(A(x)) × scale."""
+
+    def __init__(self, base, rank, scale=2.0):
+        super().__init__()
+        self.base, self.scale = base, scale
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+def with_lora(model: Llama, rank, targets=("q_proj", "v_proj")) -> Llama:
+    """Freeze `model` and adapt `targets` in every layer's attention."""
+    model.requires_grad_(False)
+    for layer in model.layers:
+        for name in targets:
+            setattr(layer.self_attn, name, LoRALinear(getattr(layer.self_attn, name), rank))
+    return model

@@ -18,12 +18,13 @@ from tracekit.analysis.estimate.measured import measured_max  # noqa: E402
 from tracekit.analysis.report import build_report  # noqa: E402
 from tracekit.io import load  # noqa: E402
 from tracekit.record.toy import TinyGPT  # noqa: E402
-from tests.estimate_models import GPT2, Llama  # noqa: E402
+from tests.estimate_models import GPT2, Llama, with_lora  # noqa: E402
 
 V = 1024
 LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": V, "tie_word_embeddings": False}
 MHA3 = dict(LLAMA, num_key_value_heads=4, num_hidden_layers=3)
+LORA = dict(LLAMA, num_hidden_layers=4)
 GPT2_TIED = {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 64, "vocab_size": V,
              "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 TINY = {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 2048,
@@ -41,7 +42,11 @@ CASES = {  # name: (model factory, config, optimizer factory, estimator's optimi
                          4, 128),
     "llama_bf16_adamw": (lambda: Llama(LLAMA), LLAMA, lambda p: torch.optim.AdamW(p), "adamw", torch.bfloat16,
                          "bf16", 4, 64),
+    "llama_lora_adamw": (lambda: with_lora(Llama(LORA), 8), LORA,
+                         lambda p: torch.optim.AdamW([q for q in p if q.requires_grad]), "adamw", torch.float32,
+                         "fp32", 4, 64),
 }
+SETUP = {"llama_lora_adamw": {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj")}}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,8 @@ def test_predicted_within_tolerance(recordings, name):
     _, cfg, _, kind, _, precision, batch, seq = CASES[name]
     trace = recordings[name]
     measured = measured_max(trace, trace.devices[0])
-    predicted = estimate(from_hf_config(cfg), Setup(precision=precision, optimizer=kind, batch=batch, seq=seq)).per_gpu
+    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq, **SETUP.get(name, {}))
+    predicted = estimate(from_hf_config(cfg), setup).per_gpu
     for cat in ("parameter", "gradient", "optimizer_state"):
         assert abs(measured[cat] - predicted[cat]) <= 0.01 * max(predicted[cat], 1), (cat, measured, predicted)
     assert predicted["activation"] > 0

@@ -308,27 +308,39 @@ def activation_terms(shape: ModelShape, s: Setup) -> list[tuple[str, float]]:
     B, h, tp = compute_bytes(s.precision), shape.hidden, s.tp
     hq, kv = shape.heads * shape.d_head, shape.n_kv * shape.d_head
     dropout = shape.dropout if s.dropout is None else s.dropout
+    lora = set(ALL_LINEAR if "all-linear" in s.lora_targets else s.lora_targets) if s.lora_rank else None
+
+    def saves_input(*names):  # a frozen linear does not keep its input for backward; a trained one does
+        return lora is None or bool(lora & set(names))
+
     if shape.norm == "rmsnorm":
-        norm = (4 * h + B * h, "input in fp32 + normalized (eager RMSNorm)")
+        norm = (4 * h + (B * h if lora is None else 0),
+                "input in fp32" + (" + normalized (eager RMSNorm)" if lora is None else " (frozen weight)"))
     else:
         norm = (B * h, "input")
     kv_saved = hq if s.attention == "eager" else kv  # eager GQA repeats k and v to every head
     n_norms = 1 if shape.parallel_residual and shape.norm == "layernorm" else 2
-    terms = [
-        (f"{n_norms} norm{'s' if n_norms > 1 else ''}: {norm[1]}", n_norms * norm[0]),
-        ("q, k, v projections' input", B * h),
-        ("q, k, v" + (" (k, v repeated to every head)" if s.attention == "eager" and kv < hq else ""),
-         B * (hq + 2 * kv_saved) / tp),
-        ("attention output (o_proj input)", B * hq / tp),
-        ("MLP input", B * h),
-    ]
+    terms = [(f"{n_norms} norm{'s' if n_norms > 1 else ''}: {norm[1]}", n_norms * norm[0])]
+    if saves_input("q_proj", "k_proj", "v_proj"):
+        terms.append(("q, k, v projections' input", B * h))
+    terms.append(("q, k, v" + (" (k, v repeated to every head)" if s.attention == "eager" and kv < hq else ""),
+                  B * (hq + 2 * kv_saved) / tp))
+    if saves_input("o_proj"):
+        terms.append(("attention output (o_proj input)", B * hq / tp))
+    if saves_input("gate_proj", "up_proj"):
+        terms.append(("MLP input", B * h))
     ff = shape.d_ff / tp
+    down = 1 if saves_input("down_proj") else 0
     if shape.gated:
-        terms.append(("gated MLP: gate, act(gate), up, product", 4 * B * ff))
+        terms.append(("gated MLP: gate, act(gate), up" + (", product" if down else ""), (3 + down) * B * ff))
     elif shape.activation == "relu":
         terms.append(("MLP: relu output", B * ff))
     else:
-        terms.append(("MLP: activation input and output", 2 * B * ff))
+        terms.append(("MLP: activation input" + (" and output" if down else ""), (1 + down) * B * ff))
+    if lora:
+        n_adapted = len([n for n, *_ in shape.linears() if n in lora])
+        terms.append((f"LoRA: rank-{s.lora_rank} A outputs (fp32) of {n_adapted} adapted layers",
+                       4 * s.lora_rank * n_adapted))
     if dropout:
         terms.append(("2 residual dropout masks (1 B)", 2 * h))
     if s.attention == "eager" and s.checkpointing == "none":
@@ -363,8 +375,9 @@ def _activations(est: Estimate):
         what = "selective checkpointing (attention scores recomputed), " if s.checkpointing == "selective" else ""
         est.add("activation", tokens * per_layer * L,
                 f"{what}batch {s.batch} × seq {s.seq} × {L} layers × {per_layer:g} B/token ({detail})")
-    norm = (4 * h + B * h) if shape.norm == "rmsnorm" else B * h
-    tail = norm + B * h + (h if dropout else 0)
+    frozen = bool(s.lora_rank)  # LoRA: the norms' weights and the output layer are frozen
+    norm = (4 * h + (0 if frozen else B * h)) if shape.norm == "rmsnorm" else B * h
+    tail = norm + (0 if frozen else B * h) + (h if dropout else 0)
     est.add("activation", tokens * tail, f"final norm and output layer input, batch × seq × {tail:g} B"
             + (" (+ embedding dropout mask)" if dropout else ""))
     est.add("activation", tokens * shape.vocab * 4 / s.tp,
@@ -377,6 +390,9 @@ def _activations(est: Estimate):
                 f"the {B * 8}-bit logits before the fp32 upcast, batch × seq × vocab × {B} B")
     est.assumptions.append("activations: what autograd saves in eager PyTorch per Korthikanti et al. 2022, "
                            "without the CUDA caching allocator's rounding")
+    if s.lora_rank:
+        est.assumptions.append("LoRA: frozen linears keep no input for backward; the first layer (whose input "
+                               "needs no gradient) is counted like the others")
     if s.precision == "amp":
         est.assumptions.append("amp: activations counted at 2 B; autocast also keeps 16-bit copies of the "
                                "weights during forward (temporary, about params × 2 B at most)")
