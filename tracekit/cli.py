@@ -27,6 +27,8 @@ COMMANDS = {
     "demo": "Record a small model step here and open the result.",
     "view": "Open files in the desktop viewer.",
     "cache": "Show or clear the cache that makes a second open fast.",
+    "estimate": "Predict memory by category from a model config and a training setup.",
+    "whatif": "Largest micro-batch that fits a budget, and what each lever saves.",
 }
 
 

@@ -61,6 +61,9 @@ def report_text(report: dict, t0_by_device=None) -> str:
             out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}  {why.get(c, '')}".rstrip()) for c, b in cats if b],
                          indent="    ")
         out += _phase_rows(d)
+        if d.get("estimate"):  # predicted vs measured (render_estimate.py)
+            from .render_estimate import comparison_lines
+            out += comparison_lines(d["estimate"])
         if d["top_stacks_at_peak"]:
             out.append("  live at the peak, by allocation site:")
             out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {_site(s)}")

@@ -11,16 +11,19 @@ from .sites import group_sites, public, site_info
 TOP_STACKS = 10
 
 
-def build_report(trace: Trace, rules=None) -> dict:
+def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     """Everything `tracekit report` shows, as JSON-ready builtins (sizes in bytes).
 
-    `rules`: a user rules file (path) or `Rules`, applied on top of the categories."""
+    `rules`: a user rules file (path) or `Rules`, applied on top of the categories.
+    `estimate`: what `estimate.measured.add_estimates` takes (None: from the recording)."""
     from .rules import Rules
 
     if rules is not None and not isinstance(rules, Rules):
         rules = Rules.load(rules)
     reps = replay(trace)
     devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
+    from .estimate.measured import add_estimates  # predicted vs measured, per device (issue 12)
+    add_estimates(trace, devices, estimate, rules)
     findings = []
     for d, summary in zip(trace.devices, devices):
         findings += device_findings(trace, reps[d], rules, summary)

@@ -70,6 +70,7 @@ class Recorder:
         self._tags = None
         self._models = []  # (prefix, module): the model, or outermost modules seen with parameters
         self._optimizers = []
+        self._input_shape = None  # the first forward's batch shape, for `estimate`
         self._start_us = None
         self._preexisting_frames = []
         self._watch = None
@@ -143,6 +144,8 @@ class Recorder:
     def forward_started(self, module, args, kwargs):
         if self.model is None and _has_parameters(module) and all(m is not module for _, m in self._models):
             self._models.append((f"{type(module).__name__}." if self._models else "", module))
+        if self._input_shape is None and self._models and module is self._models[0][1]:
+            self._input_shape = summary.input_shape(args, kwargs)
         if self._marks.forward_started():
             self._iteration_began()
         if self.recording:
@@ -323,7 +326,7 @@ class Recorder:
             "torch_version": str(torch.__version__),
             "python_version": sys.version.split()[0],
             "devices": self._backend.devices(),
-            "model": summary.model_summary(model) if model is not None else None,
+            "model": summary.model_summary(model, self._input_shape) if model is not None else None,
             "optimizer": summary.optimizer_summary(self._optimizers[0]) if self._optimizers else None,
             "phases": [clamp(p) for p in self._marks.phases if kept(p["iteration"])],
             "iterations": [clamp(i) for i in self._marks.iterations if kept(i["iteration"])],

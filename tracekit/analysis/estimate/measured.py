@@ -1,0 +1,126 @@
+"""Predicted beside measured: an estimate for a recording, per category, with the gap itemized.
+
+The setup comes from what our recorder stored (parameter count and dtypes,
+trainable parameters, optimizer class and defaults, the batch shape, a
+Hugging Face config when the model has one) or from the user
+(`report --estimate-config`). Measured is each category's largest live
+bytes over the recording; the gap at the peak is split by category, plus
+what the allocator adds (reserved but unused) and what a recording cannot
+see (CUDA context, NCCL).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ...model import Trace
+from .memory import Setup, estimate
+from .shapes import ModelShape, ParamCount, from_hf_config
+
+OPTIMIZER_CLASSES = (("8bit", "adam8bit"), ("adafactor", "adafactor"), ("adamw", "adamw"), ("adam", "adam"),
+                     ("sgd", "sgd"))
+
+
+def recorded_setup(trace: Trace):
+    """(shape, Setup, notes) from the recorder's data; shape None when the file says nothing about the model."""
+    rec = trace.recorder or {}
+    model, opt = rec.get("model") or {}, rec.get("optimizer") or {}
+    notes = []
+    if not model.get("parameters"):
+        return None, None, notes
+    dtypes = model.get("dtypes") or {"float32": model["parameters"]}
+    main = max(dtypes, key=dtypes.get)
+    precision = {"bfloat16": "bf16", "float16": "fp16"}.get(main, "fp32")
+    name = (opt.get("class") or "").lower()
+    kind = next((k for key, k in OPTIMIZER_CLASSES if key in name.rsplit(".", 1)[-1]), "none")
+    if kind == "sgd" and (opt.get("defaults") or {}).get("momentum"):
+        kind = "sgd-momentum"
+    if opt and kind == "none":
+        notes.append(f"optimizer {opt.get('class')} is not one the estimator knows: no state predicted")
+    shape_in = model.get("input_shape") or []
+    batch, seq = (shape_in[0], shape_in[1]) if len(shape_in) == 2 else (1, 0)
+    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq)
+    cfg = model.get("config")
+    if cfg:
+        try:
+            shape = from_hf_config(cfg, name=cfg.get("_name_or_path") or model.get("class", "model"))
+            if shape.params() == model["parameters"]:
+                notes.append("model shape from the recorded Hugging Face config")
+                return shape, setup, notes
+            notes.append(f"the recorded config counts {shape.params():,} parameters, the model has "
+                         f"{model['parameters']:,}: model states from the recorded count")
+        except Exception as e:  # a config this estimator does not know: fall back to the counts
+            notes.append(f"recorded config not usable ({e})")
+    trainable = model.get("trainable_parameters", model["parameters"])
+    shape = ParamCount(model["parameters"], name=model.get("class", "model"), trainable=trainable,
+                       factored=_factored(model.get("trainable_shapes")))
+    notes.append("model states from the recorder's parameter count (no model shape: activations not predicted; "
+                 "give --estimate-config for them)")
+    return shape, replace(setup, optimizer=kind if kind != "adafactor" or shape.factored else "none"), notes
+
+
+def _factored(shapes) -> int | None:
+    if not shapes:
+        return None
+    n = 0
+    for key, count in shapes:
+        dims = [int(x) for x in str(key).split("x") if x]
+        n += count * (dims[0] + int(np.prod(dims[1:])) if len(dims) >= 2 else int(np.prod(dims or [1])))
+    return n
+
+
+def measured_max(trace: Trace, device: int, rules=None) -> dict:
+    """Each category's largest live bytes over the recording."""
+    from ..timeline import category_series
+
+    series = category_series(trace, device, rules=rules)
+    return {k: int(v.max()) if len(v) else 0 for k, v in series.by_category.items()}
+
+
+def add_estimates(trace: Trace, devices: list, spec=None, rules=None):
+    """Put "estimate" (predicted vs measured) in each device's report dict, where something says what the model is.
+
+    spec: None (what the recorder stored) or {"shape": ModelShape | None, "overrides": {Setup field: value}}."""
+    spec = spec or {}
+    if spec.get("shape") is None and not ((trace.recorder or {}).get("model") or {}).get("parameters"):
+        return
+    for d in devices:
+        result = compare(trace, d["device"], d, spec.get("shape"), spec.get("overrides"), rules)
+        if result is not None:
+            d["estimate"] = result
+
+
+def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None, rules=None) -> dict | None:
+    """Predicted vs measured for one device (`summary`: its report dict). None when nothing says what the model is."""
+    rshape, setup, notes = recorded_setup(trace)
+    if shape is None:
+        shape = rshape
+    elif rshape is not None:
+        notes = ["model shape from --estimate-config; the batch and precision from the recording unless given"]
+    if shape is None:
+        return None
+    setup = replace(setup or Setup(), **{k: v for k, v in (overrides or {}).items() if v is not None})
+    if isinstance(shape, ParamCount) and setup.seq:
+        setup = replace(setup, seq=0)
+    est = estimate(shape, setup)
+    predicted = est.per_gpu
+    measured = measured_max(trace, device, rules)
+    at_peak = summary.get("categories_at_peak", {})
+    cats = [c for c in predicted if c != "total"] + [c for c in measured if c not in predicted]
+    rows = [{"category": c, "predicted": predicted.get(c, 0), "measured": measured.get(c, 0),
+             "at_peak": at_peak.get(c, 0), "difference": measured.get(c, 0) - predicted.get(c, 0)} for c in cats]
+    peak = summary["peak_allocated_bytes"]
+    gap = [{"what": f"{r['category']} at the peak vs predicted", "bytes": r["at_peak"] - r["predicted"]}
+           for r in rows if r["at_peak"] != r["predicted"]]
+    cpu = (trace.recorder or {}).get("backend") == "cpu" or summary.get("label") == "cpu"
+    if not cpu and summary.get("fragmentation_at_peak_bytes"):
+        gap.append({"what": "reserved but not allocated at the peak (fragmentation, allocator caching)",
+                    "bytes": summary["fragmentation_at_peak_bytes"]})
+    outside = ("the CUDA context, kernels and NCCL buffers live outside the allocator: "
+               "a recording cannot see them (typically 0.3-1 GiB per process)") if not cpu else None
+    return {"model": shape.name, "params": est.params, "trainable_params": est.trainable_params,
+            "setup": est.to_dict()["setup"], "measured_is": "each category's largest live bytes in the recording",
+            "categories": rows, "predicted_total": predicted["total"], "peak_allocated": peak,
+            "peak_difference": peak - predicted["total"], "gap_at_peak": gap, "not_visible": outside,
+            "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}

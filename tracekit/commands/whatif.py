@@ -1,0 +1,102 @@
+"""`tracekit whatif A [B] --budget 80GiB`: the largest micro-batch (or sequence) that fits, and the levers."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import click
+
+from ..errors import TracekitError
+from ._common import echo_json, json_option, no_cache_option, open_trace
+from .estimate import model_options, overrides_from, setup_options, shape_from
+
+
+def _budget(ctx, param, value):
+    from ..analysis.units import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def point(path, by, size, no_cache):
+    """A Point from one recording: its largest device's peak, categories there, and its size."""
+    from ..analysis.estimate.whatif import Point
+    from ..analysis.replay import replay
+    from ..analysis.timeline import categories_at
+
+    trace = open_trace(path, no_cache)
+    reps = replay(trace)
+    if not reps:
+        raise TracekitError(f"{path}: no device memory recorded")
+    rep = max(reps.values(), key=lambda r: r.peak_allocated)
+    if size is None:
+        shape = ((trace.recorder or {}).get("model") or {}).get("input_shape") or []
+        k = 0 if by == "batch" else 1
+        if len(shape) <= k:
+            raise TracekitError(f"{path}: the file does not say its {by} size; give --sizes (one per file)")
+        size = shape[k]
+    cats = {k: int(v[0]) for k, v in categories_at(trace, rep.device, [rep.peak_index]).items() if v[0]}
+    cpu = (trace.recorder or {}).get("backend") == "cpu" or trace.device_label(rep.device) == "cpu"
+    reserved = None if cpu else rep.reserved_at(rep.peak_index)
+    frag = (reserved - rep.peak_allocated) if reserved else 0
+    return Point(path, int(size), int(rep.peak_allocated), reserved, cats, max(frag, 0)), trace
+
+
+def _knobs(f):
+    return setup_options(f, defaults=False)
+
+
+@click.command("whatif")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
+@click.option("--budget", required=True, callback=_budget, help="Memory per GPU to fit in: 80GiB, 24GB, ...")
+@click.option("--by", type=click.Choice(["batch", "seq"]), default="batch", show_default=True,
+              help="What differs between the recordings (and what to grow).")
+@click.option("--sizes", help="The micro-batch (or seq) of each file, e.g. 8,16 (default: what the recorder stored).")
+@model_options
+@_knobs
+@json_option
+@no_cache_option
+def command(files, budget, by, sizes, as_json, no_cache, **kw):
+    """From one or two recordings at different micro-batch sizes (or sequence lengths): the largest that
+    fits --budget, and what each usual lever would save.
+
+    \b
+    tracekit whatif bs8.pickle bs16.pickle --budget 80GiB
+    tracekit whatif step.pickle --budget 24GiB --config llama-3-8b --precision bf16
+    """
+    from ..analysis.estimate.measured import recorded_setup
+    from ..analysis.estimate.shapes import ModelShape
+    from ..analysis.estimate.whatif import whatif
+    from ..render_estimate import whatif_text
+
+    if len(files) > 2:
+        raise TracekitError("whatif takes one or two recordings")
+    size_list = [None] * len(files)
+    if sizes:
+        try:
+            size_list = [int(s) for s in sizes.split(",")]
+        except ValueError:
+            raise TracekitError(f"--sizes {sizes!r}: give whole numbers, one per file (e.g. 8,16)") from None
+        if len(size_list) != len(files) or min(size_list) < 1:
+            raise TracekitError(f"--sizes needs one positive size per file ({len(files)})")
+    points, traces = [], []
+    for path, size in zip(files, size_list):
+        p, trace = point(path, by, size, no_cache)
+        points.append(p)
+        traces.append(trace)
+    shape = shape_from(kw)
+    rshape, rsetup, _ = recorded_setup(traces[-1])
+    shape = shape or (rshape if isinstance(rshape, ModelShape) else None)
+    setup = replace(rsetup or _default_setup(), **overrides_from(kw)).check() if shape is not None else None
+    result = whatif(points, budget, by, shape, setup)
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(whatif_text(result))
+
+
+def _default_setup():
+    from ..analysis.estimate import Setup
+
+    return Setup()

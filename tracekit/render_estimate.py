@@ -1,0 +1,138 @@
+"""Plain-text rendering of estimates, of predicted vs measured, and of what-if answers."""
+from __future__ import annotations
+
+from .analysis.units import fmt_bytes
+
+
+def _gb(n) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def estimate_text(est, deepspeed=None) -> str:
+    from .analysis.estimate.shapes import ModelShape, gpt_style_params
+
+    s, shape = est.setup, est.shape
+    out = [f"{shape.name}: {est.params:,} parameters ({est.params / 1e9:.3g} B), "
+           f"{est.trainable_params:,} trainable"]
+    knobs = [s.mode, f"precision {s.precision}"]
+    if s.mode == "train":
+        knobs.append(f"optimizer {s.optimizer}")
+    if s.quant != "none":
+        knobs.append(f"weights {s.quant}")
+    if s.lora_rank:
+        knobs.append(f"LoRA rank {s.lora_rank}")
+    if s.seq:
+        knobs += [f"micro-batch {s.batch} × seq {s.seq}", f"attention {s.attention}",
+                  f"checkpointing {s.checkpointing}"]
+    if s.zero or s.dp > 1 or s.tp > 1:
+        knobs.append(f"ZeRO-{s.zero}, dp {s.dp}, tp {s.tp}")
+    out.append("  " + ", ".join(knobs))
+    for where, title in (("gpu", "Per GPU"), ("cpu", "Per CPU (offloaded)")):
+        per = est.per(where)
+        if where == "cpu" and not per["total"]:
+            continue
+        out += ["", title]
+        for cat in [c for c in per if c != "total"]:
+            lines = [ln for ln in est.lines if ln.category == cat and ln.where == where]
+            if not lines and where == "cpu":
+                continue
+            if len(lines) == 1:
+                out.append(f"  {cat:<16} {fmt_bytes(per[cat]):>11}  {lines[0].formula}")
+                continue
+            out.append(f"  {cat:<16} {fmt_bytes(per[cat]):>11}")
+            out += [f"    {fmt_bytes(ln.bytes):>13}  {ln.formula}" for ln in lines]
+        out.append(f"  {'total':<16} {fmt_bytes(per['total']):>11}  ({_gb(per['total'])}, {per['total']:,} bytes)")
+    notes = list(est.assumptions)
+    if isinstance(shape, ModelShape):
+        napkin = gpt_style_params(shape)
+        if abs(napkin - est.params) > 0.001 * est.params:
+            notes.append(f"parameters counted exactly for this architecture; the GPT-style napkin count "
+                         f"(12·L·h² + 13·L·h + V·h) would say {napkin:,} ({(napkin - est.params) / est.params:+.1%}), "
+                         "so calculators that use it differ by that much on model states")
+    notes.append("not counted: the CUDA context and kernels (~0.3-1 GiB per process, outside the allocator), "
+                 "NCCL buffers, the caching allocator's rounding and fragmentation")
+    out += ["", "Assumptions"] + [f"  - {n}" for n in dict.fromkeys(notes)]
+    if deepspeed:
+        out += ["", deepspeed["title"], "  per CPU  |  per GPU |   Options"]
+        for r in deepspeed["rows"]:
+            opts = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("per_cpu", "per_gpu"))
+            out.append(f"  {r['per_cpu'] / 2**30:7.2f}GB | {r['per_gpu'] / 2**30:6.2f}GB | {opts}")
+        out.append("  (DeepSpeed prints GiB as \"GB\"; model states only, CPU with its 1.5 buffer factor)")
+    return "\n".join(out) + "\n"
+
+
+def deepspeed_rows(est, nodes=1) -> dict:
+    """DeepSpeed's estimate_zero{2,3}_model_states_mem_needs_all_live table for this model and --dp GPUs."""
+    from .analysis.estimate import deepspeed
+    from .errors import TracekitError
+
+    s = est.setup
+    if nodes < 1 or s.dp % nodes:
+        raise TracekitError(f"--nodes {nodes} must divide --dp {s.dp} (GPUs in all)")
+    per_node = s.dp // nodes
+    stage = 3 if s.zero == 3 else 2
+    largest = est.shape.largest_layer_params()
+    if stage == 3 and not largest:
+        raise TracekitError("DeepSpeed's ZeRO-3 estimate needs the largest layer: give --largest-layer or a config")
+    return {"stage": stage, "total_params": est.params, "largest_layer_params": largest,
+            "gpus_per_node": per_node, "nodes": nodes,
+            "title": (f"DeepSpeed estimate_zero{stage}_model_states_mem_needs_all_live: {nodes} node(s) × "
+                      f"{per_node} GPUs, {est.params // 10**6}M total params"
+                      + (f", {largest // 10**6}M largest layer params" if stage == 3 else "")),
+            "rows": deepspeed.table(stage, est.params, largest, per_node, nodes)}
+
+
+def _signed(n) -> str:
+    return ("+" if n > 0 else "") + fmt_bytes(n) if n else "="
+
+
+def comparison_lines(e: dict) -> list[str]:
+    """Predicted vs measured for one device, for `tracekit report`."""
+    s = e["setup"]
+    what = f"{s['precision']}, {s['optimizer']}" + (f", batch {s['batch']} × seq {s['seq']}" if s["seq"] else "")
+    out = [f"  predicted vs measured ({e['model']}: {e['params']:,} params; {what}):",
+           f"    {'':<16} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12}"]
+    for r in e["categories"]:
+        if r["predicted"] or r["measured"]:
+            share = f" ({r['difference'] / r['predicted']:+.1%})" if r["predicted"] and r["difference"] else ""
+            out.append(f"    {r['category']:<16} {fmt_bytes(r['predicted']):>11} {fmt_bytes(r['measured']):>11} "
+                       f"{_signed(r['difference']):>11} {fmt_bytes(r['at_peak']):>12}{share}")
+    out.append(f"    {'total':<16} {fmt_bytes(e['predicted_total']):>11} {fmt_bytes(e['peak_allocated']):>11} "
+               f"{_signed(e['peak_difference']):>11}   (measured: the peak allocated)")
+    if e["gap_at_peak"]:
+        out.append("    the difference at the peak:")
+        out += [f"      {_signed(g['bytes']):>11}  {g['what']}" for g in e["gap_at_peak"]]
+    if e.get("not_visible"):
+        out.append(f"      {'?':>11}  {e['not_visible']}")
+    out.append(f"    (measured: {e['measured_is']})")
+    return out
+
+
+def whatif_text(r: dict) -> str:
+    f = r["fit"]
+    by = f["by"]
+    out = ["Recordings"]
+    for p in r["points"]:
+        out.append(f"  {by} {p['size']:>6}  peak {fmt_bytes(p['peak']):>10}  {p['file']}")
+    out += ["", f"Fit: peak ≈ {fmt_bytes(f['fixed_bytes'])} + {fmt_bytes(f['per_unit_bytes'])} × {by}",
+            f"  from {f['method']}"]
+    out += [f"  - {a}" for a in f["assumptions"]]
+    largest = r[f"largest_{by}"]
+    out.append("")
+    if largest is None:
+        out.append(f"The peak does not grow with the {by}: any {by} fits if the fixed part does.")
+    elif largest == 0:
+        out.append(f"Budget {fmt_bytes(r['budget'])}: even {by} 1 does not fit "
+                   f"(the fixed part alone is {fmt_bytes(f['fixed_bytes'])}).")
+    else:
+        out.append(f"Budget {fmt_bytes(r['budget'])}: largest {by} that fits = {largest} "
+                   f"(peak ≈ {fmt_bytes(r['peak_at_largest'])})")
+    if r["levers"]:
+        lf = r["levers_for"]
+        out += ["", f"Levers, for {by} {lf[by]} (measured peak {fmt_bytes(max(p['peak'] for p in r['points']))}):"]
+        for lv in r["levers"]:
+            fits = "fits" if lv["fits"] else "over budget"
+            out.append(f"  saves {fmt_bytes(lv['saves_bytes']):>10}  -> {fmt_bytes(lv['peak_after']):>10}  "
+                       f"{fits:<11}  {lv['lever']}")
+    out += [f"  - {a}" for a in r["levers_assumptions"]]
+    return "\n".join(out) + "\n"
