@@ -95,7 +95,7 @@ def _stat(path):
 
 def read_document(path, progress=None, size=None):
     """Decode a file to Python data. Returns (object, kind) with kind "pickle" or "JSON"."""
-    size = size if size is not None else os.path.getsize(path)
+    size = size if size is not None else _stat(path).st_size
     try:
         raw = open(path, "rb")
     except OSError as e:

@@ -2,8 +2,10 @@
 
 Only plain builtins are written (dict, list, tuple, str, int, float, bool,
 None, bytes), so the file opens with a restricted unpickler that refuses
-every global. The dict is written as it is: callers may add keys (our
-"tracekit" key, a "category" on each entry) before writing.
+every global. Callers may add keys (our "tracekit" key, a "category" on each
+entry) before writing; `write_snapshot` then makes the dict one that
+pytorch.org/memory_viz renders (see memory_viz.py: it needs an "unknown"
+category among the entries' categories), in place.
 """
 from __future__ import annotations
 
@@ -35,10 +37,13 @@ def snapshot_bytes(snapshot) -> bytes:
 def write_snapshot(path, snapshot) -> str:
     """Write `snapshot` to `path` atomically (temp file in the same folder + os.replace).
 
-    A path ending in ".gz" is gzip-compressed. Returns the path written.
+    A path ending in ".gz" is gzip-compressed (memory_viz cannot open those).
+    Returns the path written.
     """
+    from .memory_viz import renderable
+
     path = os.fspath(path)
-    data = snapshot_bytes(snapshot)
+    data = snapshot_bytes(renderable(snapshot))
     if path.endswith(".gz"):
         data = gzip.compress(data, compresslevel=6)
     folder = os.path.dirname(os.path.abspath(path))
