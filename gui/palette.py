@@ -7,40 +7,10 @@ from __future__ import annotations
 
 from tracekit.analysis.units import fmt_bytes  # noqa: F401  (re-exported for the widgets)
 
-# Okabe & Ito (2008), "Color Universal Design".
-BLACK, ORANGE, SKY, GREEN, YELLOW, BLUE, VERMILLION, PURPLE = (
-    "#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
-GREY = "#9A9A9A"
-
-CATEGORY_COLORS = {
-    "parameter": BLUE,
-    "gradient": ORANGE,
-    "optimizer_state": PURPLE,
-    "activation": GREEN,
-    "temporary": VERMILLION,
-    "input": SKY,
-    "other": GREY,
-    "allocated": BLUE,  # shown when a file has no categories
-}
-# User-defined categories (kv_cache, ...) take these in order of appearance.
-EXTRA_COLORS = (YELLOW, "#7F3C8D", "#11A579", "#3969AC", "#F2B701", "#80BA5A", "#E68310")
-
-# Phases are greys, so they never read as a category.
-PHASE_COLORS = {"forward": "#DADADA", "backward": "#B4B4B4", "optimizer": "#8A8A8A"}
-RESERVED_FILL = "#EFEFEF"  # reserved but not allocated (the caching allocator's spare)
-FINDING_COLORS = {"peak": BLACK, "spike": VERMILLION, "leak": PURPLE, "oom": "#C00000",
-                  "fragmentation": "#666666", "advice": BLUE}
-RESERVED_COLOR = "#444444"
-HIGHLIGHT_COLOR = "#000000"
-
-
-def category_color(name: str, names=()) -> str:
-    """The colour of a category; unknown ones get a stable extra colour by position in `names`."""
-    if name in CATEGORY_COLORS:
-        return CATEGORY_COLORS[name]
-    extra = [n for n in names if n not in CATEGORY_COLORS]
-    i = extra.index(name) if name in extra else abs(hash(name))
-    return EXTRA_COLORS[i % len(EXTRA_COLORS)]
+# The colours live in tracekit (the notebook picture uses them too); re-exported for the widgets.
+from tracekit.palette import (  # noqa: F401
+    BLACK, BLUE, CATEGORY_COLORS, EXTRA_COLORS, FINDING_COLORS, GREEN, GREY, HIGHLIGHT_COLOR, ORANGE, PHASE_COLORS,
+    PURPLE, RESERVED_COLOR, RESERVED_FILL, SKY, VERMILLION, YELLOW, category_color)
 
 
 def byte_unit(peak: int) -> tuple[str, float]:

@@ -1,6 +1,7 @@
 """tracekit: record, classify and explain PyTorch memory use.
 
-`tracekit.load(path)` opens any memory file as a columnar `Trace`;
+`tracekit.load(path)` opens any memory file as a `Recording` (the columnar
+`Trace`, with DataFrames, the report and a notebook view: see api.py);
 `tracekit.record(...)` (needs torch) records one. Importing tracekit imports
 neither torch nor Qt.
 """
@@ -8,10 +9,17 @@ __version__ = "0.1.0"
 
 
 def load(path, **kwargs):
-    """Open a snapshot or profiler trace as a `tracekit.model.Trace`."""
-    from .io import load as _load
+    """Open a snapshot or profiler trace as a `tracekit.api.Recording` (a `tracekit.model.Trace`)."""
+    from .api import load as _load
 
     return _load(path, **kwargs)
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext tracekit`: the `%%tracekit` cell magic (records the cell, shows the report)."""
+    from .integrations.notebook import load_ipython_extension as _load_ext
+
+    _load_ext(ipython)
 
 
 def __getattr__(name):

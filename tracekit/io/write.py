@@ -2,12 +2,14 @@
 
 The name says the format: ``.pickle`` / ``.pkl`` (pickle), ``.json`` (the
 same dict as JSON, as pytorch.org/memory_viz and tracekit also open), each
-optionally ``.gz``; any other name is refused (`output_format`). Only plain
-builtins are written (dict, list, tuple, str, int, float, bool, None, bytes),
-so the file opens with a restricted unpickler that refuses every global. The
-dict is written as it is: callers may add keys (our "tracekit" key, a
-"category" on each entry) before writing. Files get the permissions the
-umask allows, as any file the user creates.
+optionally ``.gz`` (memory_viz cannot open those); any other name is refused
+(`output_format`). Only plain builtins are written (dict, list, tuple, str,
+int, float, bool, None, bytes), so the file opens with a restricted
+unpickler that refuses every global. Callers may add keys (our "tracekit"
+key, a "category" on each entry) before writing; `write_snapshot` then makes
+the dict one that pytorch.org/memory_viz renders (see memory_viz.py: it
+needs an "unknown" category among the entries' categories), in place. Files
+get the permissions the umask allows, as any file the user creates.
 """
 from __future__ import annotations
 
@@ -92,8 +94,11 @@ def write_snapshot(path, snapshot) -> str:
 
     The format follows the name (`output_format`). Returns the path written.
     """
+    from .memory_viz import renderable
+
     path = os.fspath(path)
     fmt, gz = output_format(path)
+    snapshot = renderable(snapshot)
     data = snapshot_bytes(snapshot) if fmt == "pickle" else snapshot_json_bytes(snapshot)
     if gz:
         data = gzip.compress(data, compresslevel=6)

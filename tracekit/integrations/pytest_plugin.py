@@ -1,0 +1,172 @@
+"""pytest plugin (registered by entry point): memory budgets and leak checks for tests.
+
+    @pytest.mark.limit_peak_memory("512 MiB")                       # peak allocated, any device
+    @pytest.mark.limit_peak_memory("2 GiB", device="cuda", category="activation")
+    @pytest.mark.no_memory_leaks(iterations=5)
+    def test_train_step(): ...
+
+A marked test's body is recorded with `tracekit.record` (`device="cpu"`: the
+CPU backend, `"cuda"`: the allocator's history, skipped without CUDA;
+default: CUDA when available). `limit_peak_memory` fails the test when the
+peak allocated bytes (with `category`: that category's bytes at the peak,
+as `tracekit check --max CATEGORY=SIZE`) exceed the limit, naming the
+categories and allocation sites at the peak. `no_memory_leaks` runs the body
+`iterations` times (>= 3; an iteration boundary after each call) and fails
+when memory made in one call is still live calls later, step after step
+(the report's leak finding, with the lines that allocate it).
+
+`--tracekit-dir DIR` keeps the recordings of failing tests there (named
+after the test); otherwise they are deleted.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+
+import pytest
+
+DEVICES = (None, "cpu", "cuda")
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("tracekit", "tracekit memory checks")
+    group.addoption("--tracekit-dir", default=None, metavar="DIR",
+                    help="keep the memory recordings of failing tracekit-marked tests in DIR")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "limit_peak_memory(limit, device=None, category=None): fail the test when "
+                                       "its peak allocated memory (or a category's bytes at the peak) exceeds limit")
+    config.addinivalue_line("markers", "no_memory_leaks(iterations=5, device=None): run the test body `iterations` "
+                                       "times and fail when memory grows step after step")
+
+
+def _settings(item):
+    """(limit, device, category, iterations) from the item's markers; None when unmarked."""
+    peak, leaks = item.get_closest_marker("limit_peak_memory"), item.get_closest_marker("no_memory_leaks")
+    if peak is None and leaks is None:
+        return None
+    from ..analysis.units import parse_bytes
+
+    limit = category = None
+    device = None
+    if peak is not None:
+        args = dict(zip(("limit", "device", "category"), peak.args), **peak.kwargs)
+        if "limit" not in args:
+            raise pytest.UsageError(f"{item.nodeid}: limit_peak_memory needs a limit, e.g. \"512 MiB\"")
+        try:
+            limit = parse_bytes(args["limit"]) if not isinstance(args["limit"], int) else args["limit"]
+        except ValueError as e:
+            raise pytest.UsageError(f"{item.nodeid}: limit_peak_memory: {e}") from None
+        device, category = args.get("device"), args.get("category")
+    iterations = None
+    if leaks is not None:
+        largs = dict(zip(("iterations",), leaks.args), **leaks.kwargs)
+        iterations = int(largs.get("iterations", 5))
+        if iterations < 3:
+            raise pytest.UsageError(f"{item.nodeid}: no_memory_leaks needs iterations >= 3 (got {iterations})")
+        device = device or largs.get("device")
+    if device not in DEVICES:
+        raise pytest.UsageError(f"{item.nodeid}: device must be 'cpu' or 'cuda', not {device!r}")
+    return limit, device, category, iterations
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    settings = _settings(pyfuncitem)
+    if settings is None:
+        return None
+    import inspect
+
+    if inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None  # left to the async plugin, unrecorded
+    limit, device, category, iterations = settings
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("tracekit: this memory check needs a CUDA device")
+    from ..record import Recorder
+
+    folder = tempfile.mkdtemp(prefix="tracekit-test-")
+    path = os.path.join(folder, _file_name(pyfuncitem.nodeid))
+    testargs = {arg: pyfuncitem.funcargs[arg] for arg in pyfuncitem._fixtureinfo.argnames}
+    failed = True
+    try:
+        rec = Recorder(path, backend={"cpu": "cpu", "cuda": "cuda"}.get(device, "auto"), command=[pyfuncitem.nodeid])
+        with rec:
+            for _ in range(iterations or 1):
+                pyfuncitem.obj(**testargs)
+                if iterations:
+                    rec.step()
+        if not rec.written:
+            pytest.fail("tracekit: the test ran but its memory could not be recorded (see the warnings)",
+                        pytrace=False)
+        problems = check(rec.written, limit, device, category, leaks=iterations is not None)
+        if problems:
+            pytest.fail(problems + _kept(pyfuncitem, rec.written), pytrace=False)
+        failed = False
+    finally:
+        if failed and os.path.exists(path):
+            _keep(pyfuncitem, path)
+        shutil.rmtree(folder, ignore_errors=True)
+    return True
+
+
+def check(path, limit, device, category, leaks) -> str:
+    """The explanation of what is over budget or leaking in a recording ("" when all is well)."""
+    from ..analysis.report import build_report
+    from ..commands.check import over_budget
+    from ..io import load
+    from ..render import finding_lines
+
+    report = build_report(load(path, use_cache=False))
+    devices = [d for d in report["devices"] if device is None or d["label"].split(":")[0] == device]
+    report = dict(report, devices=devices, findings=[f for f in report["findings"]
+                                                      if f["device"] in {d["device"] for d in devices}])
+    budgets = {category: limit} if category and limit is not None else {}
+    peak = limit if limit is not None and not category else None
+    problems = over_budget(report, peak, None, budgets, no_leaks=leaks)
+    if not problems:
+        return ""
+    out = ["tracekit: " + "; ".join(p["message"] for p in problems)]
+    for d in devices:
+        if not any(p["device"] == d["device"] and p["what"] != "leak" for p in problems):
+            continue
+        cats = sorted(((c, b) for c, b in (d.get("categories_at_peak") or {}).items() if b), key=lambda kv: -kv[1])
+        from ..analysis.frames import where
+        from ..analysis.units import fmt_bytes
+
+        if cats:
+            out.append(f"  {d['label']} at the peak, by category: "
+                       + ", ".join(f"{c} {fmt_bytes(b)}" for c, b in cats[:5]))
+        if d.get("top_stacks_at_peak"):
+            out.append("  live at the peak, by allocation site:")
+            out += [f"    {fmt_bytes(s['bytes']):>10} {s['count']:>5}x  {where(s['frames'])}"
+                    for s in d["top_stacks_at_peak"][:5]]
+    for f in report["findings"]:
+        if leaks and f["kind"] == "leak":
+            out += ["  " + line for line in finding_lines(f)[1:]]  # the summary is in the first line already
+    return "\n".join(out)
+
+
+def _file_name(nodeid):
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:150] + ".pickle"
+
+
+def _keep(item, path):
+    folder = item.config.getoption("tracekit_dir")
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    dest = os.path.join(folder, os.path.basename(path))
+    shutil.copyfile(path, dest)
+    return dest
+
+
+def _kept(item, path):
+    folder = item.config.getoption("tracekit_dir")
+    if not folder:
+        return "\n  (run with --tracekit-dir DIR to keep the recording)"
+    return f"\n  recording: {os.path.join(folder, os.path.basename(path))}  (tracekit view / report it)"
