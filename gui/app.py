@@ -348,11 +348,12 @@ def _wait_exposed(window, timeout_s=20) -> bool:
     return window.windowHandle().isExposed()
 
 
-def screenshot(files, out, size=(1440, 900)) -> int:
+def screenshot(files, out, size=(1440, 900), select=None) -> int:
     """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
 
     On a real display (xcb under Xvfb, say) the window is shown there and must be
-    exposed by the display server before it is rendered."""
+    exposed by the display server before it is rendered. `select` ("leak", "spike",
+    "peak", ...) selects the first finding of that kind first, as a click would."""
     app = QApplication.instance() or QApplication([sys.argv[0]])
     window = MainWindow(remember=False)
     window.resize(*size)
@@ -367,6 +368,9 @@ def screenshot(files, out, size=(1440, 900)) -> int:
         print(f"tracekit: {window.last_error or 'nothing could be shown'}", file=sys.stderr)
         return 2
     for view in window.document_views():
+        kinds = [f.get("kind") for f in view.doc.findings(view.device)]
+        if select and select in kinds:
+            view.findings.select_finding(kinds.index(select))
         view.timeline.refresh()
     app.processEvents()
     export.save_png(window, out)
@@ -382,7 +386,7 @@ def _without_offscreen_noise(mode, context, message):
         sys.stderr.write(message + "\n")
 
 
-def main(files=(), screenshot_path=None) -> int:
+def main(files=(), screenshot_path=None, select=None) -> int:
     """Run the viewer on `files` (or render a screenshot and exit).
 
     Before Qt starts, checks that a window can open here; if not, says in one line
@@ -395,7 +399,7 @@ def main(files=(), screenshot_path=None) -> int:
         return 2
     qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
-        return screenshot(files, screenshot_path)
+        return screenshot(files, screenshot_path, select=select)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")
     app.setOrganizationName("tracekit")
