@@ -15,6 +15,7 @@ parser.add_argument("files", nargs="*")
 parser.add_argument("--screenshot", default=None, help="render the window, write this PNG and exit")
 parser.add_argument("--select", default=None, metavar="KIND",
                     help="with --screenshot: select the first finding of this kind (leak, spike, peak, oom)")
+parser.add_argument("--no-cache", action="store_true", help="do not read or write the columnar cache")
 parser.add_argument("--check", action="store_true", help="only check that a window can open here (exit 2 if not)")
 args = parser.parse_args()
 if args.check:
@@ -25,4 +26,4 @@ if args.check:
 
 from .app import main  # noqa: E402  (Qt is imported only past the check)
 
-sys.exit(main(args.files, screenshot_path=args.screenshot, select=args.select))
+sys.exit(main(args.files, screenshot_path=args.screenshot, select=args.select, use_cache=not args.no_cache))

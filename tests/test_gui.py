@@ -315,6 +315,18 @@ def test_cli_screenshot(tmp_path):
     assert image.width() >= 1280 and image.height() >= 800
 
 
+def test_cli_view_honours_the_cache_settings(tmp_path):
+    """TRACEKIT_CACHE_DIR says where the viewer caches; --no-cache leaves it untouched."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", TRACEKIT_SETTINGS=str(tmp_path / "s.ini"),
+               TRACEKIT_CACHE_DIR=str(cache))
+    for extra, cached in ((["--no-cache"], 0), ([], 1)):
+        proc = subprocess.run([sys.executable, "-m", "tracekit.cli", "view", str(SAMPLES[0]), *extra, "--screenshot",
+                               str(tmp_path / "x.png")], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert len(list(cache.glob("*.npz")) if cache.exists() else []) == cached
+
+
 def test_cli_screenshot_error_is_clear(tmp_path):
     empty = tmp_path / "empty.pickle"
     empty.write_bytes(b"")

@@ -12,6 +12,8 @@ import sys
 
 import click
 
+from ._common import no_cache_option
+
 
 VIEWER = "tracekit_gui"  # the viewer's package (source folder gui/)
 
@@ -33,8 +35,9 @@ class _UserError(click.ClickException):
 @click.command(name="view")
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--screenshot", "screenshot", type=click.Path(dir_okay=False), default=None,
-              help="Render the window offscreen after loading, write this PNG and exit.")
-def command(files, screenshot):
+              help="Render the window after loading (offscreen without a display), write this PNG and exit.")
+@no_cache_option
+def command(files, screenshot, no_cache):
     """Open FILES (snapshots or profiler traces) in the desktop viewer."""
     missing = [m for m in ("PySide6", "pyqtgraph", VIEWER) if importlib.util.find_spec(m) is None]
     if missing:
@@ -49,6 +52,7 @@ def command(files, screenshot):
                          "the window to a picture")
     # The viewer runs as `python -m tracekit_gui`, a process of its own: tracekit never imports Qt.
     shot = ["--screenshot", screenshot] if screenshot else []
-    code = subprocess.call([sys.executable, "-m", VIEWER, *shot, "--", *files])
+    cache = ["--no-cache"] if no_cache else []
+    code = subprocess.call([sys.executable, "-m", VIEWER, *shot, *cache, "--", *files])
     if code:
         raise SystemExit(code)
