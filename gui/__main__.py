@@ -19,7 +19,7 @@ parser.add_argument("--no-cache", action="store_true", help="do not read or writ
 parser.add_argument("--check", action="store_true", help="only check that a window can open here (exit 2 if not)")
 args = parser.parse_args()
 if args.check:
-    why = display.problem()
+    why = display.missing_packages() or display.problem()
     if why:
         print(f"tracekit: {why}", file=sys.stderr)
     sys.exit(2 if why else 0)

@@ -452,6 +452,12 @@ def test_missing_system_libraries_are_named_with_their_packages(monkeypatch):
     assert display.problem({}) is None  # no display: `tracekit view` says so itself
 
 
+def test_check_names_missing_python_packages(monkeypatch):
+    assert display.missing_packages() is None
+    monkeypatch.setitem(sys.modules, "pyqtgraph", None)  # as if not installed
+    assert display.missing_packages() == "the viewer needs pyqtgraph: pip install 'torch-tracekit[gui]'"
+
+
 @pytest.mark.skipif(not shutil.which("dpkg"), reason="dpkg (Debian/Ubuntu) is needed to check package names")
 def test_package_names_match_the_packages_that_ship_the_libraries():
     """debian_package(soname) against dpkg's own answer, for every library the xcb plugin links that is installed."""
