@@ -452,6 +452,16 @@ def test_missing_system_libraries_are_named_with_their_packages(monkeypatch):
     assert display.problem({}) is None  # no display: `tracekit view` says so itself
 
 
+@pytest.mark.skipif(not shutil.which("ldd"), reason="ldd (glibc) is needed to list a plugin's libraries")
+def test_a_library_the_plugin_needs_but_the_system_lacks_is_found(tmp_path):
+    """A copy of the real xcb plugin that asks for a library no system has: ldd says so, the check names it."""
+    data = Path(display.xcb_plugin()).read_bytes()
+    assert b"libxcb-icccm.so.4\0" in data
+    broken = tmp_path / "libqxcb.so"
+    broken.write_bytes(data.replace(b"libxcb-icccm.so.4\0", b"libxcb-icccm.so.9\0"))
+    assert "libxcb-icccm.so.9" in display.missing_libraries(str(broken))
+
+
 def test_check_names_missing_python_packages(monkeypatch):
     assert display.missing_packages() is None
     monkeypatch.setitem(sys.modules, "pyqtgraph", None)  # as if not installed
