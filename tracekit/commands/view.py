@@ -45,7 +45,8 @@ def command(files, screenshot, no_cache):
                          "pip install 'torch-tracekit[gui]'")
     if screenshot and not files:
         raise click.UsageError("--screenshot needs at least one FILE to open")
-    no_screen = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("QT_QPA_PLATFORM"))
+    env = os.environ
+    no_screen = not (env.get("DISPLAY") or env.get("WAYLAND_DISPLAY") or env.get("QT_QPA_PLATFORM"))
     if sys.platform.startswith("linux") and no_screen and not screenshot:  # a screenshot renders offscreen
         raise _UserError("there is no display to show a window on (DISPLAY and WAYLAND_DISPLAY are unset): "
                          "use `tracekit report FILE`, or `tracekit view FILE --screenshot OUT.png` to render "
