@@ -348,11 +348,12 @@ def _wait_exposed(window, timeout_s=20) -> bool:
     return window.windowHandle().isExposed()
 
 
-def screenshot(files, out, size=(1440, 900)) -> int:
+def screenshot(files, out, size=(1440, 900), select=None, use_cache=True) -> int:
     """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
 
     On a real display (xcb under Xvfb, say) the window is shown there and must be
-    exposed by the display server before it is rendered."""
+    exposed by the display server before it is rendered. `select` ("leak", "spike",
+    "peak", ...) selects the first finding of that kind first, as a click would."""
     app = QApplication.instance() or QApplication([sys.argv[0]])
     window = MainWindow(remember=False)
     window.resize(*size)
@@ -361,12 +362,15 @@ def screenshot(files, out, size=(1440, 900)) -> int:
         print(f"tracekit: the window never appeared on the {app.platformName()} display", file=sys.stderr)
         return 2
     for f in files:
-        window.open_file(f)
+        window.open_file(f, use_cache=use_cache)
     wait_loaded(window)
     if window.last_error or not window.document_views():
         print(f"tracekit: {window.last_error or 'nothing could be shown'}", file=sys.stderr)
         return 2
     for view in window.document_views():
+        kinds = [f.get("kind") for f in view.doc.findings(view.device)]
+        if select and select in kinds:
+            view.findings.select_finding(kinds.index(select))
         view.timeline.refresh()
     app.processEvents()
     export.save_png(window, out)
@@ -382,7 +386,7 @@ def _without_offscreen_noise(mode, context, message):
         sys.stderr.write(message + "\n")
 
 
-def main(files=(), screenshot_path=None) -> int:
+def main(files=(), screenshot_path=None, select=None, use_cache=True) -> int:
     """Run the viewer on `files` (or render a screenshot and exit).
 
     Before Qt starts, checks that a window can open here; if not, says in one line
@@ -395,12 +399,12 @@ def main(files=(), screenshot_path=None) -> int:
         return 2
     qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
-        return screenshot(files, screenshot_path)
+        return screenshot(files, screenshot_path, select=select, use_cache=use_cache)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")
     app.setOrganizationName("tracekit")
     window = MainWindow()
     window.show()
     for f in files:
-        QTimer.singleShot(0, lambda f=f: window.open_file(f))
+        QTimer.singleShot(0, lambda f=f: window.open_file(f, use_cache=use_cache))
     return app.exec()

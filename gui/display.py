@@ -73,6 +73,14 @@ def uses_xcb(environ=os.environ) -> bool:
     return bool(environ.get("DISPLAY")) and not wayland
 
 
+def missing_packages() -> str | None:
+    """One line naming the viewer's Python packages that are not installed, or None."""
+    missing = [m for m in ("PySide6", "pyqtgraph") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"the viewer needs {' and '.join(missing)}: pip install 'torch-tracekit[gui]'"
+    return None
+
+
 def problem(environ=os.environ) -> str | None:
     """One line saying why a window cannot open here and what to install, or None when it can."""
     if not uses_xcb(environ):

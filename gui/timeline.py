@@ -12,9 +12,9 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from .snapshot import SnapshotBars
 from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, PHASE_COLORS, RESERVED_COLOR, RESERVED_FILL, byte_unit,
                       category_color, fmt_bytes)
+from .snapshot import SnapshotBars
 
 REFRESH_MS = 25  # debounce between a view change and the re-query
 MAX_PHASE_LABELS = 40

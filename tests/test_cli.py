@@ -189,3 +189,12 @@ def test_a_raw_memory_timeline_is_not_labelled_cuda():
     """export_memory_timeline's raw file names no device: the report says so instead of guessing cuda:0."""
     out = json.loads(run("report", "--json", fixture("profiler_memory_timeline_raw.json.gz")).stdout)
     assert [d["label"] for d in out["devices"]] == ["(device not in file)"]
+
+
+def test_installed_under_names_of_its_own():
+    """The distribution is torch-tracekit; it installs the packages tracekit and tracekit_gui, no bare `gui`."""
+    from importlib.metadata import distribution
+
+    dist = distribution("torch-tracekit")
+    assert sorted(dist.read_text("top_level.txt").split()) == ["tracekit", "tracekit_gui"]
+    assert any(e.name == "tracekit" and e.value == "tracekit.cli:main" for e in dist.entry_points)

@@ -315,6 +315,18 @@ def test_cli_screenshot(tmp_path):
     assert image.width() >= 1280 and image.height() >= 800
 
 
+def test_cli_view_honours_the_cache_settings(tmp_path):
+    """TRACEKIT_CACHE_DIR says where the viewer caches; --no-cache leaves it untouched."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", TRACEKIT_SETTINGS=str(tmp_path / "s.ini"),
+               TRACEKIT_CACHE_DIR=str(cache))
+    for extra, cached in ((["--no-cache"], 0), ([], 1)):
+        proc = subprocess.run([sys.executable, "-m", "tracekit.cli", "view", str(SAMPLES[0]), *extra, "--screenshot",
+                               str(tmp_path / "x.png")], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert len(list(cache.glob("*.npz")) if cache.exists() else []) == cached
+
+
 def test_cli_screenshot_error_is_clear(tmp_path):
     empty = tmp_path / "empty.pickle"
     empty.write_bytes(b"")
@@ -438,6 +450,22 @@ def test_missing_system_libraries_are_named_with_their_packages(monkeypatch):
     assert "\n" not in why
     assert display.problem({"DISPLAY": ":1", "QT_QPA_PLATFORM": "offscreen"}) is None  # no window needed
     assert display.problem({}) is None  # no display: `tracekit view` says so itself
+
+
+@pytest.mark.skipif(not shutil.which("ldd"), reason="ldd (glibc) is needed to list a plugin's libraries")
+def test_a_library_the_plugin_needs_but_the_system_lacks_is_found(tmp_path):
+    """A copy of the real xcb plugin that asks for a library no system has: ldd says so, the check names it."""
+    data = Path(display.xcb_plugin()).read_bytes()
+    assert b"libxcb-icccm.so.4\0" in data
+    broken = tmp_path / "libqxcb.so"
+    broken.write_bytes(data.replace(b"libxcb-icccm.so.4\0", b"libxcb-icccm.so.9\0"))
+    assert "libxcb-icccm.so.9" in display.missing_libraries(str(broken))
+
+
+def test_check_names_missing_python_packages(monkeypatch):
+    assert display.missing_packages() is None
+    monkeypatch.setitem(sys.modules, "pyqtgraph", None)  # as if not installed
+    assert display.missing_packages() == "the viewer needs pyqtgraph: pip install 'torch-tracekit[gui]'"
 
 
 @pytest.mark.skipif(not shutil.which("dpkg"), reason="dpkg (Debian/Ubuntu) is needed to check package names")

@@ -27,7 +27,8 @@ def viewer_problem() -> str | None:
 
 
 @click.command("demo")
-@click.option("-o", "--output", default=None, help="File to write (default: demo.pickle in the cache folder, see `tracekit cache`).")
+@click.option("-o", "--output", default=None,
+              help="File to write (default: demo.pickle in the cache folder, see `tracekit cache`).")
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Training steps recorded.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--no-open", is_flag=True, help="Only record; do not open the viewer or print the report.")

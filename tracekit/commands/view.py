@@ -12,6 +12,8 @@ import sys
 
 import click
 
+from ._common import no_cache_option
+
 
 VIEWER = "tracekit_gui"  # the viewer's package (source folder gui/)
 
@@ -33,8 +35,9 @@ class _UserError(click.ClickException):
 @click.command(name="view")
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--screenshot", "screenshot", type=click.Path(dir_okay=False), default=None,
-              help="Render the window offscreen after loading, write this PNG and exit.")
-def command(files, screenshot):
+              help="Render the window after loading (offscreen without a display), write this PNG and exit.")
+@no_cache_option
+def command(files, screenshot, no_cache):
     """Open FILES (snapshots or profiler traces) in the desktop viewer."""
     missing = [m for m in ("PySide6", "pyqtgraph", VIEWER) if importlib.util.find_spec(m) is None]
     if missing:
@@ -42,13 +45,15 @@ def command(files, screenshot):
                          "pip install 'torch-tracekit[gui]'")
     if screenshot and not files:
         raise click.UsageError("--screenshot needs at least one FILE to open")
-    no_screen = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("QT_QPA_PLATFORM"))
+    env = os.environ
+    no_screen = not (env.get("DISPLAY") or env.get("WAYLAND_DISPLAY") or env.get("QT_QPA_PLATFORM"))
     if sys.platform.startswith("linux") and no_screen and not screenshot:  # a screenshot renders offscreen
         raise _UserError("there is no display to show a window on (DISPLAY and WAYLAND_DISPLAY are unset): "
                          "use `tracekit report FILE`, or `tracekit view FILE --screenshot OUT.png` to render "
                          "the window to a picture")
     # The viewer runs as `python -m tracekit_gui`, a process of its own: tracekit never imports Qt.
     shot = ["--screenshot", screenshot] if screenshot else []
-    code = subprocess.call([sys.executable, "-m", VIEWER, *shot, "--", *files])
+    cache = ["--no-cache"] if no_cache else []
+    code = subprocess.call([sys.executable, "-m", VIEWER, *shot, *cache, "--", *files])
     if code:
         raise SystemExit(code)
