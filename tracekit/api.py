@@ -67,7 +67,7 @@ class Recording(Trace):
 
         from .analysis.frames import where
 
-        rows = [dict(f, where=where(f.get("frames") or [])) for f in self.report(rules)["findings"]]
+        rows = [dict(f, where=f.get("where") or where(f.get("frames") or [])) for f in self.report(rules)["findings"]]
         head = ["kind", "device", "bytes", "summary", "where"]
         frame = pd.DataFrame(rows)
         if frame.empty:
@@ -76,10 +76,9 @@ class Recording(Trace):
 
     def summary(self, rules=None) -> str:
         """The text of `tracekit report`."""
-        from .commands.report import _first_times
-        from .render import report_text
+        from .render import trace_report_text
 
-        return report_text(self.report(rules), t0_by_device=_first_times(self))
+        return trace_report_text(self, self.report(rules))
 
     def query(self, sql: str):
         """Run SQL over the tables `allocations`, `events` and `timeline` (DuckDB if installed, else SQLite)."""

@@ -78,6 +78,14 @@ def report_text(report: dict, t0_by_device=None) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def trace_report_text(trace, report: dict) -> str:
+    """`report_text` with times as seconds since the trace's first timed entry (the viewer's time base)."""
+    from .analysis.timeline import time_origin
+
+    t0 = time_origin(trace)
+    return report_text(report, t0_by_device={d: t0 for d in trace.devices})
+
+
 def _shares(by_category: dict, limit=3) -> str:
     total = sum(by_category.values()) or 1
     top = sorted(by_category.items(), key=lambda kv: -kv[1])[:limit]

@@ -2,8 +2,7 @@
 import click
 
 from ..analysis.report import build_report
-from ..analysis.timeline import time_origin
-from ..render import report_text
+from ..render import trace_report_text
 from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace, rules_option
 from .estimate import report_options, report_spec
 
@@ -22,5 +21,4 @@ def command(file, as_json, rules, no_cache, **estimate_knobs):
     if as_json:
         echo_json(report)
     else:
-        t0 = time_origin(trace)  # the viewer's time base too
-        click.echo(report_text(report, t0_by_device={d: t0 for d in trace.devices}))
+        click.echo(trace_report_text(trace, report))
