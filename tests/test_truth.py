@@ -256,3 +256,23 @@ def test_oom_build_up_is_not_a_spike_and_names_the_line_and_device():
     assert oom["top_stacks"][0]["bytes"] == 3 * 5 * 2**30
     assert "train/models.py:174 in update_nodes" in oom["summary"]
     assert all(f.get("label") for f in report["findings"])
+
+
+def test_autocast_weight_copies_alive_at_a_dump_inside_autocast_are_parameters():
+    """Dumped before autocast exits: the cached copies are still live; half a weight's size tells them."""
+    sim = Sim()
+    cast = CPP_ALLOC + [_op("_to_copy"), {"filename": "??", "line": 0, "name": "at::autocast::cached_cast(...)"},
+                        _user(15, "forward", "/home/me/linear.py")]
+    w16 = sim.alloc(2 * MiB, frames=cast)  # a bf16 copy of a 4 MiB fp32 weight made before the trace
+    act16 = sim.alloc(3 * MiB, frames=cast)  # an activation cast by autocast, kept
+    snap = sim.snapshot()
+    weight = {"address": 0x10, "size": 4 * MiB, "requested_size": 4 * MiB, "state": "active_allocated", "frames": []}
+    snap["segments"].append({"device": 0, "address": 0x10, "total_size": 4 * MiB, "allocated_size": 4 * MiB,
+                             "active_size": 4 * MiB, "requested_size": 4 * MiB, "stream": 0,
+                             "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
+                             "frames": [], "blocks": [weight]})
+    trace = snapshot_to_trace(snap, "<synthetic>")
+    cats = categorize(trace)[0]
+    al = replay(trace)[0].allocations
+    label = {int(a): cats.names[c] for a, c in zip(al.addr, cats.labels)}
+    assert label[w16] == "parameter" and label[act16] == "activation" and label[0x10] == "parameter"

@@ -156,6 +156,7 @@ REASONS = (
     "made in forward, alive at the end (block stack of a dump)",
     "short-lived (no phase evidence)",
     "made in the trace, alive at an out-of-memory error",
+    "autocast copy of a weight (alive at the end; half the size of a weight live throughout)",
 )
 R = {text: i for i, text in enumerate(REASONS)}
 # cuBLAS keeps one workspace per handle and stream, of CUBLAS_WORKSPACE_CONFIG's default size:
@@ -199,6 +200,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     at_oom = np.zeros(m, bool)
     for i in ooms.tolist():
         at_oom |= (a <= i) & (f_end > i)
+    static_sizes = np.unique(block_size(al.size[before & ~freed]))
+    cast_of_weight = has(ph.F_AUTOCAST) & ~freed & np.isin(block_size(2 * al.size), static_sizes)
     evidence = [  # what the frames say, whatever the phase
         (has(ph.F_WORKSPACE), OTHER, "cuBLAS workspace"),
         (before & no_stack & ~freed & np.isin(al.size, CUBLAS_WORKSPACE_SIZES), OTHER, REASONS[2]),
@@ -206,6 +209,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
         (has(ph.F_KV_CACHE), KV_CACHE, "KV cache (Hugging Face cache)"),
         (((free_flags & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before), PARAMETER, REASONS[6]),
+        (cast_of_weight, PARAMETER, REASONS[35]),
         (has(ph.F_INIT_STATE) & ~same_run, OPTIMIZER_STATE, REASONS[7]),
         (has(ph.F_ACCUMULATE_GRAD) & ~same_run, GRADIENT, "p.grad (AccumulateGrad)"),
     ]
