@@ -34,8 +34,8 @@ def estimate_text(est, deepspeed=None) -> str:
         out += ["", title]
         for cat in [c for c in per if c != "total"]:
             lines = [ln for ln in est.lines if ln.category == cat and ln.where == where]
-            if not lines and where == "cpu":
-                continue
+            if not per[cat]:
+                continue  # JSON keeps every category; text shows what holds bytes
             if len(lines) == 1:
                 out.append(f"  {cat:<16} {fmt_bytes(per[cat]):>11}  {lines[0].formula}")
                 continue
