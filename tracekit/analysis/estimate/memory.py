@@ -404,9 +404,10 @@ def _inference_activations(est: Estimate):
     tokens = s.batch * s.seq
     widest = max(shape.heads * s.seq if s.attention == "eager" else 0,
                  (3 if shape.gated else 2) * shape.d_ff) * B / s.tp
-    est.add("activation", tokens * (2 * h * B + widest),
-            f"one forward, no grad: residual stream and its input (2 × {h} × {B} B) + the widest intermediate "
-            f"({widest:g} B) per token, batch {s.batch} × seq {s.seq}")
+    est.add("temporary", tokens * (2 * h * B + widest),
+            f"one forward, no grad (nothing is saved, so intermediates are temporaries): residual stream and its "
+            f"input (2 × {h} × {B} B) + the widest intermediate ({widest:g} B) per token, "
+            f"batch {s.batch} × seq {s.seq}")
     est.add("temporary", tokens * shape.vocab * B / s.tp, f"logits, batch × seq × vocab {shape.vocab:,} × {B} B")
     if s.generate:
         length = s.seq + s.generate
