@@ -115,6 +115,7 @@ def comparison_lines(e: dict) -> list[str]:
     if e.get("not_visible"):
         out.append(f"      {'?':>11}  {e['not_visible']}")
     out.append(f"    (measured: {e['measured_is']})")
+    out += [f"    note: {n}" for n in e.get("notes", [])]
     return out
 
 

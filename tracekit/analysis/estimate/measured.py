@@ -55,8 +55,8 @@ def recorded_setup(trace: Trace):
     trainable = model.get("trainable_parameters", model["parameters"])
     shape = ParamCount(model["parameters"], name=model.get("class", "model"), trainable=trainable,
                        factored=_factored(model.get("trainable_shapes")))
-    notes.append("model states from the recorder's parameter count (no model shape: activations not predicted; "
-                 "give --estimate-config for them)")
+    notes.append("model states from the recorder's parameter count; without the model's shape activations are "
+                 "not predicted: give --estimate-config")
     return shape, replace(setup, optimizer=kind if kind != "adafactor" or shape.factored else "none"), notes
 
 
@@ -123,7 +123,7 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
             "categories": rows, "predicted_total": predicted["total"], "peak_allocated": peak,
             "peak_difference": peak - predicted["total"], "gap_at_peak": gap, "not_visible": outside,
             "allocator_rounding_at_peak": rounding, "reserved_unused_at_peak": reserved_unused,
-            "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}
+            "notes": notes, "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}
 
 
 ROUND = 512  # the CUDA caching allocator's size granularity
