@@ -257,3 +257,19 @@ def test_real_cuda_snapshot_with_estimate_config(tmp_path, capsys):
     assert e["peak_allocated"] == truth["peak_bytes"]
     assert sum(g["bytes"] for g in e["gap_at_peak"]) == e["peak_difference"]
     assert e["reserved_unused_at_peak"] == dev["fragmentation_at_peak_bytes"] and e["not_visible"]
+
+
+@pytest.mark.parametrize("cfg", [
+    {"hidden_size": "wide", "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10},
+    {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10, "intermediate_size": -1},
+    {"hidden_size": 64, "num_hidden_layers": 0, "num_attention_heads": 2, "vocab_size": 10},
+    {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10, "attn_pdrop": "x"},
+    [1, 2, 3],
+])
+def test_bad_configs_one_line(tmp_path, capsys, cfg):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--config", str(p)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("tracekit: ") and err.count("\n") == 1

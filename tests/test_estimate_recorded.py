@@ -166,7 +166,7 @@ def test_whatif_fit_predicts_a_third_recording(batches, capsys):
     main(["whatif", batches[6], "--budget", "1GiB", "--json", "--no-cache"])
     one = json.loads(capsys.readouterr().out)
     assert abs(one["fit"]["per_unit_bytes"] - f["per_unit_bytes"]) <= 0.1 * f["per_unit_bytes"]
-    assert one["levers"] == []  # no shape in the file: no levers, and it says why
+    assert one["levers"] and one["levers_for"]["setup"]["seq"] == 64  # the file's config and batch shape
     # with the model's shape the levers are priced; halving the micro-batch saves what the fit says it should
     cfg = pytest.importorskip("json").dumps(LLAMA)
     path = str(batches[12]) + ".json"
@@ -187,3 +187,28 @@ def test_whatif_bad_input(batches, capsys):
     with pytest.raises(SystemExit) as e:
         main(["whatif", batches[2], batches[2], "--budget", "1GiB", "--no-cache"])
     assert e.value.code == 2 and "two different sizes" in capsys.readouterr().err
+
+
+def test_report_from_a_recorded_config(recordings):
+    """A model with a Hugging Face-style `config`: the recorder stores it and the batch shape, so the report
+    predicts activations with no flags."""
+    trace = recordings["llama_gqa_adam"]
+    assert trace.recorder["model"]["config"]["hidden_size"] == 128
+    e = build_report(trace)["devices"][0]["estimate"]
+    rows = {r["category"]: r for r in e["categories"]}
+    assert (e["setup"]["batch"], e["setup"]["seq"], e["setup"]["optimizer"]) == (4, 64, "adam")
+    assert "model shape from the recorded Hugging Face config" in e["notes"]
+    for cat in ("parameter", "gradient", "optimizer_state"):
+        assert abs(rows[cat]["difference"]) <= 0.01 * rows[cat]["predicted"]
+    assert rows["activation"]["predicted"] and abs(rows["activation"]["difference"]) <= 0.15 * rows["activation"]["predicted"]
+
+
+def test_whatif_without_a_shape_says_why(recordings, capsys):
+    import json
+
+    from tracekit.cli import main
+
+    main(["whatif", recordings["tinygpt_momentum"].path, "--budget", "1GiB", "--json", "--no-cache"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["levers"] == [] and "shape" in r["levers_assumptions"][0]
+    assert r["points"][0]["size"] == 4  # the recorded micro-batch
