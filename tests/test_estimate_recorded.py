@@ -45,8 +45,11 @@ CASES = {  # name: (model factory, config, optimizer factory, estimator's optimi
     "llama_lora_adamw": (lambda: with_lora(Llama(LORA), 8), LORA,
                          lambda p: torch.optim.AdamW([q for q in p if q.requires_grad]), "adamw", torch.float32,
                          "fp32", 4, 64),
+    "llama_amp_adamw": (lambda: Llama(LLAMA), LLAMA, lambda p: torch.optim.AdamW(p), "adamw", torch.float32,
+                        "amp", 4, 64),
 }
 SETUP = {"llama_lora_adamw": {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj")}}
+AUTOCAST = {"llama_amp_adamw"}  # forward and loss under torch.autocast("cpu", bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +63,10 @@ def recordings(tmp_path_factory):
         vocab = cfg["vocab_size"]
         gen = torch.Generator().manual_seed(1)
 
-        def step():
+        def step(autocast=name in AUTOCAST):
             tok = torch.randint(vocab, (batch, seq + 1), generator=gen)
-            loss = F.cross_entropy(model(tok[:, :-1]).float().reshape(-1, vocab), tok[:, 1:].reshape(-1))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = F.cross_entropy(model(tok[:, :-1]).float().reshape(-1, vocab), tok[:, 1:].reshape(-1))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

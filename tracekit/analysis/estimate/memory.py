@@ -394,8 +394,11 @@ def _activations(est: Estimate):
         est.assumptions.append("LoRA: frozen linears keep no input for backward; the first layer (whose input "
                                "needs no gradient) is counted like the others")
     if s.precision == "amp":
-        est.assumptions.append("amp: activations counted at 2 B; autocast also keeps 16-bit copies of the "
-                               "weights during forward (temporary, about params × 2 B at most)")
+        n = shape.linear_params() + shape.vocab * shape.hidden
+        est.add("activation", n * 2 / s.tp, f"autocast's 16-bit copies of the matmul weights, kept for backward: "
+                                            f"{n:,} (layers' linears and the output layer) × 2 B")
+        est.assumptions.append("amp: activations counted at 2 B, though autocast leaves norms and the residual "
+                               "stream in fp32")
 
 
 def _inference_activations(est: Estimate):
