@@ -8,7 +8,7 @@ import pytest
 from tracekit.analysis.estimate import Setup, estimate, from_hf_config, load_shape, preset_names
 from tracekit.analysis.estimate import deepspeed
 from tracekit.analysis.estimate.presets import preset_config
-from tracekit.analysis.estimate.shapes import ModelShape, ParamCount
+from tracekit.analysis.estimate.shapes import ParamCount
 from tracekit.cli import main
 
 GiB, TiB, MiB = 2**30, 2**40, 2**20

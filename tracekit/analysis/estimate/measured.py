@@ -16,7 +16,7 @@ import numpy as np
 
 from ...model import Trace
 from .memory import Setup, estimate
-from .shapes import ModelShape, ParamCount, from_hf_config
+from .shapes import ParamCount, from_hf_config
 
 OPTIMIZER_CLASSES = (("8bit", "adam8bit"), ("adafactor", "adafactor"), ("adamw", "adamw"), ("adam", "adam"),
                      ("sgd", "sgd"))
