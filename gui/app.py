@@ -116,6 +116,7 @@ class MainWindow(QMainWindow):
         self._action(v, "Zoom &Out", lambda: self._timeline_do("zoom", 2.0), "Ctrl+-")
         self._action(v, "&Reset Zoom", lambda: self._timeline_do("reset_zoom"), "Ctrl+0")
         self._action(v, "Jump to &Peak", self._jump_to_peak, "Ctrl+P")
+        self._action(v, "&Estimate Memory…", self.show_estimate, "Ctrl+E", "Napkin math beside the open recording")
         h = self.menuBar().addMenu("&Help")
         self._action(h, "&How to read this", self._help)
 
@@ -240,6 +241,13 @@ class MainWindow(QMainWindow):
         view = self.current_view()
         if view is not None:
             getattr(view.timeline, method)(*args)
+
+    def show_estimate(self):
+        """The estimate panel (gui/estimate_panel.py), for the open recording if there is one."""
+        from .estimate_panel import show
+
+        view = self.current_view()
+        self.estimate_panel = show(view.doc.trace if view else None, view.device if view else None, self)
 
     def _jump_to_peak(self):
         view = self.current_view()

@@ -105,11 +105,22 @@ class LlamaLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Config:
+    """Like transformers' PretrainedConfig as far as the recorder looks: `to_dict()`."""
+
+    def __init__(self, values):
+        self.values = dict(values)
+
+    def to_dict(self):
+        return dict(self.values)
+
+
 class Llama(nn.Module):
     """Llama / Mistral / Qwen2 (qkv_bias) / Qwen3 (qk_norm) / Phi-3 (fused) decoder for causal LM."""
 
     def __init__(self, c):
         super().__init__()
+        self.config = Config(c)
         self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
         self.layers = nn.ModuleList(LlamaLayer(c) for _ in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"])

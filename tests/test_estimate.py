@@ -10,7 +10,7 @@ from tracekit.analysis.categories import CATEGORIES
 from tracekit.analysis.estimate import Setup, estimate, from_hf_config, load_shape, preset_names
 from tracekit.analysis.estimate import deepspeed
 from tracekit.analysis.estimate.presets import preset_config
-from tracekit.analysis.estimate.shapes import ModelShape, ParamCount
+from tracekit.analysis.estimate.shapes import ParamCount
 from tracekit.cli import main
 
 GiB, TiB, MiB = 2**30, 2**40, 2**20
@@ -234,3 +234,43 @@ def test_not_a_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--config", str(p)])
     assert e.value.code == 2 and "missing" in capsys.readouterr().err
+
+
+# -- a real CUDA snapshot recorded by someone else: CS336 "small" LM, fp32 forward under no_grad, batch 4 × 128 -----
+REAL = __import__("pathlib").Path(__file__).parent / "fixtures" / "real"
+CS336_SMALL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+               "num_attention_heads": 12, "vocab_size": 10000, "tie_word_embeddings": False}
+
+
+@pytest.mark.skipif(not (REAL / "truth.json").exists(), reason="real fixtures missing")
+def test_real_cuda_snapshot_with_estimate_config(tmp_path, capsys):
+    truth = json.loads((REAL / "truth.json").read_text())["snapshot_cpp_frames_fp32_forward_no_grad.pickle"]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CS336_SMALL))
+    assert from_hf_config(CS336_SMALL).params() == 128_625_408  # SOURCES.md / truth.json
+    main(["report", str(REAL / "snapshot_cpp_frames_fp32_forward_no_grad.pickle"), "--estimate-config", str(cfg),
+          "--mode", "inference", "--precision", "fp32", "--batch", "4", "--seq", "128", "--json", "--no-cache"])
+    dev = json.loads(capsys.readouterr().out)["devices"][0]
+    e = dev["estimate"]
+    rows = {r["category"]: r for r in e["categories"]}
+    # weights: the independent truth (blocks + RoPE buffers) within 1%
+    assert close(rows["parameter"]["predicted"], truth["truth"]["parameter"], 0.01)
+    assert e["peak_allocated"] == truth["peak_bytes"]
+    assert sum(g["bytes"] for g in e["gap_at_peak"]) == e["peak_difference"]
+    assert e["reserved_unused_at_peak"] == dev["fragmentation_at_peak_bytes"] and e["not_visible"]
+
+
+@pytest.mark.parametrize("cfg", [
+    {"hidden_size": "wide", "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10},
+    {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10, "intermediate_size": -1},
+    {"hidden_size": 64, "num_hidden_layers": 0, "num_attention_heads": 2, "vocab_size": 10},
+    {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 10, "attn_pdrop": "x"},
+    [1, 2, 3],
+])
+def test_bad_configs_one_line(tmp_path, capsys, cfg):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--config", str(p)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("tracekit: ") and err.count("\n") == 1

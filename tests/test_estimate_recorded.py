@@ -45,8 +45,11 @@ CASES = {  # name: (model factory, config, optimizer factory, estimator's optimi
     "llama_lora_adamw": (lambda: with_lora(Llama(LORA), 8), LORA,
                          lambda p: torch.optim.AdamW([q for q in p if q.requires_grad]), "adamw", torch.float32,
                          "fp32", 4, 64),
+    "llama_amp_adamw": (lambda: Llama(LLAMA), LLAMA, lambda p: torch.optim.AdamW(p), "adamw", torch.float32,
+                        "amp", 4, 64),
 }
 SETUP = {"llama_lora_adamw": {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj")}}
+AUTOCAST = {"llama_amp_adamw"}  # forward and loss under torch.autocast("cpu", bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +63,10 @@ def recordings(tmp_path_factory):
         vocab = cfg["vocab_size"]
         gen = torch.Generator().manual_seed(1)
 
-        def step():
+        def step(autocast=name in AUTOCAST):
             tok = torch.randint(vocab, (batch, seq + 1), generator=gen)
-            loss = F.cross_entropy(model(tok[:, :-1]).float().reshape(-1, vocab), tok[:, 1:].reshape(-1))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = F.cross_entropy(model(tok[:, :-1]).float().reshape(-1, vocab), tok[:, 1:].reshape(-1))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -166,7 +170,7 @@ def test_whatif_fit_predicts_a_third_recording(batches, capsys):
     main(["whatif", batches[6], "--budget", "1GiB", "--json", "--no-cache"])
     one = json.loads(capsys.readouterr().out)
     assert abs(one["fit"]["per_unit_bytes"] - f["per_unit_bytes"]) <= 0.1 * f["per_unit_bytes"]
-    assert one["levers"] == []  # no shape in the file: no levers, and it says why
+    assert one["levers"] and one["levers_for"]["setup"]["seq"] == 64  # the file's config and batch shape
     # with the model's shape the levers are priced; halving the micro-batch saves what the fit says it should
     cfg = pytest.importorskip("json").dumps(LLAMA)
     path = str(batches[12]) + ".json"
@@ -187,3 +191,28 @@ def test_whatif_bad_input(batches, capsys):
     with pytest.raises(SystemExit) as e:
         main(["whatif", batches[2], batches[2], "--budget", "1GiB", "--no-cache"])
     assert e.value.code == 2 and "two different sizes" in capsys.readouterr().err
+
+
+def test_report_from_a_recorded_config(recordings):
+    """A model with a Hugging Face-style `config`: the recorder stores it and the batch shape, so the report
+    predicts activations with no flags."""
+    trace = recordings["llama_gqa_adam"]
+    assert trace.recorder["model"]["config"]["hidden_size"] == 128
+    e = build_report(trace)["devices"][0]["estimate"]
+    rows = {r["category"]: r for r in e["categories"]}
+    assert (e["setup"]["batch"], e["setup"]["seq"], e["setup"]["optimizer"]) == (4, 64, "adam")
+    assert "model shape from the recorded Hugging Face config" in e["notes"]
+    for cat in ("parameter", "gradient", "optimizer_state"):
+        assert abs(rows[cat]["difference"]) <= 0.01 * rows[cat]["predicted"]
+    assert rows["activation"]["predicted"] and abs(rows["activation"]["difference"]) <= 0.15 * rows["activation"]["predicted"]
+
+
+def test_whatif_without_a_shape_says_why(recordings, capsys):
+    import json
+
+    from tracekit.cli import main
+
+    main(["whatif", recordings["tinygpt_momentum"].path, "--budget", "1GiB", "--json", "--no-cache"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["levers"] == [] and "shape" in r["levers_assumptions"][0]
+    assert r["points"][0]["size"] == 4  # the recorded micro-batch

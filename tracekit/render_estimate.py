@@ -34,8 +34,8 @@ def estimate_text(est, deepspeed=None) -> str:
         out += ["", title]
         for cat in [c for c in per if c != "total"]:
             lines = [ln for ln in est.lines if ln.category == cat and ln.where == where]
-            if not lines and where == "cpu":
-                continue
+            if not per[cat]:
+                continue  # JSON keeps every category; text shows what holds bytes
             if len(lines) == 1:
                 out.append(f"  {cat:<16} {fmt_bytes(per[cat]):>11}  {lines[0].formula}")
                 continue
@@ -89,12 +89,14 @@ def _signed(n) -> str:
 def comparison_lines(e: dict) -> list[str]:
     """Predicted vs measured for one device, for `tracekit report`."""
     s = e["setup"]
-    what = f"{s['precision']}, {s['optimizer']}" + (f", batch {s['batch']} × seq {s['seq']}" if s["seq"] else "")
+    what = f"{s['precision']}, " + (s["optimizer"] if s["mode"] == "train" else "inference") + (
+        f", batch {s['batch']} × seq {s['seq']}" if s["seq"] else "")
     out = [f"  predicted vs measured ({e['model']}: {e['params']:,} params; {what}):",
            f"    {'':<16} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12}"]
     for r in e["categories"]:
         if r["predicted"] or r["measured"]:
-            share = f" ({r['difference'] / r['predicted']:+.1%})" if r["predicted"] and r["difference"] else ""
+            ratio = r["difference"] / r["predicted"] if r["predicted"] else None
+            share = f" ({ratio:+.1%})" if ratio and abs(ratio) < 10 else ""
             out.append(f"    {r['category']:<16} {fmt_bytes(r['predicted']):>11} {fmt_bytes(r['measured']):>11} "
                        f"{_signed(r['difference']):>11} {fmt_bytes(r['at_peak']):>12}{share}")
     out.append(f"    {'total':<16} {fmt_bytes(e['predicted_total']):>11} {fmt_bytes(e['peak_allocated']):>11} "
@@ -102,9 +104,18 @@ def comparison_lines(e: dict) -> list[str]:
     if e["gap_at_peak"]:
         out.append("    the difference at the peak:")
         out += [f"      {_signed(g['bytes']):>11}  {g['what']}" for g in e["gap_at_peak"]]
+    if e.get("allocator_rounding_at_peak"):
+        out.append(f"      {'':>11}  (of these, about {fmt_bytes(e['allocator_rounding_at_peak'])} is the allocator "
+                   "rounding sizes up to 512 B)")
+    if e.get("reserved_unused_at_peak") or e.get("not_visible"):
+        out.append("    on top of the allocated peak:")
+    if e.get("reserved_unused_at_peak"):
+        out.append(f"      {_signed(e['reserved_unused_at_peak']):>11}  reserved but not allocated "
+                   "(fragmentation, the allocator's cache)")
     if e.get("not_visible"):
         out.append(f"      {'?':>11}  {e['not_visible']}")
     out.append(f"    (measured: {e['measured_is']})")
+    out += [f"    note: {n}" for n in e.get("notes", [])]
     return out
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ...model import Trace
 from .memory import Setup, estimate
-from .shapes import ModelShape, ParamCount, from_hf_config
+from .shapes import ParamCount, from_hf_config
 
 OPTIMIZER_CLASSES = (("8bit", "adam8bit"), ("adafactor", "adafactor"), ("adamw", "adamw"), ("adam", "adam"),
                      ("sgd", "sgd"))
@@ -55,8 +55,8 @@ def recorded_setup(trace: Trace):
     trainable = model.get("trainable_parameters", model["parameters"])
     shape = ParamCount(model["parameters"], name=model.get("class", "model"), trainable=trainable,
                        factored=_factored(model.get("trainable_shapes")))
-    notes.append("model states from the recorder's parameter count (no model shape: activations not predicted; "
-                 "give --estimate-config for them)")
+    notes.append("model states from the recorder's parameter count; without the model's shape activations are "
+                 "not predicted: give --estimate-config")
     return shape, replace(setup, optimizer=kind if kind != "adafactor" or shape.factored else "none"), notes
 
 
@@ -114,13 +114,25 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
     gap = [{"what": f"{r['category']} at the peak vs predicted", "bytes": r["at_peak"] - r["predicted"]}
            for r in rows if r["at_peak"] != r["predicted"]]
     cpu = (trace.recorder or {}).get("backend") == "cpu" or summary.get("label") == "cpu"
-    if not cpu and summary.get("fragmentation_at_peak_bytes"):
-        gap.append({"what": "reserved but not allocated at the peak (fragmentation, allocator caching)",
-                    "bytes": summary["fragmentation_at_peak_bytes"]})
+    reserved_unused = None if cpu else summary.get("fragmentation_at_peak_bytes")
+    rounding = None if cpu else _rounding_at_peak(trace, device, summary["peak_event_index"])
     outside = ("the CUDA context, kernels and NCCL buffers live outside the allocator: "
                "a recording cannot see them (typically 0.3-1 GiB per process)") if not cpu else None
     return {"model": shape.name, "params": est.params, "trainable_params": est.trainable_params,
             "setup": est.to_dict()["setup"], "measured_is": "each category's largest live bytes in the recording",
             "categories": rows, "predicted_total": predicted["total"], "peak_allocated": peak,
             "peak_difference": peak - predicted["total"], "gap_at_peak": gap, "not_visible": outside,
-            "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}
+            "allocator_rounding_at_peak": rounding, "reserved_unused_at_peak": reserved_unused,
+            "notes": notes, "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}
+
+
+ROUND = 512  # the CUDA caching allocator's size granularity
+
+
+def _rounding_at_peak(trace: Trace, device: int, index: int) -> int:
+    """Bytes the allocator adds at the peak by rounding live sizes up to 512 B (0 where sizes are blocks already)."""
+    from ..replay import replay
+
+    al = replay(trace)[device].allocations
+    sizes = al.size[al.live_at(index)].astype(np.int64)
+    return int((-sizes % ROUND).sum())

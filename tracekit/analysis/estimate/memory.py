@@ -394,8 +394,11 @@ def _activations(est: Estimate):
         est.assumptions.append("LoRA: frozen linears keep no input for backward; the first layer (whose input "
                                "needs no gradient) is counted like the others")
     if s.precision == "amp":
-        est.assumptions.append("amp: activations counted at 2 B; autocast also keeps 16-bit copies of the "
-                               "weights during forward (temporary, about params × 2 B at most)")
+        n = shape.linear_params() + shape.vocab * shape.hidden
+        est.add("activation", n * 2 / s.tp, f"autocast's 16-bit copies of the matmul weights, kept for backward: "
+                                            f"{n:,} (layers' linears and the output layer) × 2 B")
+        est.assumptions.append("amp: activations counted at 2 B, though autocast leaves norms and the residual "
+                               "stream in fp32")
 
 
 def _inference_activations(est: Estimate):
@@ -404,9 +407,10 @@ def _inference_activations(est: Estimate):
     tokens = s.batch * s.seq
     widest = max(shape.heads * s.seq if s.attention == "eager" else 0,
                  (3 if shape.gated else 2) * shape.d_ff) * B / s.tp
-    est.add("activation", tokens * (2 * h * B + widest),
-            f"one forward, no grad: residual stream and its input (2 × {h} × {B} B) + the widest intermediate "
-            f"({widest:g} B) per token, batch {s.batch} × seq {s.seq}")
+    est.add("temporary", tokens * (2 * h * B + widest),
+            f"one forward, no grad (nothing is saved, so intermediates are temporaries): residual stream and its "
+            f"input (2 × {h} × {B} B) + the widest intermediate ({widest:g} B) per token, "
+            f"batch {s.batch} × seq {s.seq}")
     est.add("temporary", tokens * shape.vocab * B / s.tp, f"logits, batch × seq × vocab {shape.vocab:,} × {B} B")
     if s.generate:
         length = s.seq + s.generate

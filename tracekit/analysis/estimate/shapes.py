@@ -42,9 +42,12 @@ class ModelShape:
     notes: tuple = field(default=(), compare=False)
 
     def __post_init__(self):
-        for k in ("hidden", "layers", "heads", "vocab"):
-            if getattr(self, k) <= 0:
-                raise TracekitError(f"model shape needs a positive {k} (got {getattr(self, k)})")
+        for k in ("hidden", "layers", "heads", "vocab", "ffn", "kv_heads", "head_dim", "positions"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if k in ("hidden", "layers", "heads",
+                                                                                    "vocab") else 0):
+                raise TracekitError(f"model shape needs a {'positive' if k in ('hidden', 'layers', 'heads', 'vocab') else 'non-negative'} "
+                                    f"whole {k} (got {v!r})")
         if not self.head_dim and self.hidden % self.heads:
             raise TracekitError(f"hidden {self.hidden} is not a multiple of heads {self.heads}; give --head-dim")
         if self.kv_heads and self.heads % self.kv_heads:
@@ -157,24 +160,31 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
         qkv_bias = attn_bias or mt in ("qwen2", "qwen2_moe", "qwen2_vl")
         out_bias = attn_bias
         mlp_bias = bool(cfg.get("mlp_bias", False))
-    positions = int(_get(cfg, "n_positions", "max_position_embeddings", default=0)) if (
-        mt == "gpt2" or (not mt and "n_positions" in cfg)) else 0
+    learned = mt == "gpt2" or (not mt and "n_positions" in cfg)
     tied = cfg.get("tie_word_embeddings")
     if tied is None:
         tied = TIED_DEFAULT.get(mt, True)
         if mt not in TIED_DEFAULT:
             notes.append("tie_word_embeddings not given: transformers' default (tied)")
-    dropout = max(float(_get(cfg, k, default=0.0) or 0.0) for k in
-                  ("attention_dropout", "attn_pdrop", "resid_pdrop", "hidden_dropout", "embd_pdrop"))
+    try:
+        dropout = max(float(_get(cfg, k, default=0.0) or 0.0) for k in
+                      ("attention_dropout", "attn_pdrop", "resid_pdrop", "hidden_dropout", "embd_pdrop"))
+    except (TypeError, ValueError):
+        raise TracekitError(f"{name}: a dropout in the config is not a number") from None
     if mt in ("gpt2",) and dropout:
         notes.append(f"dropout {dropout} from the config (saved masks count as activations)")
+    try:
+        sizes = {"hidden": int(hidden), "layers": int(layers), "heads": int(heads), "vocab": int(vocab),
+                 "ffn": int(_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=0) or 0),
+                 "kv_heads": int(_get(cfg, "num_key_value_heads", default=0) or 0),
+                 "head_dim": int(cfg.get("head_dim") or 0) if not gpt_style else 0,
+                 "positions": int(_get(cfg, "n_positions", "max_position_embeddings", default=0)) if learned else 0}
+    except (TypeError, ValueError) as e:
+        raise TracekitError(f"{name}: a size in the config is not a number ({e})") from None
     return ModelShape(
-        hidden=int(hidden), layers=int(layers), heads=int(heads), vocab=int(vocab),
-        ffn=int(_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=0) or 0),
-        kv_heads=int(_get(cfg, "num_key_value_heads", default=0) or 0),
-        head_dim=int(cfg.get("head_dim") or 0) if not gpt_style else 0,
+        **sizes,
         activation=activation, norm=norm, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias,
-        qk_norm=mt.startswith("qwen3"), tied=bool(tied), positions=positions, dropout=dropout,
+        qk_norm=mt.startswith("qwen3"), tied=bool(tied), dropout=dropout,
         fused_qkv=mt in ("gpt2", "gpt_neox", "phi3") or (not mt and "n_embd" in cfg), fused_gate_up=mt == "phi3",
         parallel_residual=mt == "gpt_neox" and bool(cfg.get("use_parallel_residual", True)),
         name=str(cfg.get("_name_or_path") or name), notes=tuple(notes))
