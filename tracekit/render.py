@@ -29,8 +29,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
         pairs = [
             ("peak allocated", f"{fmt_bytes(d['peak_allocated_bytes']):>10}  "
                                f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}{during}"),
-            ("in blocks", f"{fmt_bytes(d.get('peak_allocated_block_bytes') or 0):>10}  peak as the allocator counts it "
-                          f"(requests rounded to its blocks)"),
+
             ("peak reserved", f"{fmt_bytes(d['peak_reserved_bytes']):>10}"),
             ("before the trace", f"{fmt_bytes(d['allocated_before_trace_bytes']):>10}  allocated when recording began"),
             ("final allocated", f"{fmt_bytes(d['final_allocated_bytes']):>10}"),
@@ -41,6 +40,9 @@ def report_text(report: dict, t0_by_device=None) -> str:
             share = d["fragmentation_at_peak_bytes"] / r if r else 0
             pairs.append(("unused at peak", f"{fmt_bytes(d['fragmentation_at_peak_bytes']):>10}  "
                                             f"reserved but not allocated ({share:.0%})"))
+        if d["label"] != "cpu" and d.get("peak_allocated_block_bytes") is not None:  # no caching allocator on the CPU
+            pairs.insert(1, ("in blocks", f"{fmt_bytes(d['peak_allocated_block_bytes']):>10}  peak as the caching "
+                                          f"allocator counts it (requests rounded to its blocks)"))
         stats = d.get("allocator_stats") or {}
         if stats.get("max_memory_allocated") is not None:
             pairs.append(("allocator says", f"{fmt_bytes(stats['max_memory_allocated']):>10}  "
