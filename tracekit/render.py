@@ -24,8 +24,10 @@ def report_text(report: dict, t0_by_device=None) -> str:
     for d in report["devices"]:
         t0 = t0_by_device.get(d["device"])
         out.append(f"Device {d['label']}  ({d['entries']} trace entries)")
-        during = f" ({d['peak_phase']}{'' if d.get('peak_iteration') is None else ' ' + str(d['peak_iteration'])})" \
-            if d.get("peak_phase") else ""
+        during = {"between": ", between steps", "optimizer": ", in the optimizer step"}.get(
+            d.get("peak_phase"), f", in the {d.get('peak_phase')} pass") if d.get("peak_phase") else ""
+        if during and d.get("peak_iteration") is not None:
+            during += f" of iteration {d['peak_iteration']}"
         pairs = [
             ("peak allocated", f"{fmt_bytes(d['peak_allocated_bytes']):>10}  "
                                f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}{during}"),
