@@ -6,7 +6,6 @@ import pickle
 import subprocess
 import sys
 import threading
-import zipfile
 
 import numpy as np
 import pytest

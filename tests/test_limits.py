@@ -3,7 +3,6 @@
 The bombs run in a subprocess under an address-space limit, which prints its own peak RSS, so a
 regression shows as a number over its bound rather than as a machine brought down."""
 import gzip
-import json
 import os
 import pickle
 import subprocess
