@@ -105,6 +105,19 @@ def _npz(path, **arrays):
     path.write_bytes(buf.getvalue())
 
 
+def _sealed(arrays):
+    """`arrays` with the digest recomputed, as a tamperer who read our code would: the structural checks
+    must catch what the digest then cannot."""
+    if "head" not in arrays:
+        return arrays
+    try:
+        head = json.loads(bytes(arrays["head"]).decode())
+        head["digest"] = cache._digest({k: v for k, v in arrays.items() if k != "head"})
+    except (ValueError, TypeError):
+        return arrays
+    return {**arrays, "head": np.frombuffer(json.dumps(head).encode(), np.uint8)}
+
+
 def _tampered(entry):
     """Valid .npz files that are not what `write` makes, and worse."""
     with np.load(entry, allow_pickle=False) as z:
@@ -139,9 +152,10 @@ def _tampered(entry):
     yield "unknown meta tag", head_with(meta={"~": "object", "v": 1})
     yield "meta not a dict", head_with(meta=[1, 2])
     yield "object array", "object"
+    yield "sizes changed, digest not", {**good, "ev_size": good["ev_size"] // 2}
 
 
-@pytest.mark.parametrize("case", range(21))
+@pytest.mark.parametrize("case", range(22))
 def test_odd_cache_entries_are_misses_and_deleted(tmp_path, cache_dir, case):
     path = fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle")
     truth = tracekit.load(path, use_cache=False)
@@ -154,7 +168,7 @@ def test_odd_cache_entries_are_misses_and_deleted(tmp_path, cache_dir, case):
         np.savez(buf, head=np.array([{"a": 1}], dtype=object), allow_pickle=True)
         target.write_bytes(buf.getvalue())
     else:
-        _npz(target, **arrays)
+        _npz(target, **(arrays if name.endswith("digest not") else _sealed(arrays)))
     os.replace(target, entry)
     got = tracekit.load(path)  # a miss: read again from the file, and the entry rewritten
     assert _peak(got) == _peak(truth) and len(got.events) == len(truth.events), name
