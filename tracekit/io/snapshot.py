@@ -50,12 +50,12 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
     meta["other_keys"] = sorted(text(k)[:100] for k in obj if k not in KNOWN_TOP_KEYS)
     meta["bare_list"] = bare_list
     columns, present, unknown = [], set(), set()
+    if len(traces) > MAX_DEVICE:
+        raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than any machine has devices")
     total = sum(len(t) for t in traces) or 1
     done = 0
     for device, entries in enumerate(traces):
         if entries:
-            if len(traces) > MAX_DEVICE:
-                raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than any machine has devices")
             try:
                 columns.append(_events_of(device, entries, it, present, unknown))
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -165,8 +165,10 @@ def _explain_entries(device, entries, error) -> str:
         frames = e.get("frames")
         if frames and not isinstance(frames, (list, tuple)):
             return f"device_traces[{device}][{i}] has 'frames' of type {type(frames).__name__}, not a list"
-    if isinstance(error, (ValueError, OverflowError)) and str(error):
-        return text(str(error))[:300] if not isinstance(error, FramesError) else f"device_traces[{device}]: {error}"
+    if isinstance(error, FramesError):
+        return f"device_traces[{device}]: {error}"
+    if isinstance(error, (ValueError, OverflowError)) and str(error):  # our own messages name the entry
+        return str(error)[:300]
     return f"device_traces[{device}] could not be read ({type(error).__name__}: {text(str(error))[:200]})"
 
 
@@ -258,9 +260,6 @@ def _size(v, where, what) -> int:
     if v > MAX_SIZE:
         raise SnapshotError(f"{where} has {what}={v}, larger than any device (1 PiB)")
     return v
-
-
-
 
 
 def _int(v, where, what) -> int:
