@@ -1,6 +1,7 @@
 """Every kind of bad input ends in one clear LoadError (CLI: one line, exit 2), never a traceback,
 a hang, or code executed."""
 import gzip
+import json
 import io
 import os
 import pickle
@@ -153,3 +154,125 @@ def test_arbitrary_structures_load_or_fail_cleanly(tmp_path, obj):
     except LoadError:
         return
     replay(trace)
+
+
+# Issue 9, item 7: each wrong shape gets a message that says what is wrong (never a traceback).
+def _snap(**extra):
+    entries = [{"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "time_us": 1_700_000_000_000_000},
+               {"action": "free_completed", "addr": 4096, "size": 512, "stream": 0, "time_us": 1_700_000_000_000_001}]
+    return {"segments": [], "device_traces": [entries], **extra}
+
+
+def _entry(**fields):
+    return _snap(device_traces=[[{"action": "alloc", "addr": 4096, "size": 512, "stream": 0, **fields}]])
+
+
+def _seg(**fields):
+    seg = {"device": 0, "address": 0, "total_size": 512, "stream": 0,
+           "blocks": [{"address": 0, "size": 512, "state": "inactive"}]}
+    return _snap(segments=[{**seg, **fields}])
+
+
+def _kineto(**args):
+    base = {"Addr": 1, "Bytes": 512, "Total Allocated": 512, "Total Reserved": 1024, "Device Type": 1, "Device Id": 0}
+    ev = {"name": "[memory]", "ph": "i", "ts": 10.5, "args": {**base, **args}}
+    return {"traceEvents": [ev, {**ev, "ts": ev.get("ts")}]}
+
+
+WRONG_SHAPES = [
+    ("size beyond int64", _entry(size=2**70), "size=1180591620717411303424, not an integer in range"),
+    ("size beyond any device", _entry(size=2**55), "size=36028797018963968, not a size between 0 and 1 PiB"),
+    ("sizes summing past int64", _snap(device_traces=[[{"action": "alloc", "addr": i, "size": 2**50} for i in range(5000)]]),
+     "add up to more than 2**62 bytes"),
+    ("device_free huge", _entry(action="oom", device_free=2**70), "device_free=1180591620717411303424, not a byte count"),
+    ("device_free text", _entry(action="oom", device_free="lots"), "device_free='lots', not a byte count"),
+    ("time_us at int64 max", _entry(time_us=2**63 - 1), "too far from any real time"),
+    ("time_us inf", _entry(time_us=float("inf")), "time_us=inf, not an integer in range"),
+    ("frames an int", _entry(frames=5), "'frames' of type int, not a list"),
+    ("segment total_size huge", _seg(total_size=2**70), "total_size=1180591620717411303424, out of range"),
+    ("block size past 1 PiB", _seg(blocks=[{"size": 2**51}]), "size=2251799813685248, larger than any device"),
+    ("segment device huge", _seg(device=2**40), "more than any machine has"),
+    ("tracekit a string", _snap(tracekit="v1"), "'tracekit' is a str ('v1'), not a dict"),
+    ("tracekit tag addr", _snap(tracekit={"tags": [{"addr": "0x10", "kind": "parameter"}]}),
+     "'tracekit'.tags[0].addr is '0x10', not an integer"),
+    ("tracekit phase time inf", _snap(tracekit={"phases": [{"phase": "forward", "start_us": float("inf")}]}),
+     "'tracekit'.phases[0].start_us is inf, not a time in microseconds"),
+    ("tracekit devices", _snap(tracekit={"devices": [5]}), "'tracekit'.devices[0] is a int (5), not a dict"),
+    ("tracekit model", _snap(tracekit={"model": {"parameters": 2**70}}), "'tracekit'.model.parameters is"),
+    ("tracekit iterations", _snap(tracekit={"iterations": {"0": 1}}), "'tracekit'.iterations is a dict, not a list"),
+    ("allocator_settings a list", _snap(allocator_settings=[1]), "'allocator_settings' is a list, not a dict"),
+    ("external_annotations an int", _snap(external_annotations=5), "'external_annotations' is a int (5), not a list"),
+    ("external_annotations item", _snap(external_annotations=[5]), "'external_annotations'[0] is a int (5), not a dict"),
+    ("external_annotations time", _snap(external_annotations=[{"name": "Optimizer.step", "stage": "START",
+                                                               "time_us": float("nan")}]),
+     "'external_annotations'[0].time_us is nan, not a time"),
+    ("external_annotations name", _snap(external_annotations=[{"name": ["x"]}]),
+     "'external_annotations'[0].name is ['x'], not a string"),
+    ("kineto bytes huge", _kineto(Bytes=2**70), "'Bytes'=1180591620717411303424, out of range"),
+    ("kineto bytes text", _kineto(Bytes="512"), "'Bytes'='512', not a number"),
+    ("kineto device id", _kineto(**{"Device Id": [0]}), "'Device Id'=[0], not a number"),
+    ("kineto total inf", _kineto(**{"Total Allocated": float("inf")}), "'Total Allocated'=inf, not a number"),
+    ("memory timeline row", [[i * 1000, 0, 512, 0] for i in range(60)] + [[1, 2, 3]],
+     "row 60 of the memory timeline is [1, 2, 3], not [time_ns, action, bytes, category]"),
+]
+
+
+@pytest.mark.parametrize("name,doc,message", WRONG_SHAPES, ids=[w[0] for w in WRONG_SHAPES])
+def test_wrong_shapes_say_what_is_wrong(tmp_path, name, doc, message):
+    p = write(tmp_path, "w.pickle", pickle.dumps(doc, protocol=4))
+    assert message in load_error(p)
+
+
+def test_kineto_ts_infinity_in_json(tmp_path):
+    text = json.dumps(_kineto()).replace("10.5", "Infinity")
+    assert "'ts'=inf, not a number" in load_error(write(tmp_path, "k.json", text.encode()))
+
+
+@pytest.mark.parametrize("name,doc,message", WRONG_SHAPES[:6] + WRONG_SHAPES[11:14] + WRONG_SHAPES[22:24],
+                         ids=[w[0] for w in WRONG_SHAPES[:6] + WRONG_SHAPES[11:14] + WRONG_SHAPES[22:24]])
+def test_wrong_shapes_are_one_line_exit_2_in_every_command(tmp_path, name, doc, message):
+    from .test_fuzz import run_cli
+
+    p = write(tmp_path, "w.pickle", pickle.dumps(doc, protocol=4))
+    for args in (["report", str(p)], ["info", str(p), "--json"], ["check", str(p), "--max-peak", "1GiB"]):
+        code, out, err = run_cli(*args)
+        assert code == 2 and err.startswith(f"tracekit: cannot open {p}: ") and err.count("\n") == 1, err
+        assert message in err
+
+
+def test_bom_json_opens(tmp_path):
+    snap = _snap()
+    p = write(tmp_path, "bom.json", b"\xef\xbb\xbf" + json.dumps(snap).encode())
+    assert len(tracekit.load(p, use_cache=False).events) == 2
+    gz = write(tmp_path, "bom.json.gz", gzip.compress(b"\xef\xbb\xbf" + json.dumps(snap).encode()))
+    assert len(tracekit.load(gz, use_cache=False).events) == 2
+
+
+# The one guard: whatever an analysis raises, the command says so in one line and exits 2.
+@pytest.mark.parametrize("error,expected", [
+    (ZeroDivisionError("division by zero"), "ZeroDivisionError: division by zero (this is a bug in tracekit"),
+    (RecursionError("maximum recursion depth"), "it is nested too deeply"),
+    (MemoryError(), "out of memory"),
+    (OverflowError("int too large\nsecond line"), "OverflowError: int too large second line"),
+])
+def test_the_guard_turns_any_analysis_failure_into_one_line(monkeypatch, error, expected):
+    from tracekit.commands import report
+
+    from .test_fuzz import run_cli
+
+    def boom(*a, **k):
+        raise error
+
+    monkeypatch.delenv("TRACEKIT_DEBUG", raising=False)
+    monkeypatch.setattr(report, "build_report", boom)
+    monkeypatch.setattr("tracekit.analysis.report.build_report", boom)
+    path = str(fixture(NEWEST))
+    for args in (["report", path], ["check", path, "--max-peak", "1GiB"]):
+        code, out, err = run_cli(*args)
+        assert code == 2, err
+        assert err.startswith(f"tracekit: cannot analyse {path}: ") and err.count("\n") == 1, err
+        assert expected in err
+    if not isinstance(error, MemoryError):
+        monkeypatch.setenv("TRACEKIT_DEBUG", "1")  # for a bug report: the real exception, with its traceback
+        with pytest.raises(type(error)):
+            run_cli("report", path)

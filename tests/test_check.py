@@ -96,3 +96,43 @@ def test_bad_files_exit_2(tmp_path):
     if path.exists():
         code, _, err = run(path, "--rules", rules)
         assert code == 2 and "at least one" in err
+
+
+@pytest.mark.parametrize("value,message", [
+    ("1e999", "larger than any memory"), ("1.5", "not a whole number of bytes"), ("-1", "not a size"),
+    ("inf", "not a size"), ("nan", "not a size"), ("9" * 30, "larger than any memory"), ("1.5 XB", "not a size"),
+    ("", "not a size"), ("1e99999999999", "not a size"),
+])
+def test_budgets_that_are_not_sizes_are_one_line_exit_2(leak_loop, value, message):
+    for args in (["--max-peak", value], ["--max-reserved", value], ["--max", f"activation={value}"]):
+        code, out, err = run(leak_loop[0], *args)
+        assert code == 2, (args, err)
+        assert message in err and err.startswith("tracekit: --max") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+
+
+def test_size_parsing_against_independent_arithmetic():
+    from tracekit.analysis.units import parse_bytes
+
+    cases = {"0": 0, "1048576": 2**20, "1e9": 10**9, "2GiB": 2 * 2**30, "1.5GiB": 3 * 2**29, "512 MB": 512 * 10**6,
+             "0.5KiB": 512, "1.5kb": 1500, " 7 B ": 7, ".5MiB": 2**19, "9223372036854775807": 2**63 - 1,
+             "3TiB": 3 * 2**40}
+    for text, expected in cases.items():
+        assert parse_bytes(text) == expected, text
+
+
+def test_bom_json_and_fifo(tmp_path, leak_loop):
+    from tracekit.io.unpickle import restricted_load
+
+    snap = restricted_load(open(leak_loop[0], "rb"))
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(snap).encode())
+    code, out, err = run(bom, "--max-peak", leak_loop[1])
+    assert code == 0, err
+    assert run(bom, "--max-peak", leak_loop[1] - 1)[0] == 1
+    fifo = tmp_path / "pipe.json"
+    import os
+
+    os.mkfifo(fifo)
+    code, out, err = run(fifo, "--max-peak", "1GiB")
+    assert code == 2 and "named pipe (FIFO)" in err and "empty" not in err

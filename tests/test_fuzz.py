@@ -95,6 +95,13 @@ def _containers(obj, rng, limit=6):
     return path
 
 
+def _short(v):
+    try:
+        return reprlib.repr(v)[:50]
+    except ValueError:  # an int too long to print
+        return "?"
+
+
 def mutate_structure(obj, rng, as_pickle):
     obj = copy.deepcopy(obj)
     weird = WEIRD + (PICKLE_ONLY if as_pickle else [])
@@ -120,7 +127,7 @@ def mutate_structure(obj, rng, as_pickle):
         elif op < 0.93 and isinstance(parent, list):
             parent.insert(rng.randrange(len(parent) + 1), copy.deepcopy(rng.choice(weird)))
         else:
-            parent[key] = copy.deepcopy(rng.choice(list(seeds()))[1]) if rng.random() < 0.1 else reprlib.repr(parent[key])[:50]
+            parent[key] = copy.deepcopy(rng.choice(list(seeds()))[1]) if rng.random() < 0.1 else _short(parent[key])
     return obj
 
 

@@ -12,7 +12,7 @@ import os
 import pickle
 import stat as _stat_mod
 
-from ..errors import Cancelled, LoadError, TracekitError
+from ..errors import Cancelled, LoadError
 from ..model import Trace
 from . import cache as _cache
 from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget, memory_limit,

@@ -10,8 +10,8 @@ JSON that keeps tuples, sets, bytes and non-string keys exactly.
 
 Reading is defensive: the entry must be a regular file (a FIFO never blocks
 us), it is opened with allow_pickle=False (a tampered cache cannot run code),
-every array must have its expected name, dtype and shape, and ids must point
-inside their tables. Anything odd is a miss, and the entry is deleted. The
+every array must have its expected name, dtype and shape and match the
+SHA-256 written with it, and ids must point inside their tables. Anything odd is a miss, and the entry is deleted. The
 least recently used files go once the folder passes $TRACEKIT_CACHE_MAX_MB
 (default 1024; a non-negative number, else a one-line error).
 """
@@ -105,7 +105,7 @@ def write(key, trace: Trace) -> None:
             for name in table.__dataclass_fields__:
                 arrays[f"{prefix}_{name}"] = np.ascontiguousarray(getattr(obj, name), dtype=DTYPES[prefix][name])
         head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
-                "strings": trace.strings.items, "meta": encode(trace.meta)}
+                "strings": trace.strings.items, "meta": encode(trace.meta), "digest": _digest(arrays)}
         arrays["head"] = np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)
         os.makedirs(cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
@@ -140,8 +140,12 @@ def read(key, path) -> Trace | None:
             head = json.loads(bytes(_array(z, "head", np.dtype(np.uint8))).decode())
             if not isinstance(head, dict) or head.get("key") != key:
                 raise Odd("another key")
-            tables = {p: table(**{n: _array(z, f"{p}_{n}", DTYPES[p][n]) for n in table.__dataclass_fields__})
-                      for p, (_, table) in _TABLES.items()}
+            arrays = {f"{p}_{n}": _array(z, f"{p}_{n}", dtype) for p, fields in DTYPES.items()
+                      for n, dtype in fields.items()}
+        if head.get("digest") != _digest(arrays):
+            raise Odd("the arrays are not the ones written")
+        tables = {p: table(**{n: arrays[f"{p}_{n}"] for n in table.__dataclass_fields__})
+                  for p, (_, table) in _TABLES.items()}
         strings, devices, fmt = head["strings"], head["devices"], head["format"]
         if not (isinstance(strings, list) and strings[:1] == [""] and all(type(s) is str for s in strings)
                 and isinstance(devices, list) and all(type(d) is int for d in devices) and type(fmt) is str):
@@ -160,6 +164,16 @@ def read(key, path) -> Trace | None:
     except OSError:
         pass
     return trace
+
+
+def _digest(arrays) -> str:
+    """SHA-256 of the arrays' names, dtypes, shapes and bytes: a changed or damaged entry never passes."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name} {a.dtype.str} {a.shape}\n".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
 
 
 def _array(z, name, dtype):

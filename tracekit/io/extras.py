@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .limits import LimitExceeded, check_depth, shown, text
+from .limits import check_depth, shown
 
 
 class ShapeError(ValueError):
@@ -66,7 +66,7 @@ def _list(item):
 
 
 def _kind(v) -> str:
-    return f"a {type(v).__name__} ({text(v)})" if not isinstance(v, (list, tuple, dict)) else f"a {type(v).__name__}"
+    return f"a {type(v).__name__} ({shown(v)})" if not isinstance(v, (list, tuple, dict)) else f"a {type(v).__name__}"
 
 
 TRACEKIT = _dict({
@@ -93,4 +93,4 @@ def check_extras(obj: dict) -> None:
             check(obj[key], f"'{key}'")
 
 
-__all__ = ["check_extras", "ShapeError", "LimitExceeded"]
+__all__ = ["check_extras", "ShapeError"]

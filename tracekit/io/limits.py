@@ -86,7 +86,7 @@ def decompressed_cap(file_bytes) -> tuple[int, str]:
     """(most bytes gzip data of a `file_bytes` file may expand to, why that number)."""
     ratio = max_expansion()
     cap = max(int(ratio * file_bytes), 64 * MiB)
-    why = f"{ratio:g}x the file (TRACEKIT_MAX_EXPANSION)"
+    why = f"{ratio:g}x the file's size, TRACEKIT_MAX_EXPANSION"
     free = available_memory()
     if free is not None and cap > free // 4 and "TRACEKIT_MAX_EXPANSION" not in os.environ:
         cap, why = max(free // 4, MiB), "a quarter of the free memory"

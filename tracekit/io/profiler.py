@@ -40,7 +40,7 @@ def kineto_to_trace(obj, path) -> Trace:
     if not mem:
         raise ValueError("it is a profiler trace without [memory] events: record it with profile_memory=True")
     rows_in = [_memory_event(i, e) for i, e in mem]
-    rows_in.sort(key=lambda r: r["ts"])
+    rows_in.sort(key=lambda r: r["order"])
     has_addr = all(r["addr"] is not None for r in rows_in)
     has_totals = all(r["total_allocated"] is not None for r in rows_in)
     rows = {k: [] for k in ("device", "action", "addr", "size", "time_us")}
@@ -81,6 +81,7 @@ def _memory_event(i, e) -> dict:
         "device": dev,
         "bytes": _number(a, "Bytes", where, 0, -MAX_SIZE, MAX_SIZE),
         "ts": _number(e, "ts", where, 0, -MAX_TIME, MAX_TIME),
+        "order": e.get("ts", 0),  # sort by the exact time, as written (checked just above)
         "addr": _number(a, "Addr", where, None, -(2**63), 2**64),
         "total_allocated": _number(a, "Total Allocated", where, None, -MAX_TOTAL, MAX_TOTAL),
         "total_reserved": _number(a, "Total Reserved", where, None, -MAX_TOTAL, MAX_TOTAL),

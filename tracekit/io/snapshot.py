@@ -50,12 +50,12 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
     meta["other_keys"] = sorted(text(k)[:100] for k in obj if k not in KNOWN_TOP_KEYS)
     meta["bare_list"] = bare_list
     columns, present, unknown = [], set(), set()
+    if len(traces) > MAX_DEVICE:
+        raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than any machine has devices")
     total = sum(len(t) for t in traces) or 1
     done = 0
     for device, entries in enumerate(traces):
         if entries:
-            if len(traces) > MAX_DEVICE:
-                raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than any machine has devices")
             try:
                 columns.append(_events_of(device, entries, it, present, unknown))
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -82,6 +82,9 @@ def _events_of(device, entries, it, present, unknown) -> dict:
     keys = set().union(*entries)
     present.update(text(k)[:100] for k in keys)
     actions = _values(entries, "action", keys, None)
+    if not set(map(type, actions)) <= {str}:  # checked before hashing: a deep tuple's hash can crash CPython
+        i = next(i for i, a in enumerate(actions) if type(a) is not str)
+        raise ValueError(f"device_traces[{device}][{i}] has action={shown(actions[i])}, not a string")
     code = {a: ACTION.get(a, OTHER) for a in set(actions)}
     unknown.update(text(a)[:100] for a in code if code[a] == OTHER and a != "other")
     action = np.fromiter(map(code.__getitem__, actions), dtype=np.int8, count=n)
@@ -126,11 +129,9 @@ def _values(entries, key, keys, default) -> list:
 
 def _string_column(values, it) -> np.ndarray:
     """Intern only the distinct values (most entries share a handful)."""
-    try:
-        distinct = set(values)
-    except TypeError:  # unhashable values: intern their short text
+    if not set(map(type, values)) <= {str}:  # anything else as its short text (never hashed as is)
         values = [text(v) for v in values]
-        distinct = set(values)
+    distinct = set(values)
     ids = {v: it.strings.intern(text(v)) for v in distinct}
     return np.fromiter(map(ids.__getitem__, values), dtype=np.int32, count=len(values))
 
@@ -155,10 +156,8 @@ def _explain_entries(device, entries, error) -> str:
             return f"device_traces[{device}][{i}] is a {type(e).__name__}, not a trace entry (dict)"
         if "action" not in e:
             return f"device_traces[{device}][{i}] has no 'action'"
-        try:
-            hash(e["action"])
-        except TypeError:
-            return f"device_traces[{device}][{i}] has an 'action' of type {type(e['action']).__name__}"
+        if type(e["action"]) is not str:  # never hash it: a deep tuple's hash can crash CPython
+            return f"device_traces[{device}][{i}] has action={shown(e['action'])}, not a string"
         for key in ("addr", "size", "time_us"):
             v = e.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, int) or not (0 if key == "addr" else -(2**63)) <= v < 2**64:
@@ -166,8 +165,10 @@ def _explain_entries(device, entries, error) -> str:
         frames = e.get("frames")
         if frames and not isinstance(frames, (list, tuple)):
             return f"device_traces[{device}][{i}] has 'frames' of type {type(frames).__name__}, not a list"
-    if isinstance(error, (ValueError, OverflowError)) and str(error):
-        return text(str(error))[:300] if not isinstance(error, FramesError) else f"device_traces[{device}]: {error}"
+    if isinstance(error, FramesError):
+        return f"device_traces[{device}]: {error}"
+    if isinstance(error, (ValueError, OverflowError)) and str(error):  # our own messages name the entry
+        return str(error)[:300]
     return f"device_traces[{device}] could not be read ({type(error).__name__}: {text(str(error))[:200]})"
 
 
@@ -259,9 +260,6 @@ def _size(v, where, what) -> int:
     if v > MAX_SIZE:
         raise SnapshotError(f"{where} has {what}={v}, larger than any device (1 PiB)")
     return v
-
-
-
 
 
 def _int(v, where, what) -> int:
