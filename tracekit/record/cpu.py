@@ -87,7 +87,7 @@ class CpuBackend:
         self._watch = OtherProfilers(self._other_started, self._other_stopped)
         self._watch.install()
         if profiler_running():
-            self._pause("a torch.profiler was already running when recording began")
+            self._pause("your torch.profiler was already running when tracekit began", inside=False)
         else:
             self._start_session()
 
@@ -153,7 +153,7 @@ class CpuBackend:
     def _other_started(self):
         if self._paused is None:
             self._stop_session()
-            self._pause("a torch.profiler of the user's ran")
+            self._pause("your torch.profiler started while tracekit was recording", inside=True)
 
     def _other_stopped(self, results):
         if self._paused is None:
@@ -161,23 +161,26 @@ class CpuBackend:
         filled = False
         try:
             before = self._ring.total
-            self._take(results, since_us=self._paused["start_us"])
+            # theirs began inside ours: all of it is ours to take; else only what came after we began
+            since = None if self._paused["inside"] else self._paused["start_us"]
+            self._take(results, since_us=since)
             filled = self._ring.total > before
         except Exception:
             pass
         self._close_gap(now_us(), filled)
         self._start_session()
 
-    def _pause(self, reason):
-        self._paused = {"start_us": now_us(), "end_us": None, "reason": reason, "filled": False}
-        warnings.warn(f"tracekit: {reason}: only one profiler can run at a time, so tracekit pauses while "
-                      "yours runs and takes your profiler's memory events (profile_memory=True) for that time; "
-                      "the pause is marked in the file", RuntimeWarning, stacklevel=4)
+    def _pause(self, reason, inside):
+        self._paused = {"start_us": now_us(), "end_us": None, "reason": reason, "filled": False, "inside": inside}
+        warnings.warn(f"tracekit: {reason}; one profiler runs at a time, so tracekit pauses until yours stops "
+                      "(with profile_memory=True, its memory events fill the pause); the pause is in the file's "
+                      "gaps", RuntimeWarning, stacklevel=4)
 
     def _close_gap(self, end_us, filled):
         gap, self._paused = self._paused, None
         gap["end_us"] = end_us
         gap["filled"] = filled
+        del gap["inside"]
         self.gaps.append(gap)
 
     def _remove_watch(self):
