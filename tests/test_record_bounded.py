@@ -103,3 +103,34 @@ def test_ours_inside_users_profiler_warns_and_leaves_theirs_whole(tmp_path, monk
     import torch.autograd.profiler as p
 
     assert p._enable_profiler.__module__ != __name__ and "coexist" not in p._enable_profiler.__qualname__
+
+
+RANGES = """
+import gc, sys, torch, tracekit
+from torch.profiler import record_function
+from tracekit.record.cpu import CpuBackend
+from tracekit.record.toy import make_training
+CpuBackend.chunk_seconds = 0.0  # restart at every phase boundary
+for r in range(4):
+    model, opt, step = make_training(seed=0, n_layers=1, d_model=32, vocab=256, seq=16, batch=2)
+    with tracekit.record(sys.argv[1], model=model, optimizer=opt, backend="cpu", max_entries=301) as rec:
+        for i in range(3):
+            with record_function("user step"):  # restarting inside an open range corrupts torch's heap
+                step()
+            rec.step()
+            gc.collect()
+print("ok")
+"""
+
+
+def test_no_restart_inside_an_open_record_function(tmp_path):
+    """Optimizer.step and the user's ranges stay open across our hooks: a restart there crashed (segfault)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ranges.py").write_text(RANGES)
+    r = subprocess.run([sys.executable, "ranges.py", "x.pickle"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    trace = tracekit.load(tmp_path / "x.pickle", use_cache=False)
+    assert len(trace.events) == 301

@@ -10,6 +10,12 @@ one of theirs starts (we stop ours and keep what it had) and
 `on_stop(results)` after it stops (we take its memory events, then start
 ours again). Their profiler gets all its events; ours loses none that theirs
 recorded.
+
+`OpenRanges` counts the ``record_function`` ranges (the optimizer's
+``Optimizer.step#...``, the user's own) opened while we record: our
+profiler is only restarted where none is open, because a range opened under
+one profiler session and closed under the next writes into the first one's
+freed memory (a crash in torch 2.13).
 """
 from __future__ import annotations
 
@@ -87,3 +93,43 @@ class OtherProfilers:
             import warnings
 
             warnings.warn(f"tracekit: could not step aside for your profiler ({e!r})", RuntimeWarning)
+
+
+class OpenRanges:
+    """How many `torch.autograd.profiler.record_function` ranges opened since `install` are still open."""
+
+    def __init__(self):
+        self._open = set()
+        self._patched = None
+
+    def __len__(self):
+        return len(self._open)
+
+    def install(self):
+        import torch.autograd.profiler as module
+
+        cls = module.record_function
+        enter, exit_ = cls.__enter__, cls.__exit__
+        opened = self._open
+
+        def __enter__(rf):
+            result = enter(rf)
+            opened.add(id(rf))
+            return result
+
+        def __exit__(rf, *exc):
+            opened.discard(id(rf))
+            return exit_(rf, *exc)
+
+        cls.__enter__, cls.__exit__ = __enter__, __exit__
+        self._patched = (cls, enter, exit_, __enter__, __exit__)
+
+    def remove(self):
+        if self._patched is not None:
+            cls, enter, exit_, ours_enter, ours_exit = self._patched
+            self._patched = None
+            if cls.__enter__ is ours_enter:
+                cls.__enter__ = enter
+            if cls.__exit__ is ours_exit:
+                cls.__exit__ = exit_
+        self._open.clear()

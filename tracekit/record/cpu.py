@@ -71,6 +71,7 @@ class CpuBackend:
         self._metadata = []  # [(time_us, metadata string)] in time order, pruned to the ring's window
         self._chunk_start = 0.0
         self._watch = None  # coexist.OtherProfilers
+        self._ranges = None  # coexist.OpenRanges: no restart while a record_function range is open
         self._paused = None  # the open gap while the user's profiler runs
 
     # -- recording ---------------------------------------------------------
@@ -80,12 +81,14 @@ class CpuBackend:
 
     def start(self, preexisting=()):
         """Start recording; `preexisting` [(addr, size)]: storages live now (their frees are found later)."""
-        from .coexist import OtherProfilers, profiler_running
+        from .coexist import OpenRanges, OtherProfilers, profiler_running
         from .ring import Ring
 
         self._ring = Ring(self.max_entries, [(a, s, []) for a, s in preexisting])
         self._watch = OtherProfilers(self._other_started, self._other_stopped)
         self._watch.install()
+        self._ranges = OpenRanges()
+        self._ranges.install()
         if profiler_running():
             self._pause("your torch.profiler was already running when tracekit began", inside=False)
         else:
@@ -93,7 +96,7 @@ class CpuBackend:
 
     def set_metadata(self, time_us, metadata):
         self._metadata.append((time_us, metadata))
-        if (self._prof is not None and self.chunk_seconds is not None
+        if (self._prof is not None and self.chunk_seconds is not None and not len(self._ranges)
                 and time.monotonic() - self._chunk_start >= self.chunk_seconds):
             self._stop_session()
             self._start_session()
@@ -186,6 +189,8 @@ class CpuBackend:
     def _remove_watch(self):
         if self._watch is not None:
             self._watch.remove()
+        if self._ranges is not None:
+            self._ranges.remove()
 
     # -- the snapshot ------------------------------------------------------
     def snapshot(self, preexisting=(), freed=None):
