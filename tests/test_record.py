@@ -235,7 +235,7 @@ def test_max_entries_keeps_the_newest_and_still_replays(tmp_path):
 def test_backend_failing_after_warmup_warns_and_training_runs(tmp_path, monkeypatch):
     from tracekit.record.cpu import CpuBackend
 
-    def refuse(self):
+    def refuse(self, *args):
         raise RuntimeError("profiler busy")
 
     monkeypatch.setattr(CpuBackend, "start", refuse)

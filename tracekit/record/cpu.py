@@ -22,6 +22,10 @@ import contextlib
 import os
 import platform
 import sys
+import time
+import warnings
+
+from .marks import now_us
 
 CPU_DEVICE = 0
 
@@ -46,63 +50,153 @@ def quiet_stderr():
 
 
 class CpuBackend:
+    """Records with torch.profiler, restarted every `chunk_seconds` (at a phase boundary) so that its
+    results are converted as they come and memory stays bounded by `max_entries` (ring.py).
+
+    A torch.profiler of the user's own cannot run beside ours (one profiler
+    per process): while one runs, ours is paused, its memory events (when it
+    has ``profile_memory=True``) fill the pause, and the pause is written in
+    the file's ``gaps`` (coexist.py).
+    """
+
     name = "cpu"
+    chunk_seconds = 1.0  # None: one profiler session for the whole recording
 
     def __init__(self, stacks="python", max_entries=None):
         self.stacks = stacks
         self.max_entries = max_entries
+        self.gaps = []  # {start_us, end_us, reason, filled}: times our profiler was paused for the user's
         self._prof = None
-        self._metadata = []  # [(time_us, metadata string)] in time order
+        self._ring = None
+        self._metadata = []  # [(time_us, metadata string)] in time order, pruned to the ring's window
+        self._chunk_start = 0.0
+        self._watch = None  # coexist.OtherProfilers
+        self._ranges = None  # coexist.OpenRanges: no restart while a record_function range is open
+        self._paused = None  # the open gap while the user's profiler runs
 
     # -- recording ---------------------------------------------------------
     def device_of(self, tensor):
         """The trace device a tensor's storage lives on, or None if this backend does not see it."""
         return CPU_DEVICE if tensor.device.type == "cpu" else None
 
-    def start(self):
-        import torch
-        from torch.profiler import ProfilerActivity, profile
+    def start(self, preexisting=()):
+        """Start recording; `preexisting` [(addr, size)]: storages live now (their frees are found later)."""
+        from .coexist import OpenRanges, OtherProfilers, profiler_running
+        from .ring import Ring
 
-        self._torch = torch
-        self._prof = profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True, record_shapes=False
-        )
-        with quiet_stderr():
-            self._prof.start()
+        self._ring = Ring(self.max_entries, [(a, s, []) for a, s in preexisting])
+        self._watch = OtherProfilers(self._other_started, self._other_stopped)
+        self._watch.install()
+        self._ranges = OpenRanges()
+        self._ranges.install()
+        if profiler_running():
+            self._pause("your torch.profiler was already running when tracekit began", inside=False)
+        else:
+            self._start_session()
 
     def set_metadata(self, time_us, metadata):
         self._metadata.append((time_us, metadata))
+        if (self._prof is not None and self.chunk_seconds is not None and not len(self._ranges)
+                and time.monotonic() - self._chunk_start >= self.chunk_seconds):
+            self._stop_session()
+            self._start_session()
 
     def stop(self):
-        if self._prof is not None:
-            prof, self._prof = self._prof, None
-            with quiet_stderr():
-                prof.stop()
-            self._results = prof.profiler.kineto_results
+        self._stop_session()
+        if self._paused is not None:
+            self._close_gap(now_us(), filled=False)
+        self._remove_watch()
 
     def restore(self):
-        """Nothing to restore: the profiler is ours alone."""
-        if self._prof is not None:
-            try:
-                self._prof.stop()
-            except Exception:
-                pass
-            self._prof = None
+        """Stop the profiler if it still runs, and stop watching for the user's."""
+        try:
+            if self._prof is not None:
+                prof, self._prof = self._prof, None
+                with self._watch.ours(), quiet_stderr():
+                    prof.stop()
+        except Exception:
+            pass
+        self._remove_watch()
+
+    # -- sessions ----------------------------------------------------------
+    def _new_profile(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        return profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
+                       record_shapes=False)
+
+    def _start_session(self):
+        prof = self._new_profile()
+        with self._watch.ours(), quiet_stderr():
+            prof.start()
+        self._prof = prof
+        self._chunk_start = time.monotonic()
+
+    def _stop_session(self):
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        with self._watch.ours(), quiet_stderr():
+            prof.stop()
+        self._take(prof.profiler.kineto_results)
+
+    def _take(self, results, since_us=None):
+        """Convert a profiler result's allocation events into the ring, then let the result go."""
+        events = allocation_events(results, with_ops=self.stacks == "all")
+        if since_us is not None:
+            events = [e for e in events if e[0] // 1000 >= since_us]
+        self._ring.add(events, self._metadata)
+        first = self._ring.first_time()
+        if first is not None:  # metadata older than the ring's window is no longer needed
+            i = bisect.bisect_right([t for t, _ in self._metadata], first) - 1
+            if i > 0:
+                del self._metadata[:i]
+
+    # -- the user's own profiler (coexist.OtherProfilers) ------------------
+    def _other_started(self):
+        if self._paused is None:
+            self._stop_session()
+            self._pause("your torch.profiler started while tracekit was recording", inside=True)
+
+    def _other_stopped(self, results):
+        if self._paused is None:
+            return
+        filled = False
+        try:
+            before = self._ring.total
+            # theirs began inside ours: all of it is ours to take; else only what came after we began
+            since = None if self._paused["inside"] else self._paused["start_us"]
+            self._take(results, since_us=since)
+            filled = self._ring.total > before
+        except Exception:
+            pass
+        self._close_gap(now_us(), filled)
+        self._start_session()
+
+    def _pause(self, reason, inside):
+        self._paused = {"start_us": now_us(), "end_us": None, "reason": reason, "filled": False, "inside": inside}
+        warnings.warn(f"tracekit: {reason}; one profiler runs at a time, so tracekit pauses until yours stops "
+                      "(with profile_memory=True, its memory events fill the pause); the pause is in the file's "
+                      "gaps", RuntimeWarning, stacklevel=4)
+
+    def _close_gap(self, end_us, filled):
+        gap, self._paused = self._paused, None
+        gap["end_us"] = end_us
+        gap["filled"] = filled
+        del gap["inside"]
+        self.gaps.append(gap)
+
+    def _remove_watch(self):
+        if self._watch is not None:
+            self._watch.remove()
+        if self._ranges is not None:
+            self._ranges.remove()
 
     # -- the snapshot ------------------------------------------------------
     def snapshot(self, preexisting=(), freed=None):
-        """The snapshot dict: `preexisting` is [(addr, size, frames)] of storages live at the start.
-
-        `freed` is {addr: time_us} of those known to be freed while recording
-        (the profiler drops their frees); see `add_preexisting_frees`.
-        """
-        events = allocation_events(self._results, with_ops=self.stacks == "all")
-        entries = to_entries(events, self._metadata)
-        entries = add_preexisting_frees(entries, preexisting, freed or {}, self._metadata)
-        segments = final_segments(entries, preexisting)
-        if self.max_entries is not None and len(entries) > self.max_entries:
-            entries = entries[len(entries) - self.max_entries:]  # a ring buffer keeps the newest
-        return {"segments": segments, "device_traces": [entries]}
+        """The snapshot dict. `freed` {addr: time_us}: pre-existing storages seen to die while recording
+        (the profiler drops their frees); see `PreexistingFrees`."""
+        return self._ring.snapshot(freed or {}, self._metadata)
 
     def devices(self):
         return [{"index": CPU_DEVICE, "type": "cpu", "name": cpu_name(), "total_memory": total_ram()}]
@@ -189,92 +283,119 @@ def to_entries(events, metadata=()):
     """Trace entries (dicts) from allocation events; metadata [(time_us, str)] tags each entry."""
     meta_times = [t for t, _ in metadata]
     frame_lists = {}
-
-    def frames_of(key):
-        frames = frame_lists.get(key)
-        if frames is None:
-            frames = frame_lists[key] = [{"filename": f, "line": l, "name": n} for f, l, n in key]
-        return frames
-
-    def metadata_at(t):
-        i = bisect.bisect_right(meta_times, t) - 1
-        return metadata[i][1] if i >= 0 else ""
-
     entries = []
     for time_ns, _, ptr, size, key in events:
         t = time_ns // 1000
-        frames = frames_of(key)
-        meta = metadata_at(t)
+        frames = frame_lists.get(key)
+        if frames is None:
+            frames = frame_lists[key] = frame_list(key)
+        i = bisect.bisect_right(meta_times, t) - 1
+        meta = metadata[i][1] if i >= 0 else ""
         if size > 0:
-            entries.append(_entry("segment_alloc", ptr, size, t, frames, meta))
-            entries.append(_entry("alloc", ptr, size, t, frames, meta))
+            entries += allocation_entries(ptr, size, t, frames, meta)
         else:
-            entries.append(_entry("free_requested", ptr, -size, t, frames, meta))
-            entries.append(_entry("free_completed", ptr, -size, t, frames, meta))
-            entries.append(_entry("segment_free", ptr, -size, t, frames, meta))
+            entries += free_entries(ptr, -size, t, frames, meta)
     return entries
 
 
-def add_preexisting_frees(entries, preexisting, freed, metadata=()):
-    """`entries` with a free (free_requested, free_completed, segment_free) for each pre-existing storage freed.
+def frame_list(key):
+    return [{"filename": f, "line": l, "name": n} for f, l, n in key]
+
+
+def allocation_entries(addr, size, t, frames, meta):
+    """What the CUDA allocator writes for a block that is its own segment: segment_alloc, alloc."""
+    return [_entry("segment_alloc", addr, size, t, frames, meta), _entry("alloc", addr, size, t, frames, meta)]
+
+
+def free_entries(addr, size, t, frames, meta):
+    return [_entry(action, addr, size, t, frames, meta) for action in ("free_requested", "free_completed",
+                                                                       "segment_free")]
+
+
+class PreexistingFrees:
+    """When the trace frees the storages [(addr, size, frames)] that were live when recording began.
 
     The profiler never reports the free of a block allocated before it
-    started. A pre-existing storage [(addr, size, frames)] is freed:
+    started. Fed the trace's allocations and frees in time order, this says
+    (`inserts`) when each pre-existing storage was freed:
 
     - at `freed[addr]` (the time its death was seen, on the entries' clock),
-    - but no later than just before the first traced allocation that
-      overlaps its bytes (the memory was free again by then),
+    - but no later than the first traced allocation that overlaps its bytes
+      (the memory was free again by then),
     - and not at all when the trace already frees it (a free at its address
-      before any allocation there) or neither is known (still live: a final
-      segment).
+      before any allocation there) or neither is known (still live).
+    """
 
-    The three entries go before every entry of the same or a later
-    `time_us`, so the pairs the trace writes at one time stay together.
+    def __init__(self, preexisting):
+        self.spans = sorted((a, s) for a, s, _ in preexisting)
+        self._starts = [a for a, _ in self.spans]
+        self._addrs = set(self._starts)
+        self._first_reuse = {}  # addr -> time_us of the first traced alloc overlapping it
+        self._traced_free = set()
+        self._touched = set()  # pre-existing addresses the trace allocates or frees at
+
+    def allocated(self, addr, size, t):
+        if not self.spans:
+            return
+        spans = self.spans
+        j = bisect.bisect_left(self._starts, addr + size) - 1
+        while j >= 0 and spans[j][0] + spans[j][1] > addr:
+            self._first_reuse.setdefault(spans[j][0], t)
+            j -= 1
+        if addr in self._addrs:
+            self._touched.add(addr)
+
+    def freed(self, addr):
+        if addr in self._addrs:
+            self._touched.add(addr)
+            if addr not in self._first_reuse:
+                self._traced_free.add(addr)
+
+    def touched(self, addr):
+        return addr in self._touched
+
+    def inserts(self, freed, metadata=()):
+        """[(time_us, addr, size, metadata string)] of the frees to write, in time order."""
+        meta_times = [t for t, _ in metadata]
+        out = []
+        for addr, size in self.spans:
+            if addr in self._traced_free:
+                continue
+            t = freed.get(addr)
+            r = self._first_reuse.get(addr)
+            if r is not None:
+                t = r if t is None else min(t, r)
+            if t is None:
+                continue
+            k = bisect.bisect_right(meta_times, t) - 1
+            out.append((t, addr, size, metadata[k][1] if k >= 0 else ""))
+        out.sort(key=lambda x: x[:2])
+        return out
+
+
+def add_preexisting_frees(entries, preexisting, freed, metadata=()):
+    """`entries` with the free entries of each pre-existing storage freed (see `PreexistingFrees`).
+
+    They go before every entry of the same or a later `time_us`, so the
+    pairs the trace writes at one time stay together.
     """
     if not preexisting:
         return entries
-    spans = sorted((a, s) for a, s, _ in preexisting)
-    starts = [a for a, _ in spans]
-    first_reuse = {}  # addr -> index of the first traced alloc overlapping it
-    traced_free = set()
-    for i, e in enumerate(entries):
-        action = e["action"]
-        if action == "alloc":
-            a, end = e["addr"], e["addr"] + e["size"]
-            j = bisect.bisect_left(starts, end) - 1
-            while j >= 0 and spans[j][0] + spans[j][1] > a:
-                first_reuse.setdefault(spans[j][0], i)
-                j -= 1
-        elif action == "free_completed":
-            a = e["addr"]
-            j = bisect.bisect_left(starts, a)
-            if j < len(starts) and starts[j] == a and a not in first_reuse:
-                traced_free.add(a)
-    times = [e["time_us"] for e in entries]
-    meta_times = [t for t, _ in metadata]
-    inserts = []
-    for addr, size in spans:
-        if addr in traced_free:
-            continue
-        t = freed.get(addr)
-        r = first_reuse.get(addr)
-        if r is not None:
-            t = times[r] if t is None else min(t, times[r])
-        if t is None:
-            continue
-        k = bisect.bisect_right(meta_times, t) - 1
-        meta = metadata[k][1] if k >= 0 else ""
-        inserts.append((bisect.bisect_left(times, t), t, addr, [
-            _entry(action, addr, size, t, [], meta)
-            for action in ("free_requested", "free_completed", "segment_free")
-        ]))
+    state = PreexistingFrees(preexisting)
+    for e in entries:
+        if e["action"] == "alloc":
+            state.allocated(e["addr"], e["size"], e["time_us"])
+        elif e["action"] == "free_completed":
+            state.freed(e["addr"])
+    inserts = state.inserts(freed, metadata)
     if not inserts:
         return entries
-    inserts.sort(key=lambda x: x[:3])
+    times = [e["time_us"] for e in entries]
     out, prev = [], 0
-    for pos, _, _, triple in inserts:
+    for t, addr, size, meta in inserts:
+        pos = bisect.bisect_left(times, t)
         out.extend(entries[prev:pos])
-        out.extend(triple)
+        out.extend(free_entries(addr, size, t, [], meta))
         prev = pos
     out.extend(entries[prev:])
     return out
@@ -305,10 +426,10 @@ def final_segments(entries, preexisting=()):
     for addr, size, frames in preexisting:
         if addr not in seen:
             live[addr] = (size, frames)
-    return [_segment(addr, size, frames) for addr, (size, frames) in sorted(live.items())]
+    return [segment(addr, size, frames) for addr, (size, frames) in sorted(live.items())]
 
 
-def _segment(addr, size, frames):
+def segment(addr, size, frames):
     block = {"address": addr, "size": size, "requested_size": size, "state": "active_allocated", "frames": frames}
     return {
         "device": CPU_DEVICE, "address": addr, "total_size": size, "allocated_size": size,

@@ -33,7 +33,8 @@ class CudaBackend:
     def device_of(self, tensor):
         return tensor.device.index if tensor.device.type == "cuda" else None
 
-    def start(self):
+    def start(self, preexisting=()):
+        """Start the allocator's history (its segments already hold every live block: `preexisting` unused)."""
         mem = self._memory()
         self._was_enabled = history_enabled()
         self._old_metadata = _get_metadata(mem)

@@ -206,7 +206,7 @@ class Recorder:
         self._start_us = now_us()
         self._first_iteration = self._marks.iteration
         self._tag_existing(self._start_us)
-        self._backend.start()
+        self._backend.start(self._preexisting)
         self.recording = True
         self._backend.set_metadata(now_us(), self._marks.metadata)
 
@@ -287,6 +287,10 @@ class Recorder:
             else:
                 snapshot = self._backend.snapshot(preexisting)
             snapshot["tracekit"] = self._tracekit_key(end_us)
+            if not any(snapshot.get("device_traces") or []):
+                why = "; ".join(sorted({g["reason"] for g in snapshot["tracekit"]["gaps"]})) or "no allocations"
+                warnings.warn(f"tracekit: the recording in {self.path} holds no trace entries ({why})",
+                              RuntimeWarning)
             try:
                 from ..analysis.categories import write_categories
 
@@ -336,6 +340,7 @@ class Recorder:
             "error": self.error,
             "partial": self.signal is not None,
             "signal": self.signal,
+            "gaps": list(getattr(self._backend, "gaps", [])),
             "settings": {
                 "backend": self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
                 "activations": self.activations, "warmup": self.warmup, "steps": self.steps,
