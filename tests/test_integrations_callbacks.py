@@ -103,3 +103,27 @@ def test_rank_aware_names(tmp_path, monkeypatch):
     finally:
         r.end()
     assert r.written == str(tmp_path / "m.rank1.pickle")
+
+
+def test_marks_closure_inside_optimizer_step():
+    """optimizer.step(closure) runs forward and backward itself (Lightning, LBFGS): they keep their phases."""
+    import itertools
+
+    from tracekit.record.marks import Marks
+
+    clock = itertools.count(100, 10)
+    m = Marks(clock=lambda: next(clock))
+    m.start()
+    for _ in range(2):
+        m.optimizer_started()
+        m.forward_started()            # the closure's forward
+        m.backward_started()
+        m.forward_started()            # checkpoint recompute inside backward: stays backward
+        m.backward_ended()
+        m.optimizer_ended()            # the update after the closure
+        m.step()
+    m.finish()
+    got = [(p["iteration"], p["phase"]) for p in m.phases]
+    assert got == [(0, "optimizer"), (0, "forward"), (0, "backward"), (0, "optimizer"),
+                   (1, "optimizer"), (1, "forward"), (1, "backward"), (1, "optimizer")]
+    assert all(a["end_us"] <= b["start_us"] for a, b in zip(m.phases, m.phases[1:]))  # no overlap
