@@ -29,7 +29,7 @@ ROOT = Path(__file__).parents[1]
 REAL = ROOT / "tests" / "fixtures" / "real"
 NEWEST = REAL / "snapshot_newest_format_windows_paths.pickle"
 KINETO = REAL / "kineto_trace_memory_v100_rank1.json.gz"
-REAL_FILES = sorted(p for p in REAL.glob("*") if p.suffix != ".md") if REAL.is_dir() else []
+REAL_FILES = sorted(p for p in REAL.glob("*") if p.suffix != ".md" and p.name != "truth.json")  # truth.json: answers
 SAMPLES = sorted(p for p in (ROOT / "samples").glob("*") if p.is_file() and p.suffix in (".pickle", ".gz", ".json"))
 
 
