@@ -106,6 +106,7 @@ def test_export_keeps_cuda_numbers_and_moves_the_cpu(tmp_path):
     snap = pickle.loads(out.read_bytes())
     labels = {d["index"]: d["label"] for d in snap["tracekit_export"]["devices"]}
     assert labels == {0: "cpu", 1: "cuda:1"}
+    assert [d["label"] for d in _report(out)["devices"]] == ["cpu", "cuda:1"]  # reopened, still named so
     # profiler "Total Allocated" before the first event: one frameless block live throughout
     before = [s for s in snap["segments"] if s["device"] == 1 and not s["frames"]]
     assert len(before) == 1 and before[0]["total_size"] == _report(fixture("kineto_trace_memory_v100_rank1.json.gz"))[
