@@ -43,7 +43,7 @@ def write_snapshot(path, snapshot) -> str:
     from .memory_viz import renderable
 
     path = os.fspath(path)
-    data = snapshot_bytes(renderable(snapshot))
+    data = snapshot_bytes(renderable(snapshot, repair_entries=False))
     if path.endswith(".gz"):
         data = gzip.compress(data, compresslevel=6)
     folder = os.path.dirname(os.path.abspath(path))
