@@ -106,6 +106,7 @@ def test_export_keeps_cuda_numbers_and_moves_the_cpu(tmp_path):
     snap = pickle.loads(out.read_bytes())
     labels = {d["index"]: d["label"] for d in snap["tracekit_export"]["devices"]}
     assert labels == {0: "cpu", 1: "cuda:1"}
+    assert [d["label"] for d in _report(out)["devices"]] == ["cpu", "cuda:1"]  # reopened, still named so
     # profiler "Total Allocated" before the first event: one frameless block live throughout
     before = [s for s in snap["segments"] if s["device"] == 1 and not s["frames"]]
     assert len(before) == 1 and before[0]["total_size"] == _report(fixture("kineto_trace_memory_v100_rank1.json.gz"))[
@@ -133,3 +134,23 @@ def test_export_bad_requests_exit_2(tmp_path):
         r = run("export", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_export_multi_device_oom_pending_free_and_ring_buffer(tmp_path):
+    sim = Sim(devices=2, streams=(0, 7))
+    a = sim.alloc(4 * MiB, device=1)
+    b = sim.alloc(2 * MiB, device=1, stream=7)
+    sim.free(a, device=1)
+    sim.free(b, device=1, complete=False)  # record_stream: still pending at the end
+    sim.alloc(MiB, device=0)
+    sim.oom(64 * MiB, device_free=MiB, device=1)
+    sim.unknown(device=1)
+    src = tmp_path / "multi.pickle"
+    src.write_bytes(pickle.dumps(sim.snapshot(drop_first=1), protocol=4))
+    out = tmp_path / "viz.pickle"
+    r = run("export", src, "--memory-viz", out)
+    assert r.returncode == 0, r.stderr
+    assert problems(out.read_bytes()) == []
+    snap = pickle.loads(out.read_bytes())
+    assert [e["category"] for e in snap["device_traces"][1] if e["action"] == "oom"] == ["unknown"]
+    assert _report(out)["devices"][1]["peak_allocated_bytes"] == _report(src)["devices"][1]["peak_allocated_bytes"]

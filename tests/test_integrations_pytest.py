@@ -34,6 +34,12 @@ def test_category_within():
     del a
 
 
+@pytest.mark.limit_peak_memory("8 MiB", device="cpu", category="temporary")
+def test_category_over():
+    a = torch.ones(2048, 2048)          # a 16 MiB temporary
+    del a
+
+
 @pytest.mark.no_memory_leaks(iterations=5)
 def test_clean_step():
     x = torch.randn(256, 256)
@@ -59,16 +65,18 @@ def test_plugin_passes_fails_and_keeps_files(pytester, tmp_path):
     import torch
 
     cuda = torch.cuda.is_available()
-    assert outcomes.get("passed") == 3 + cuda and outcomes.get("failed") == 2, result.stdout.str()
+    assert outcomes.get("passed") == 3 + cuda and outcomes.get("failed") == 3, result.stdout.str()
     assert outcomes.get("skipped", 0) == (0 if cuda else 1)
     out = result.stdout.str()
     # the big test's explanation: the figure, the limit and the line that allocates
     assert "FAILED test_mem.py::test_big" in out and "FAILED test_mem.py::test_leaky_step" in out
     assert "cpu: peak allocated 32.0 MiB > 16.0 MiB" in out
+    assert "cpu: temporary peaked at 16.0 MiB > 8.0 MiB" in out
     assert "live at the peak, by allocation site:" in out and re.search(r"16\.0 MiB .*test_mem\.py:\d+ in test_big", out)
     assert re.search(r"leak: memory grows by about 1\.0 MiB per iteration.*test_mem\.py:\d+ in test_leaky_step", out)
     kept = sorted(p.name for p in keep.iterdir())
-    assert kept == ["test_mem.py_test_big.pickle", "test_mem.py_test_leaky_step.pickle"]
+    assert kept == ["test_mem.py_test_big.pickle", "test_mem.py_test_category_over.pickle",
+                    "test_mem.py_test_leaky_step.pickle"]
     snap = pickle.loads((keep / "test_mem.py_test_leaky_step.pickle").read_bytes())
     assert len(snap["tracekit"]["iterations"]) == 5
 

@@ -56,10 +56,14 @@ class Recording(Trace):
         return timeline_frame(self, by=by, device=device, max_points=max_points, rules=rules)
 
     def report(self, rules=None) -> dict:
-        """What `tracekit report --json` prints (sizes in bytes)."""
+        """What `tracekit report --json` prints (sizes in bytes); computed once per rules file."""
         from .analysis.report import build_report
 
-        return build_report(self, rules=rules)
+        cache = self.__dict__.setdefault("_reports", {})
+        key = str(rules) if rules is not None else None
+        if key not in cache:
+            cache[key] = build_report(self, rules=rules)
+        return cache[key]
 
     def findings(self, rules=None):
         """The report's findings as a DataFrame: kind, device, bytes, summary, where, frames, ..."""

@@ -26,7 +26,7 @@ COMMANDS = {
     "record": "Record a training script's memory: tracekit record -- python train.py",
     "demo": "Record a small model step here and open the result.",
     "export": "Convert a file for pytorch.org/memory_viz, or its allocations to CSV / parquet.",
-    "query": "Run SQL over a file's allocations and events: tracekit query FILE \"SELECT ...\"",
+    "query": "SQL over a file's allocations, events and timeline: tracekit query FILE \"SELECT ...\"",
     "view": "Open files in the desktop viewer.",
     "cache": "Show or clear the cache that makes a second open fast.",
     "estimate": "Predict memory by category from a model config and a training setup.",

@@ -54,7 +54,13 @@ def memory_viz_snapshot(path, rules=None) -> dict:
     from ..io.memory_viz import from_trace, has_categories, renderable
     from ..io.snapshot import SnapshotError, is_snapshot
 
-    obj, _kind = read_document(path)
+    from ..io.progress import StderrProgress
+
+    progress = StderrProgress(f"reading {path}")
+    try:
+        obj, _kind = read_document(path, progress)
+    finally:
+        progress.close()
     try:
         if is_snapshot(obj):
             snap = renderable(obj)

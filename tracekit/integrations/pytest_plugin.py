@@ -8,9 +8,9 @@
 A marked test's body is recorded with `tracekit.record` (`device="cpu"`: the
 CPU backend, `"cuda"`: the allocator's history, skipped without CUDA;
 default: CUDA when available). `limit_peak_memory` fails the test when the
-peak allocated bytes (with `category`: that category's bytes at the peak,
-as `tracekit check --max CATEGORY=SIZE`) exceed the limit, naming the
-categories and allocation sites at the peak. `no_memory_leaks` runs the body
+peak allocated bytes (with `category`: that category's own peak, its most
+bytes at any moment) exceed the limit, naming the categories and allocation
+sites at the peak. `no_memory_leaks` runs the body
 `iterations` times (>= 3; an iteration boundary after each call) and fails
 when memory made in one call is still live calls later, step after step
 (the report's leak finding, with the lines that allocate it).
@@ -38,7 +38,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "limit_peak_memory(limit, device=None, category=None): fail the test when "
-                                       "its peak allocated memory (or a category's bytes at the peak) exceeds limit")
+                                       "its peak allocated memory (or a category's own peak) exceeds limit")
     config.addinivalue_line("markers", "no_memory_leaks(iterations=5, device=None): run the test body `iterations` "
                                        "times and fail when memory grows step after step")
 
@@ -121,13 +121,15 @@ def check(path, limit, device, category, leaks) -> str:
     from ..io import load
     from ..render import finding_lines
 
-    report = build_report(load(path, use_cache=False))
+    trace = load(path, use_cache=False)
+    report = build_report(trace)
     devices = [d for d in report["devices"] if device is None or d["label"].split(":")[0] == device]
     report = dict(report, devices=devices, findings=[f for f in report["findings"]
                                                       if f["device"] in {d["device"] for d in devices}])
-    budgets = {category: limit} if category and limit is not None else {}
     peak = limit if limit is not None and not category else None
-    problems = over_budget(report, peak, None, budgets, no_leaks=leaks)
+    problems = over_budget(report, peak, None, {}, no_leaks=leaks)
+    if category and limit is not None:
+        problems += _category_over(trace, devices, category, limit)
     if not problems:
         return ""
     out = ["tracekit: " + "; ".join(p["message"] for p in problems)]
@@ -149,6 +151,24 @@ def check(path, limit, device, category, leaks) -> str:
         if leaks and f["kind"] == "leak":
             out += ["  " + line for line in finding_lines(f)[1:]]  # the summary is in the first line already
     return "\n".join(out)
+
+
+def _category_over(trace, devices, category, limit) -> list[dict]:
+    """A category's own peak (its most bytes at any entry, not only at the overall peak) over `limit`."""
+    from ..analysis.timeline import category_series
+    from ..analysis.units import fmt_bytes
+
+    out = []
+    for d in devices:
+        series = category_series(trace, d["device"]).by_category
+        if category not in series:
+            raise pytest.UsageError(f"limit_peak_memory: no category {category!r} (known: {', '.join(series)})")
+        got = int(series[category].max()) if len(series[category]) else 0
+        if got > limit:
+            out.append({"what": category, "device": d["device"], "bytes": got, "limit": limit,
+                        "message": f"{d['label']}: {category} peaked at {fmt_bytes(got)} > {fmt_bytes(limit)} "
+                                   f"(over by {fmt_bytes(got - limit)})"})
+    return out
 
 
 def _file_name(nodeid):

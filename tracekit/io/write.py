@@ -98,7 +98,7 @@ def write_snapshot(path, snapshot) -> str:
 
     path = os.fspath(path)
     fmt, gz = output_format(path)
-    snapshot = renderable(snapshot)
+    snapshot = renderable(snapshot, repair_entries=False)
     data = snapshot_bytes(snapshot) if fmt == "pickle" else snapshot_json_bytes(snapshot)
     if gz:
         data = gzip.compress(data, compresslevel=6)

@@ -11,7 +11,10 @@ Rules:
   backward or the optimizer step begins, so it covers the loss computed
   outside the model;
 - backward lasts while ``torch.autograd.backward``/``grad`` runs;
-- optimizer lasts while ``optimizer.step()`` runs;
+- optimizer lasts while ``optimizer.step()`` runs; a forward and backward run
+  by a closure inside it (``optimizer.step(closure)``: Lightning's automatic
+  optimization, LBFGS) are forward and backward, the update after them
+  optimizer again;
 - an iteration ends at an explicit ``rec.step()``; without one, at the first
   forward after an optimizer step (or, while no optimizer is known, the first
   forward after a backward).
@@ -65,6 +68,7 @@ class Marks:
         self._backward_done = False  # a backward finished in this iteration
         self._backward_depth = 0
         self._optimizer_depth = 0
+        self._closure = False  # forward/backward running in a closure inside optimizer.step (Lightning, LBFGS)
 
     # -- lifecycle ---------------------------------------------------------
     def start(self, t=None):
@@ -91,6 +95,10 @@ class Marks:
     # -- events from hooks -------------------------------------------------
     def forward_started(self):
         """The outermost module's forward began. Returns True if a new iteration began."""
+        if self._optimizer_depth and self.phase == OPTIMIZER and not self._backward_depth:
+            self._closure = True  # optimizer.step(closure) runs the forward and backward itself
+            self._begin_phase(FORWARD, self.clock())
+            return False
         if self._backward_depth or self._optimizer_depth or self.phase == FORWARD:
             return False  # recompute inside backward, or a second model call in the same forward
         t = self.clock()
@@ -105,13 +113,16 @@ class Marks:
 
     def backward_started(self):
         self._backward_depth += 1
-        if self._backward_depth == 1 and not self._optimizer_depth:
+        if self._backward_depth == 1 and (not self._optimizer_depth or self._closure):
             self._begin_phase(BACKWARD, self.clock())
 
     def backward_ended(self):
         self._backward_depth = max(0, self._backward_depth - 1)
         if self._backward_depth == 0 and self.phase == BACKWARD:
             self._backward_done = True
+            if self._closure:  # back in optimizer.step: the update follows
+                self._begin_phase(OPTIMIZER, self.clock())
+                return
             self._end_phase(self.clock())
             self._changed()
 
@@ -123,8 +134,9 @@ class Marks:
 
     def optimizer_ended(self):
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
-        if self._optimizer_depth == 0 and self.phase == OPTIMIZER:
+        if self._optimizer_depth == 0 and (self.phase == OPTIMIZER or self._closure):
             self._stepped = True
+            self._closure = False
             self._end_phase(self.clock())
             self._changed()
 
