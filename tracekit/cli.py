@@ -21,7 +21,7 @@ READS_FILES = {"info", "report", "diff", "check"}
 COMMANDS = {
     "info": "Format facts about a memory file.",
     "report": "Peak, categories and findings of a memory file (text or --json).",
-    "diff": "Compare two recordings: peaks, categories and sites at the peak.",
+    "diff": "Compare two recordings: what changed beyond noise, by phase, category, site, module, finding.",
     "check": "Fail (exit 1) when a recording is over its memory budget.",
     "record": "Record a training script's memory: tracekit record -- python train.py",
     "demo": "Record a small model step here and open the result.",
