@@ -2,7 +2,7 @@
 
 `record_run(path, batch=8, checkpoint=False, optimizer="adam")` records one
 unrecorded warm-up step and two recorded steps with tracekit's recorder and
-returns the raw snapshot dict (for independent checks).
+returns the raw snapshot dict (for independent checks) of the file written.
 """
 import torch
 from torch.utils.checkpoint import checkpoint as run_checkpointed
@@ -42,7 +42,7 @@ def record_run(path, batch=8, checkpoint=False, optimizer="adam", warmup=1, step
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    tracekit.record_steps(step, steps=steps, warmup=warmup, path=str(path), model=model, optimizer=opt,
-                          backend="cpu")
-    with open(path, "rb") as f:
+    written = tracekit.record_steps(step, steps=steps, warmup=warmup, path=str(path), model=model, optimizer=opt,
+                                    backend="cpu")  # under a multi-process launch the name gets .rankN
+    with open(written, "rb") as f:
         return restricted_load(f)

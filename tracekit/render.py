@@ -160,3 +160,10 @@ def diff_text(result: dict) -> str:
     from .render_diff import diff_text as text
 
     return text(result)
+
+
+def ranks_text(table: dict) -> str:
+    """`tracekit report DIR` as text (render_ranks.py)."""
+    from .render_ranks import ranks_text as text
+
+    return text(table)
