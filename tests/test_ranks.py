@@ -63,7 +63,7 @@ def test_rank_report_names_the_planted_outlier(job):
     peaks = [naive_replay(files[r][1])["peak"] for r in BATCH]
     assert imb["max_rank"] == 2 and imb["max_over_min"] == round(max(peaks) / min(peaks), 4)
     out = imb["outlier"]
-    assert out["rank"] == 2 and out["over_median_bytes"] == peaks[2] - sorted(peaks)[1]
+    assert out["rank"] == 2 and out["over_others_bytes"] == peaks[2] - (peaks[0] + peaks[1]) / 2
     assert out["by_category"][0]["category"] == "activation"  # twice the batch: twice the activations
     act = [r["categories_at_peak"]["activation"] for r in table["ranks"]]
     assert 1.9 <= act[2] / act[0] <= 2.1
@@ -111,10 +111,12 @@ def test_imbalance():
     imb = imbalance(rows)
     assert (imb["min_rank"], imb["max_rank"], imb["max_over_min"]) == (3, 2, round(160 / 99, 4))
     assert imb["median_bytes"] == int(100.5 * 2**20)
-    o = imb["outlier"]
-    assert o["rank"] == 2 and o["over_median_bytes"] == int(59.5 * 2**20)
+    o = imb["outlier"]  # against the other three: median 100 MiB, 60 MiB of activations
+    assert o["rank"] == 2 and o["others_bytes"] == 100 << 20 and o["over_others_bytes"] == 60 << 20
     assert [c["category"] for c in o["by_category"]] == ["activation", "temporary"]
-    assert o["by_category"][0]["bytes"] == int(39.5 * 2**20)
+    assert o["by_category"][0]["bytes"] == 40 << 20 and o["by_category"][1]["bytes"] == 20 << 20
+    two = imbalance([_row(0, 10 << 20), _row(1, 19 << 20)])["outlier"]  # two ranks: the larger, against the other
+    assert two["rank"] == 1 and two["over_others_bytes"] == 9 << 20 and two["relative"] == 0.9
     balanced = imbalance([_row(0, 100 << 20), _row(1, 102 << 20), _row(2, 101 << 20)])
     assert balanced["outlier"] is None and balanced["max_over_min"] == 1.02
     assert imbalance([_row(0, 5)]) is None
@@ -125,7 +127,8 @@ def test_cli_folder_text_and_json(job):
     r = CliRunner().invoke(cli, ["report", str(d)])
     assert r.exit_code == 0, r.output
     assert "3 ranks (ranks from the recorder's metadata; 3 read from the summaries" in r.output
-    assert "Outlier: rank 2 peaks at" in r.output and "by category: activation +" in r.output
+    assert "Outlier: rank 2 peaks at" in r.output and "against the other ranks' median" in r.output
+    assert "by category: activation +" in r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip().startswith(("0 ", "1 ", "2 "))]
     assert len(lines) == 3 and all("backward" in ln for ln in lines)
     out = json.loads(CliRunner().invoke(cli, ["report", "--json", str(d)]).output)
@@ -159,3 +162,42 @@ def test_no_summary_for_a_single_process(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     record_run(tmp_path / "one.pickle", steps=1, warmup=0)
     assert os.listdir(tmp_path) == ["one.pickle"]
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
+    """A real multi-process job: torchrun, gloo, DistributedDataParallel; rank 1 trains on twice the batch."""
+    import shutil as _sh
+
+    torchrun = _sh.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                            "TRACEKIT_RANK_SUMMARY")}
+    script = os.path.join(os.path.dirname(__file__), "ddp_train.py")
+    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", script, str(tmp_path), "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=os.path.dirname(script), start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)  # torchrun and its workers: their own process group
+        p.communicate()
+        raise
+    assert p.returncode == 0, err[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["ddp.rank0.pickle", "ddp.rank0.pickle.summary.json",
+                                            "ddp.rank1.pickle", "ddp.rank1.pickle.summary.json"]
+    table = open_ranks([tmp_path])
+    assert table["rank_source"] == "the recorder's metadata" and table["from_summaries"] == 2
+    raw = {}
+    for rank in (0, 1):
+        with open(tmp_path / f"ddp.rank{rank}.pickle", "rb") as f:
+            from tracekit.io.unpickle import restricted_load
+
+            raw[rank] = restricted_load(f)
+        assert table["ranks"][rank]["peak_allocated_bytes"] == naive_replay(raw[rank])["peak"]
+        assert raw[rank]["tracekit"]["settings"]["rank"] == rank
+    out = table["imbalance"]["outlier"]
+    assert out["rank"] == 1 and out["by_category"][0]["category"] == "activation"
+    text = CliRunner().invoke(cli, ["report", str(tmp_path)]).output
+    assert "Outlier: rank 1 peaks at" in text and "activation +" in text

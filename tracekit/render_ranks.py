@@ -36,15 +36,16 @@ def imbalance_lines(imb: dict | None) -> list[str]:
            f"{fmt_bytes(imb['max_bytes'])} (rank {imb['max_rank']}), {ratio}; median {fmt_bytes(imb['median_bytes'])}"]
     o = imb.get("outlier")
     if o is None:
-        out.append(f"Balanced: every rank's peak is within {imb['threshold_share']:.0%} of the median.")
+        out.append(f"Balanced: no rank peaks {imb['threshold_share']:.0%} or more away from the others' median.")
         return out
-    sign = "+" if o["over_median_bytes"] > 0 else ""
-    rel = relative({"a": imb["median_bytes"], "b": o["peak_bytes"], "change": o["over_median_bytes"]})
+    sign = "+" if o["over_others_bytes"] > 0 else ""
+    rel = relative({"a": o["others_bytes"], "b": o["peak_bytes"], "change": o["over_others_bytes"]})
     why = ", ".join(f"{c['category']} {'+' if c['bytes'] > 0 else ''}{fmt_bytes(c['bytes'])}"
-                    f" ({fmt_bytes(c['median_bytes'] + c['bytes'])} vs a median of {fmt_bytes(c['median_bytes'])})"
+                    f" ({fmt_bytes(c['others_bytes'] + c['bytes'])} vs {fmt_bytes(c['others_bytes'])})"
                     for c in o["by_category"][:3])
-    out.append(f"Outlier: rank {o['rank']} peaks at {fmt_bytes(o['peak_bytes'])}, {sign}{fmt_bytes(o['over_median_bytes'])}"
-               f" ({rel}) against the median" + (f"; by category: {why}" if why else "") + ".")
+    out.append(f"Outlier: rank {o['rank']} peaks at {fmt_bytes(o['peak_bytes'])}, {sign}{fmt_bytes(o['over_others_bytes'])}"
+               f" ({rel}) against the other ranks' median of {fmt_bytes(o['others_bytes'])}"
+               + (f"; by category: {why}" if why else "") + ".")
     return out
 
 

@@ -9,8 +9,8 @@ downsampled allocated curve, and the findings' one-line summaries.
 `rank_table(summaries)` puts them side by side: the rank of each (the
 recorder's metadata, else a `.rankN.` name, else the order given), its main
 device's peak, and the imbalance: max/min of the peaks, and the outlier (the
-rank farthest from the median peak) with the categories that make the
-difference.
+rank farthest from the median peak), measured against the median of the
+other ranks, with the categories that make the difference.
 """
 from __future__ import annotations
 
@@ -112,32 +112,35 @@ def rank_table(summaries: list[dict], paths: list[str]) -> dict:
 
 
 def imbalance(rows: list[dict]) -> dict | None:
-    """max/min of the peaks, and the rank farthest from the median peak with the categories that make it."""
+    """max/min of the peaks, and the rank farthest from the median peak: how far above (or below) the median
+    of the other ranks it peaks, and by which categories (those that moved beyond noise, the same way)."""
     rows = [r for r in rows if r.get("peak_allocated_bytes") is not None]
     if len(rows) < 2:
         return None
     peaks = np.array([r["peak_allocated_bytes"] for r in rows], np.int64)
     median = float(np.median(peaks))
-    dev = peaks - median
     # farthest from the median; on a tie (e.g. two ranks) the larger peak, which sets the job's memory
-    k = max(range(len(rows)), key=lambda i: (abs(dev[i]), peaks[i]))
+    k = max(range(len(rows)), key=lambda i: (abs(peaks[i] - median), peaks[i]))
+    others = [r for i, r in enumerate(rows) if i != k]
+    base = float(np.median([r["peak_allocated_bytes"] for r in others]))  # what the other ranks peak at
+    dev = float(peaks[k]) - base
     names = sorted({c for r in rows for c in r["categories_at_peak"]})
     by_cat = []
     for c in names:
-        med = float(np.median([r["categories_at_peak"].get(c, 0) for r in rows]))
+        med = float(np.median([r["categories_at_peak"].get(c, 0) for r in others]))
         delta = rows[k]["categories_at_peak"].get(c, 0) - med
-        if abs(delta) >= max(OUTLIER_FLOOR, NOISE_SHARE * median) and np.sign(delta) == np.sign(dev[k]):
-            by_cat.append({"category": c, "bytes": int(round(delta)), "median_bytes": int(round(med))})
+        if abs(delta) >= max(OUTLIER_FLOOR, NOISE_SHARE * base) and np.sign(delta) == np.sign(dev):
+            by_cat.append({"category": c, "bytes": int(round(delta)), "others_bytes": int(round(med))})
     by_cat.sort(key=lambda x: -abs(x["bytes"]))
     lo, hi = int(np.argmin(peaks)), int(np.argmax(peaks))
-    threshold = max(OUTLIER_FLOOR, OUTLIER_SHARE * median)
+    threshold = max(OUTLIER_FLOOR, OUTLIER_SHARE * base)
     return {
         "min_bytes": int(peaks[lo]), "min_rank": rows[lo]["rank"],
         "max_bytes": int(peaks[hi]), "max_rank": rows[hi]["rank"],
         "max_over_min": round(float(peaks[hi]) / float(peaks[lo]), 4) if peaks[lo] > 0 else None,
         "median_bytes": int(round(median)),
-        "outlier": {"rank": rows[k]["rank"], "peak_bytes": int(peaks[k]), "over_median_bytes": int(round(dev[k])),
-                    "relative": round(float(dev[k]) / median, 4) if median else None,
-                    "by_category": by_cat} if abs(dev[k]) >= threshold else None,
+        "outlier": {"rank": rows[k]["rank"], "peak_bytes": int(peaks[k]), "others_bytes": int(round(base)),
+                    "over_others_bytes": int(round(dev)), "relative": round(dev / base, 4) if base else None,
+                    "by_category": by_cat} if abs(dev) >= threshold else None,
         "threshold_share": OUTLIER_SHARE,
     }
