@@ -19,7 +19,7 @@ def relative(c: dict) -> str:
     if ratio >= 2:
         return f"×{ratio:.1f}"
     r = d / a
-    return f"{r:+.1%}" if abs(r) < 0.01 else f"{r:+.0%}"
+    return f"{r:+.1%}" if abs(r) < 0.01 or r <= -0.995 else f"{r:+.0%}"
 
 
 def signed(n) -> str:

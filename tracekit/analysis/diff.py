@@ -88,34 +88,34 @@ def changes(xs: dict, ys: dict, noise=0) -> dict:
 
 
 def keyed_changes(xs: dict, ys: dict, noise: int, key: str, limit: int = TOP_ROWS) -> list:
-    """Rows {key, category, a, b, change, ...} for {name: (bytes, category)} maps: significant, largest first."""
+    """Rows {key, category, a, b, change, ...} for {name: {category: bytes}} maps, significant ones, largest
+    first; `category` is the one whose bytes moved most (the way the total moved)."""
     rows = []
     for name in list(xs) + [k for k in ys if k not in xs]:
-        (ba, ca), (bb, cb) = xs.get(name, (0, None)), ys.get(name, (0, None))
-        c = change(ba, bb, noise)
+        ca, cb = xs.get(name, {}), ys.get(name, {})
+        c = change(sum(ca.values()), sum(cb.values()), noise)
         if c["significant"]:
-            rows.append({key: name, "category": cb if bb > ba else ca, **c})
+            moved = {k: cb.get(k, 0) - ca.get(k, 0) for k in set(ca) | set(cb)}
+            rows.append({key: name, "category": max(moved, key=lambda k: moved[k] * (1 if c["change"] > 0 else -1)),
+                         **c})
     return sorted(rows, key=lambda r: -abs(r["change"]))[:limit]
 
 
 def peak_sites(trace: Trace, device: int) -> dict:
-    """{"file:line in function" of the user's frame: (bytes live at the peak, its largest category)}."""
+    """{"file:line in function" of the user's frame: {category: bytes live at the peak}}."""
     from .categories import categorize
 
     rep = replay(trace)[device]
     cats = categorize(trace)[device]
     out = {}
     for g in group_sites(trace, rep, rep.allocations.live_at(rep.peak_index), limit=1 << 30):
-        by = np.bincount(cats.labels[g["rows"]].astype(np.int64), weights=rep.allocations.size[g["rows"]],
-                         minlength=len(cats.names))
-        old = out.get(g["where"], (0, None))
-        out[g["where"]] = (old[0] + g["bytes"], old[1] or cats.names[int(np.argmax(by))])
+        _add(out.setdefault(g["where"], {}), cats, cats.labels[g["rows"]], rep.allocations.size[g["rows"]])
     return out
 
 
 def peak_modules(trace: Trace, device: int) -> dict | None:
-    """{module path: (bytes live at the peak, its largest category)} of the tensors the recorder named;
-    None when the file names none (not our recorder, or no model given)."""
+    """{module path: {category: bytes live at the peak}} of the tensors the recorder named (parameters,
+    gradients, optimizer state); None when the file names none (not our recorder, or no model given)."""
     from .categories import categorize
     from .tables import tag_names
 
@@ -125,13 +125,18 @@ def peak_modules(trace: Trace, device: int) -> dict | None:
     if not named.any():
         return None
     cats = categorize(trace)[device]
-    live = rep.allocations.live_at(rep.peak_index) & named
-    acc = {}
-    for m, size, lab in zip(module[live].tolist(), rep.allocations.size[live].tolist(), cats.labels[live].tolist()):
-        name = m or "(the model itself)"
-        per = acc.setdefault(name, {})
-        per[lab] = per.get(lab, 0) + size
-    return {m: (sum(per.values()), cats.names[max(per, key=per.get)]) for m, per in acc.items()}
+    live = np.flatnonzero(rep.allocations.live_at(rep.peak_index) & named)
+    out = {}
+    for name in set(module[live].tolist()):
+        rows = live[module[live] == name]
+        _add(out.setdefault(name or "(the model itself)", {}), cats, cats.labels[rows], rep.allocations.size[rows])
+    return out
+
+
+def _add(acc: dict, cats, labels, sizes):
+    by = np.bincount(labels.astype(np.int64), weights=sizes.astype(np.float64), minlength=len(cats.names))
+    for k in np.flatnonzero(by).tolist():
+        acc[cats.names[k]] = acc.get(cats.names[k], 0) + int(round(by[k]))
 
 
 def _modules(a, b, dev_a, dev_b, noise):
