@@ -184,3 +184,26 @@ def test_cli_bad_file_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tracekit.cli", "diff", str(bad), str(SAMPLES / "gpt_adamw.pickle")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith(f"tracekit: cannot open {bad}:") and "Traceback" not in r.stderr
+
+
+def test_the_shared_axis_puts_each_phase_in_its_slot(runs):
+    from tracekit.analysis.align import SLOTS, aligned_series, aligned_x
+
+    for name in ("base", "b16", "ckpt"):
+        path, raw = runs[name]
+        trace = tracekit.load(path)
+        x = aligned_x(trace, 0)
+        assert (x[1:] >= x[:-1]).all()  # the step's order is kept
+        entries = raw["device_traces"][0]
+        seen = []
+        for i, e in enumerate(entries):  # the independent truth: our user_metadata strings
+            m = _META.fullmatch(e.get("user_metadata") or "")
+            it, phase = int(m.group(1)), m.group(2)
+            if it not in seen:
+                seen.append(it)
+            slot = {"forward": 1, "backward": 2, "optimizer": 3}.get(phase)
+            if slot is not None:
+                assert SLOTS * seen.index(it) + slot <= x[i] < SLOTS * seen.index(it) + slot + 1
+        s = aligned_series(trace, 0)
+        k = int(s["total"].argmax())
+        assert s["total"][k] == naive_replay(raw)["peak"] and 2 <= s["x"][k] % SLOTS < 3  # peaks in backward
