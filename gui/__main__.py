@@ -13,6 +13,7 @@ from . import display
 parser = argparse.ArgumentParser(prog="python -m tracekit_gui", description="The tracekit desktop viewer.")
 parser.add_argument("files", nargs="*")
 parser.add_argument("--screenshot", default=None, help="render the window, write this PNG and exit")
+parser.add_argument("--compare", action="store_true", help="compare two files (A before, B after)")
 parser.add_argument("--check", action="store_true", help="only check that a window can open here (exit 2 if not)")
 args = parser.parse_args()
 if args.check:
@@ -23,4 +24,4 @@ if args.check:
 
 from .app import main  # noqa: E402  (Qt is imported only past the check)
 
-sys.exit(main(args.files, screenshot_path=args.screenshot))
+sys.exit(main(args.files, screenshot_path=args.screenshot, compare=args.compare))

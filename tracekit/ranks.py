@@ -40,7 +40,7 @@ def pool_size(paths: list[str], jobs: int | None = None) -> int:
 
 
 def open_ranks(paths, jobs: int | None = None, use_summaries: bool = True, use_cache: bool = True,
-               rules=None) -> dict:
+               rules=None, with_curves: bool = False) -> dict:
     """rank_table of the files (folders expanded), with where each summary came from and what failed."""
     files = rank_files(paths)
     found = [read_summary(p) if use_summaries and rules is None else None for p in files]
@@ -59,7 +59,7 @@ def open_ranks(paths, jobs: int | None = None, use_summaries: bool = True, use_c
         if error:
             errors.append({"file": files[i], "error": error})
     ok = [i for i, s in enumerate(found) if s is not None]
-    table = rank_table([found[i] for i in ok], [files[i] for i in ok])
+    table = rank_table([found[i] for i in ok], [files[i] for i in ok], with_curves)
     table.update(files=len(files), from_summaries=len(files) - len(todo), analysed=len(todo), workers=workers,
                  errors=errors)
     return table

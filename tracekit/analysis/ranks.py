@@ -91,8 +91,9 @@ def assign_ranks(summaries: list[dict], paths: list[str]) -> tuple[list[int], st
     return list(range(len(paths))), "the order given"
 
 
-def rank_table(summaries: list[dict], paths: list[str]) -> dict:
-    """One row per rank (sorted by rank) and the imbalance between their peaks."""
+def rank_table(summaries: list[dict], paths: list[str], with_curves: bool = False) -> dict:
+    """One row per rank (sorted by rank) and the imbalance between their peaks; `with_curves`: each row
+    also holds its main device's downsampled allocated curve (for the rank dashboard)."""
     ranks, source = assign_ranks(summaries, paths)
     rows = []
     for rank, s, path in zip(ranks, summaries, paths):
@@ -107,6 +108,8 @@ def rank_table(summaries: list[dict], paths: list[str]) -> dict:
                      "categories_at_peak": dev.get("categories_at_peak") or {}, "findings": kinds,
                      "finding_summaries": [f["summary"] for f in s.get("findings") or []
                                            if f.get("kind") != "advice" and f.get("device") in (None, dev.get("device"))]})
+        if with_curves:
+            rows[-1]["curve"] = dev.get("curve")
     rows.sort(key=lambda r: r["rank"])
     return {"rank_source": source, "ranks": rows, "imbalance": imbalance(rows)}
 
