@@ -103,6 +103,9 @@ class MainWindow(QMainWindow):
     def _build_menus(self):
         m = self.menuBar().addMenu("&File")
         self._action(m, "&Open…", self.open_dialog, "Ctrl+O", "Open memory snapshots or profiler traces")
+        self._action(m, "&Compare Two Files…", self.compare_dialog, "Ctrl+Shift+O",
+                     "Compare two recordings on one axis (phase and iteration) and see what changed")
+        self._action(m, "Open Ran&k Folder…", self.ranks_dialog, None, "One job's rank files side by side")
         self.recent_menu = m.addMenu("Open &Recent")
         self.recent_menu.aboutToShow.connect(self._fill_recent)
         m.addSeparator()
@@ -135,6 +138,31 @@ class MainWindow(QMainWindow):
         paths, _ = QFileDialog.getOpenFileNames(self, "Open memory files", self._last_dir(), FILE_FILTER)
         for p in paths:
             self.open_file(p)
+
+    def compare_dialog(self):
+        paths, _ = QFileDialog.getOpenFileNames(self, "Compare two recordings (A before, B after)", self._last_dir(),
+                                                FILE_FILTER)
+        if len(paths) == 2:
+            self.open_compare(*sorted(paths))
+        elif paths:
+            self.show_error("Compare", "Pick exactly two files: A (before) and B (after).")
+
+    def ranks_dialog(self):
+        folder = QFileDialog.getExistingDirectory(self, "Open the rank files of one job", self._last_dir())
+        if folder:
+            self.open_ranks(folder)
+
+    def open_compare(self, path_a, path_b):
+        """A tab comparing two files (gui/compare.py)."""
+        from .compare import start_compare
+
+        return start_compare(self, os.path.abspath(path_a), os.path.abspath(path_b))
+
+    def open_ranks(self, folder):
+        """A rank dashboard tab for a folder of rank files (gui/ranks.py)."""
+        from .ranks import start_ranks
+
+        return start_ranks(self, os.path.abspath(folder))
 
     def _last_dir(self):
         recent = self.recent_files()
@@ -356,7 +384,7 @@ def _wait_exposed(window, timeout_s=20) -> bool:
     return window.windowHandle().isExposed()
 
 
-def screenshot(files, out, size=(1440, 900), select=None, use_cache=True) -> int:
+def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compare=False) -> int:
     """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
 
     On a real display (xcb under Xvfb, say) the window is shown there and must be
@@ -369,10 +397,9 @@ def screenshot(files, out, size=(1440, 900), select=None, use_cache=True) -> int
     if app.platformName() != "offscreen" and not _wait_exposed(window):
         print(f"tracekit: the window never appeared on the {app.platformName()} display", file=sys.stderr)
         return 2
-    for f in files:
-        window.open_file(f, use_cache=use_cache)
+    _open_all(window, files, compare, use_cache)
     wait_loaded(window)
-    if window.last_error or not window.document_views():
+    if window.last_error or not (window.document_views() or window.tabs.currentWidget() is not window.welcome):
         print(f"tracekit: {window.last_error or 'nothing could be shown'}", file=sys.stderr)
         return 2
     for view in window.document_views():
@@ -394,7 +421,18 @@ def _without_offscreen_noise(mode, context, message):
         sys.stderr.write(message + "\n")
 
 
-def main(files=(), screenshot_path=None, select=None, use_cache=True) -> int:
+def _open_all(window, files, compare=False, use_cache=True):
+    """Files in tabs; two with `compare` side by side; a folder as a rank dashboard."""
+    if compare and len(files) == 2:
+        return window.open_compare(*files)
+    for f in files:
+        if os.path.isdir(f):
+            window.open_ranks(f)
+        else:
+            window.open_file(f, use_cache=use_cache)
+
+
+def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False) -> int:
     """Run the viewer on `files` (or render a screenshot and exit).
 
     Before Qt starts, checks that a window can open here; if not, says in one line
@@ -407,12 +445,11 @@ def main(files=(), screenshot_path=None, select=None, use_cache=True) -> int:
         return 2
     qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
-        return screenshot(files, screenshot_path, select=select, use_cache=use_cache)
+        return screenshot(files, screenshot_path, select=select, use_cache=use_cache, compare=compare)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")
     app.setOrganizationName("tracekit")
     window = MainWindow()
     window.show()
-    for f in files:
-        QTimer.singleShot(0, lambda f=f: window.open_file(f, use_cache=use_cache))
+    QTimer.singleShot(0, lambda: _open_all(window, files, compare, use_cache))
     return app.exec()

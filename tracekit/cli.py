@@ -20,8 +20,8 @@ READS_FILES = {"info", "report", "diff", "check"}
 # name -> (module in tracekit.commands, one-line help shown in `tracekit --help`)
 COMMANDS = {
     "info": "Format facts about a memory file.",
-    "report": "Peak, categories and findings of a memory file (text or --json).",
-    "diff": "Compare two recordings: peaks, categories and sites at the peak.",
+    "report": "Peak, categories and findings of a memory file; of a folder or several: one row per rank.",
+    "diff": "Compare two recordings: what changed beyond noise, by phase, category, site, module, finding.",
     "check": "Fail (exit 1) when a recording is over its memory budget.",
     "record": "Record a training script's memory: tracekit record -- python train.py",
     "demo": "Record a small model step here and open the result.",

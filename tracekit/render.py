@@ -167,38 +167,15 @@ def info_text(info: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _signed(n) -> str:
-    if n is None:
-        return ""
-    return ("+" if n > 0 else "") + fmt_bytes(n) if n else "="
-
-
-def _pct(change) -> str:
-    a, d = change["a"], change["change"]
-    return f" ({d / a:+.0%})" if a and d else ""
-
-
 def diff_text(result: dict) -> str:
-    out = [f"A  {result['a']}", f"B  {result['b']}", ""]
-    for d in result["devices"]:
-        out.append(f"Device {d['label']}")
-        figures = [("peak allocated", "peak_allocated_bytes"), ("peak reserved", "peak_reserved_bytes"),
-                   ("before the trace", "allocated_before_trace_bytes"),
-                   ("final allocated", "final_allocated_bytes")]
-        out += _rows([("", f"{'A':>10}  {'B':>10}  {'change':>10}")] +
-                     [(name, f"{fmt_bytes(d[k]['a']):>10}  {fmt_bytes(d[k]['b']):>10}  "
-                             f"{_signed(d[k]['change']):>10}{_pct(d[k])}") for name, k in figures])
-        cats = [(c, v) for c, v in d["categories_at_peak"].items() if v["a"] or v["b"]]
-        if cats:
-            out.append("  at the peak, by category:")
-            out += _rows([(c, f"{fmt_bytes(v['a']):>10}  {fmt_bytes(v['b']):>10}  {_signed(v['change']):>10}")
-                          for c, v in cats], indent="    ")
-        if d["sites_at_peak"]:
-            out.append("  where the bytes at the peak moved most:")
-            out += [f"    {_signed(s['change']):>11}  {s['site']}" for s in d["sites_at_peak"]]
-        out.append("")
-    fa, fb = result["findings"]["a"], result["findings"]["b"]
-    kinds = [k for k in ("spike", "leak", "fragmentation", "oom") if fa.get(k) or fb.get(k)]
-    if kinds:
-        out.append("Findings  " + ", ".join(f"{k}: {fa.get(k, 0)} -> {fb.get(k, 0)}" for k in kinds))
-    return "\n".join(out).rstrip() + "\n"
+    """`tracekit diff` as text (render_diff.py)."""
+    from .render_diff import diff_text as text
+
+    return text(result)
+
+
+def ranks_text(table: dict) -> str:
+    """`tracekit report DIR` as text (render_ranks.py)."""
+    from .render_ranks import ranks_text as text
+
+    return text(table)

@@ -13,7 +13,12 @@ from ._common import echo_json, json_option, no_cache_option, open_trace, rules_
 @rules_option
 @no_cache_option
 def command(a, b, as_json, rules, no_cache):
-    """Compare recording A (before) with B (after): peaks, categories and sites at the peak."""
+    """Compare recording A (before) with B (after), every change B - A.
+
+    Aligned by phase and iteration (the n-th recorded iteration of A against
+    the n-th of B), per category, per allocation site (your line) and per
+    module, and the findings added and removed. Changes under 1% of the
+    larger peak are noise and left out of the text (kept in --json)."""
     result = diff(open_trace(a, no_cache), open_trace(b, no_cache), rules)
     if not result["devices"]:
         raise click.ClickException("the two files have no device in common")

@@ -33,12 +33,16 @@ class _UserError(click.ClickException):
 
 
 @click.command(name="view")
-@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=True))
+@click.option("--compare", is_flag=True, help="Compare two FILES (A before, B after) on one axis: what changed.")
 @click.option("--screenshot", "screenshot", type=click.Path(dir_okay=False), default=None,
               help="Render the window after loading (offscreen without a display), write this PNG and exit.")
 @no_cache_option
-def command(files, screenshot, no_cache):
-    """Open FILES (snapshots or profiler traces) in the desktop viewer."""
+def command(files, screenshot, compare, no_cache):
+    """Open FILES (snapshots or profiler traces) in the desktop viewer; a folder of rank files opens as a
+    rank dashboard; --compare with two files compares them."""
+    if compare and len(files) != 2:
+        raise click.UsageError("--compare needs exactly two FILES: A (before) and B (after)")
     missing = [m for m in ("PySide6", "pyqtgraph", VIEWER) if importlib.util.find_spec(m) is None]
     if missing:
         raise _UserError(f"the viewer needs PySide6 and pyqtgraph ({', '.join(missing)} missing): "
@@ -54,6 +58,7 @@ def command(files, screenshot, no_cache):
     # The viewer runs as `python -m tracekit_gui`, a process of its own: tracekit never imports Qt.
     shot = ["--screenshot", screenshot] if screenshot else []
     cache = ["--no-cache"] if no_cache else []
-    code = subprocess.call([sys.executable, "-m", VIEWER, *shot, *cache, "--", *files])
+    code = subprocess.call([sys.executable, "-m", VIEWER, *shot, *cache, *(["--compare"] if compare else []),
+                            "--", *files])
     if code:
         raise SystemExit(code)

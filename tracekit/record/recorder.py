@@ -266,6 +266,9 @@ class Recorder:
         self.recording = False
         with deferred():  # Ctrl-C / SIGTERM now would lose the file: they wait until it is written
             self._write()
+        from .rank_summary import write_beside
+
+        write_beside(self)  # one rank of several: its summary beside the file (record/rank_summary.py)
         if remove_hooks and self._term is not None:
             self._term.remove()
 
