@@ -28,7 +28,7 @@ from tracekit.io.unpickle import restricted_load
 
 from .conftest import FIXTURES, SAMPLES
 
-CASES = int(os.environ.get("TRACEKIT_FUZZ_CASES", "400"))
+CASES = int(os.environ.get("TRACEKIT_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("TRACEKIT_FUZZ_SEED", "20261123"))
 CASE_SECONDS = 20  # no single case may take longer (the slowest honest one takes well under 1 s)
 
