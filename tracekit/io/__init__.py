@@ -34,7 +34,7 @@ def load(path, progress=None, use_cache=True) -> Trace:
     `progress(fraction, message)` is called while reading; it may raise
     `Cancelled`. A columnar cache makes the second open of a file fast.
     """
-    path = os.fspath(path)
+    path = os.fsdecode(os.fspath(path))  # bytes names become str (undecodable bytes as surrogates)
     check_settings(use_cache)
     st = _stat(path)
     key = _cache.key_for(path, st) if use_cache else None
