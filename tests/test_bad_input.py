@@ -191,7 +191,7 @@ WRONG_SHAPES = [
     ("frames an int", _entry(frames=5), "'frames' of type int, not a list"),
     ("segment total_size huge", _seg(total_size=2**70), "total_size=1180591620717411303424, out of range"),
     ("block size past 1 PiB", _seg(blocks=[{"size": 2**51}]), "size=2251799813685248, larger than any device"),
-    ("segment device huge", _seg(device=2**40), "more than any machine has"),
+    ("segment device huge", _seg(device=2**40), "device=1099511627776, beyond torch's device numbers (0-127)"),
     ("tracekit a string", _snap(tracekit="v1"), "'tracekit' is a str ('v1'), not a dict"),
     ("tracekit tag addr", _snap(tracekit={"tags": [{"addr": "0x10", "kind": "parameter"}]}),
      "'tracekit'.tags[0].addr is '0x10', not an integer"),

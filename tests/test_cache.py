@@ -257,7 +257,8 @@ def test_non_utf8_file_names(tmp_path, cache_dir):
         f.write(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle").read_bytes())
     as_str = os.fsdecode(name)  # a str with surrogates, as click and sys.argv give it
     for p in (name, as_str, as_str):  # bytes, then str twice (the second open is from the cache)
-        assert len(tracekit.load(p).events)
+        trace = tracekit.load(p)
+        assert len(trace.events) and trace.path == as_str
     for cmd in (["report"], ["info"], ["check", "--max-peak", "1TiB"], ["report", "--json"]):
         r = subprocess.run([sys.executable, "-m", "tracekit.cli", cmd[0], name, *cmd[1:]], capture_output=True,
                            timeout=60, cwd=ROOT, env={**os.environ, "TRACEKIT_CACHE_DIR": str(cache_dir)})

@@ -209,3 +209,32 @@ def test_deep_tuple_action_is_not_hashed(tmp_path):
 def test_real_files_open_within_the_default_limits():
     for name in ("snapshot_cpp_frames_adamw_full_step.pickle", "kineto_trace_memory_v100_rank1.json.gz"):
         assert replay(tracekit.load(fixture(name), use_cache=False))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory limit is an RLIMIT_AS, Linux only")
+def test_the_limit_is_held_only_while_reading(tmp_path):
+    import resource
+    import threading
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    bomb = tmp_path / "memo.pickle"
+    bomb.write_bytes(b"\x80\x02N" + b"r" + (2**26).to_bytes(4, "little") + b".")  # asks for a 1 GiB memo
+    with pytest.raises(LoadError, match="TRACEKIT_MAX_MEMORY_MB"):
+        tracekit.load(bomb, use_cache=False)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    errors = []
+
+    def open_one(name):
+        try:
+            tracekit.load(fixture(name), use_cache=False)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one, args=(n,)) for n in
+               ("snapshot_cpp_frames_adamw_full_step.pickle", "kineto_trace_memory_torch19_resnet50.json.gz",
+                "snapshot_newest_format_windows_paths.pickle")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and resource.getrlimit(resource.RLIMIT_AS) == before

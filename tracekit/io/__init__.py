@@ -15,8 +15,8 @@ import stat as _stat_mod
 from ..errors import Cancelled, LoadError
 from ..model import Trace
 from . import cache as _cache
-from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget, memory_limit,
-                     over_memory_message, text)
+from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget,
+                     memory_limit, over_memory_message, text)
 from .profiler import is_kineto, is_memory_timeline, kineto_to_trace, memory_timeline_to_trace
 from .progress import ProgressReader
 from .snapshot import SnapshotError, is_snapshot, snapshot_to_trace
@@ -34,7 +34,7 @@ def load(path, progress=None, use_cache=True) -> Trace:
     `progress(fraction, message)` is called while reading; it may raise
     `Cancelled`. A columnar cache makes the second open of a file fast.
     """
-    path = os.fspath(path)
+    path = os.fsdecode(os.fspath(path))  # bytes names become str (undecodable bytes as surrogates)
     check_settings(use_cache)
     st = _stat(path)
     key = _cache.key_for(path, st) if use_cache else None
@@ -111,8 +111,9 @@ def _stat(path):
     if _stat_mod.S_ISDIR(st.st_mode):
         raise LoadError(path, "it is a directory, not a file")
     if not _stat_mod.S_ISREG(st.st_mode):
-        kind = ("a named pipe (FIFO)" if _stat_mod.S_ISFIFO(st.st_mode) else "a socket" if _stat_mod.S_ISSOCK(st.st_mode)
-                else "a device" if _stat_mod.S_ISCHR(st.st_mode) or _stat_mod.S_ISBLK(st.st_mode) else "a special file")
+        mode = st.st_mode
+        kind = ("a named pipe (FIFO)" if _stat_mod.S_ISFIFO(mode) else "a socket" if _stat_mod.S_ISSOCK(mode)
+                else "a device" if _stat_mod.S_ISCHR(mode) or _stat_mod.S_ISBLK(mode) else "a special file")
         raise LoadError(path, f"it is {kind}, not a regular file (save the data to a file and open that)")
     if st.st_size == 0:
         raise LoadError(path, "the file is empty (0 bytes)")

@@ -14,7 +14,7 @@ _frame_key = itemgetter("filename", "line", "name")
 MAX_SIZE = 2**50  # one allocation, segment or block: 1 PiB
 MAX_TOTAL = 2**62  # all allocations of a device together
 MAX_TIME = 2**62  # |time_us|
-MAX_DEVICE = 2**16
+MAX_DEVICE = 128  # torch numbers devices with an int8 (c10::DeviceIndex)
 
 
 class Interner:

@@ -170,11 +170,11 @@ def memory_limit(budget):
         return
     import resource
 
+    base = _vm_size()
+    if base is None:
+        yield
+        return
     with _lock:
-        base = _vm_size()
-        if base is None:
-            yield
-            return
         if not _active:
             _saved = resource.getrlimit(resource.RLIMIT_AS)
         _active.append(budget)
@@ -184,9 +184,7 @@ def memory_limit(budget):
     finally:
         with _lock:
             _active.remove(budget)
-            if _active:
-                pass  # keep the limit: the others still need their share
-            else:
+            if not _active:  # the last one out puts the previous limit back; others keep theirs
                 try:
                     resource.setrlimit(resource.RLIMIT_AS, _saved)
                 except (ValueError, OSError):

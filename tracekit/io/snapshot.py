@@ -55,7 +55,8 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
     meta["bare_list"] = bare_list
     columns, present, unknown = [], set(), set()
     if len(traces) > MAX_DEVICE:
-        raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than any machine has devices")
+        raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than torch has device numbers "
+                            f"({MAX_DEVICE})")
     total = sum(len(t) for t in traces) or 1
     done = 0
     for device, entries in enumerate(traces):
@@ -200,7 +201,7 @@ def _segments_of(segments, it):
             raise SnapshotError(f"{where} is a {type(s).__name__}, not a segment (dict)")
         device = _int(s.get("device", 0), where, "device")
         if device >= MAX_DEVICE:
-            raise SnapshotError(f"{where} has device={device}, more than any machine has")
+            raise SnapshotError(f"{where} has device={device}, beyond torch's device numbers (0-{MAX_DEVICE - 1})")
         address = _int(s.get("address", 0), where, "address")
         blocks = s.get("blocks", [])
         if not isinstance(blocks, list):
