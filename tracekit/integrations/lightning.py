@@ -65,4 +65,3 @@ class TracekitCallback(Callback):
         if self._wrapped is not None:
             self._wrapped.__dict__.pop("training_step", None)  # the class's method again
             self._wrapped = None
-        self._global_step = None  # trainer.global_step at the last step boundary
