@@ -55,7 +55,8 @@ def test_transformers_trainer(tmp_path, capsys):
     _check(cb.written, model, optimizer_state_tensors_per_param=2)  # AdamW: exp_avg, exp_avg_sq
 
 
-def test_lightning_trainer(tmp_path, capsys):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_trainer(tmp_path, capsys, accumulate):
     pl = pytest.importorskip("lightning.pytorch")
     from tracekit.integrations.lightning import TracekitCallback
 
@@ -77,11 +78,14 @@ def test_lightning_trainer(tmp_path, capsys):
     model = Tiny()
     cb = TracekitCallback(str(tmp_path / "pl.pickle"), warmup_steps=1, steps=3, backend="cpu")
     trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                         accumulate_grad_batches=accumulate)
     trainer.fit(model, loader)
     assert cb.written == str(tmp_path / "pl.pickle")
     assert f"tracekit: {cb.written}: 3 steps" in capsys.readouterr().out
-    _check(cb.written, model, optimizer_state_tensors_per_param=1)  # SGD momentum buffer
+    rec = _check(cb.written, model, optimizer_state_tensors_per_param=1)  # SGD momentum buffer
+    forwards = [p for p in rec.recorder["phases"] if p["phase"] == "forward"]
+    assert len(forwards) == 3 * accumulate  # each recorded step is `accumulate` batches
     assert "training_step" not in model.__dict__  # the class's method again
 
 

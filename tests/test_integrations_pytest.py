@@ -72,7 +72,8 @@ def test_plugin_passes_fails_and_keeps_files(pytester, tmp_path):
     assert "FAILED test_mem.py::test_big" in out and "FAILED test_mem.py::test_leaky_step" in out
     assert "cpu: peak allocated 32.0 MiB > 16.0 MiB" in out
     assert "cpu: temporary peaked at 16.0 MiB > 8.0 MiB" in out
-    assert "live at the peak, by allocation site:" in out and re.search(r"16\.0 MiB .*test_mem\.py:\d+ in test_big", out)
+    assert "live at the peak, by allocation site:" in out
+    assert re.search(r"16\.0 MiB .*test_mem\.py:\d+ in test_big", out)
     assert re.search(r"leak: memory grows by about 1\.0 MiB per iteration.*test_mem\.py:\d+ in test_leaky_step", out)
     kept = sorted(p.name for p in keep.iterdir())
     assert kept == ["test_mem.py_test_big.pickle", "test_mem.py_test_category_over.pickle",

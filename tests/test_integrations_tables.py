@@ -47,7 +47,8 @@ def test_allocations_add_up_to_the_report_and_an_independent_replay(path):
     assert len(ev) == len(rec.events) and int(ev["allocated"].max()) == naive["peak"]
     traced = al[al.alloc_entry.notna()]
     phase_of = ev.set_index("entry")["phase"]
-    assert (traced["phase"].astype(str).values == phase_of.loc[traced["alloc_entry"].astype(int)].astype(str).values).all()
+    expected = phase_of.loc[traced["alloc_entry"].astype(int)].astype(str).values
+    assert (traced["phase"].astype(str).values == expected).all()
 
 
 def test_timeline_by_category_sums_to_allocated():
@@ -94,7 +95,8 @@ def test_sql_over_the_tables(engine):
     (d,) = rec.report()["devices"]
     got = query(rec, "SELECT category, SUM(size) AS bytes FROM allocations WHERE free_entry IS NULL "
                      "GROUP BY category ORDER BY category", engine=engine)
-    assert {r.category: int(r.bytes) for r in got.itertuples()} == {k: v for k, v in d["categories_at_end"].items() if v}
+    at_end = {k: v for k, v in d["categories_at_end"].items() if v}
+    assert {r.category: int(r.bytes) for r in got.itertuples()} == at_end
     peak = query(rec, "SELECT MAX(allocated) AS m FROM events", engine=engine)
     assert int(peak.m[0]) == d["peak_allocated_bytes"]
     joined = query(rec, "SELECT a.category, COUNT(*) AS n FROM allocations a JOIN events e "

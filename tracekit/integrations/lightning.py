@@ -1,6 +1,7 @@
 """Lightning: `Trainer(..., callbacks=[TracekitCallback("mem.pickle", warmup_steps=1, steps=3)])`.
 
-Records training batches `warmup_steps + 1` to `warmup_steps + steps` with
+Records training steps `warmup_steps + 1` to `warmup_steps + steps` (optimizer
+steps: with gradient accumulation a step spans several batches) with
 the LightningModule and its (first) optimizer known, phases from the
 forward (`training_step`, which automatic optimization runs inside
 `optimizer.step(closure)`), backward and optimizer step, and logs a
@@ -24,6 +25,7 @@ class TracekitCallback(Callback):
         """options: backend ("auto", "cuda", "cpu"), stacks, max_entries, activations (see `tracekit.record`)."""
         self.recorder = StepRecorder(path, warmup_steps, steps, log=print, **options)
         self._wrapped = None
+        self._global_step = None  # trainer.global_step at the last step boundary
 
     @property
     def written(self):
@@ -32,6 +34,7 @@ class TracekitCallback(Callback):
     def on_train_start(self, trainer, pl_module):
         optimizers = getattr(trainer, "optimizers", None) or [None]
         self.recorder.begin(pl_module, optimizers[0], command=["lightning.Trainer"])
+        self._global_step = getattr(trainer, "global_step", None)
         # training_step calls submodules, not pl_module's forward: mark the forward where it starts
         original = pl_module.training_step
         recorder = self.recorder
@@ -44,7 +47,11 @@ class TracekitCallback(Callback):
         self._wrapped = pl_module
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.recorder.step()
+        # a step is an optimizer step (trainer.global_step counts them): with gradient accumulation, several batches
+        step = getattr(trainer, "global_step", None)
+        if step is None or step != self._global_step:
+            self._global_step = step
+            self.recorder.step()
 
     def on_train_end(self, trainer, pl_module):
         self._unwrap()

@@ -61,7 +61,8 @@ def run_cell(ipython, line: str, cell: str):
                 return None
             objs[what] = ns[name]
     _counter[0] += 1
-    path = opts.output or os.path.join(tempfile.gettempdir(), "tracekit-notebook", f"cell-{os.getpid()}-{_counter[0]}.pickle")
+    default = os.path.join(tempfile.gettempdir(), "tracekit-notebook", f"cell-{os.getpid()}-{_counter[0]}.pickle")
+    path = opts.output or default
     rec = Recorder(path, objs.get("model"), objs.get("optimizer"), backend=opts.device, stacks=opts.stacks,
                    command=["%%tracekit " + line])
     with rec:

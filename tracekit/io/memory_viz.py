@@ -144,7 +144,9 @@ def from_trace(trace: Trace, before=None) -> dict:
         traces[k] = entries
         extra = int((before or {}).get(d, 0))
         if extra > 0:  # above every address the trace uses (synthetic ones stay below 2**52)
-            top = int(trace.events.addr[sl].max()) + int(trace.events.size[sl].max()) if has_addr and len(entries) else 0
+            top = 0
+            if has_addr and len(entries):
+                top = int(trace.events.addr[sl].max()) + int(trace.events.size[sl].max())
             live[((top >> 20) + 2) << 20 if has_addr else 1 << 52] = (extra, [], 0)
         for addr, (size, frames, stream) in sorted(live.items()):
             segments.append({"device": k, "address": addr, "total_size": size, "allocated_size": size,

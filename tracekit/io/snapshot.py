@@ -50,8 +50,8 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
     meta["other_keys"] = sorted(text(k)[:100] for k in obj if k not in KNOWN_TOP_KEYS)
     labels = (obj.get("tracekit_export") or {}).get("devices") if isinstance(obj.get("tracekit_export"), dict) else None
     if isinstance(labels, list):  # a profiler trace converted by `tracekit export`: its device names
-        meta["device_labels"] = {d["index"]: d["label"] for d in labels
-                                 if isinstance(d, dict) and isinstance(d.get("index"), int) and isinstance(d.get("label"), str)}
+        meta["device_labels"] = {d["index"]: d["label"] for d in labels if isinstance(d, dict)
+                                 and isinstance(d.get("index"), int) and isinstance(d.get("label"), str)}
     meta["bare_list"] = bare_list
     columns, present, unknown = [], set(), set()
     if len(traces) > MAX_DEVICE:
