@@ -78,7 +78,9 @@ def guard(callback):
         except Exception as e:
             if os.environ.get("TRACEKIT_DEBUG"):
                 raise
-            files = " and ".join(str(kwargs[k]) for k in ("file", "a", "b") if kwargs.get(k)) or "the file"
+            named = [kwargs[k] for k in ("file", "files", "a", "b") if kwargs.get(k)]
+            files = " and ".join(str(f) for n in named for f in (n if isinstance(n, (list, tuple)) else [n]))
+            files = files or "the file"
             if isinstance(e, MemoryError):
                 raise TracekitError(f"cannot analyse {files}: out of memory") from None
             what = "it is nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
