@@ -13,7 +13,7 @@ import pandas as pd
 from ..model import ACTIONS, NO_TIME, Trace
 from . import phases as ph
 from .categories import METHODS, TAG_CATEGORY, categorize, match_tags
-from .frames import user_frames, where
+from .sites import allocation_sites, allocation_where, site_info, stack_sites
 from .replay import ORIGINS, replay
 
 ALLOCATION_COLUMNS = (
@@ -51,7 +51,7 @@ def _device_allocations(trace, device, rules) -> pd.DataFrame:
     a, f = al.alloc_index, al.free_index
     t = trace.events.time_us[rep.events]
     tensor, module = tag_names(trace, rep)
-    ufile, uline, ufunc, uwhere = _user_frames(trace, al.stack_id)
+    ufile, uline, ufunc, uwhere = _user_frames(trace, rep)
     phase_names = np.array(ph.PHASES, dtype=object)
     return pd.DataFrame({
         "device": np.full(m, device, np.int32),
@@ -122,21 +122,20 @@ def _module_of(kind, name):
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def _user_frames(trace, stack_ids):
-    uniq, inv = np.unique(stack_ids, return_inverse=True)
-    cols = [[], [], [], []]
-    for s in uniq.tolist():
-        fr = user_frames(trace, s, limit=1) if s >= 0 else []
-        if fr:
-            cols[0].append(fr[0]["filename"])
-            cols[1].append(fr[0]["line"])
-            cols[2].append(fr[0]["name"])
-            cols[3].append(where(fr))
-        else:
-            for c in cols:
-                c.append(None)
-    file_, line, func, wh = (np.array(c, dtype=object)[inv] for c in cols)
-    return file_, pd.array(line, dtype="Int64"), func, wh
+def _user_frames(trace, rep):
+    """(file, line, function, site) per allocation: the user's frame as sites.py finds it (borrowed from the
+    pass for backward-engine allocations); the site string is the report's own."""
+    sites = allocation_sites(trace, rep)
+    strings, ids = allocation_where(trace, rep)
+    frame = stack_sites(trace).user_frame[sites.site_stack.astype(np.int64) + 1]
+    uniq, inv = np.unique(frame, return_inverse=True)
+    cols = [[], [], []]
+    for fid in uniq.tolist():
+        f = trace.frame(fid) if fid >= 0 else None
+        for c, key in zip(cols, ("filename", "line", "name")):
+            c.append(f[key] if f else None)
+    file_, line, func = (np.array(c, dtype=object)[inv] for c in cols)
+    return file_, pd.array(line, dtype="Int64"), func, strings[ids]
 
 
 def _requested(trace, device, al):
@@ -182,7 +181,9 @@ def events_frame(trace: Trace) -> pd.DataFrame:
         if rep.reserved is not None:
             reserved[sl], has_reserved[sl] = rep.reserved, True
         phase[sl], iteration[sl] = dphs[d].phase, dphs[d].iteration
-    _f, _l, _fn, uwhere = _user_frames(trace, ev.stack_id)
+    uniq, inv = np.unique(ev.stack_id, return_inverse=True)
+    uwhere = np.array([site_info(trace, int(sid))["where"] if sid >= 0 else None for sid in uniq.tolist()],
+                      dtype=object)[inv]
     strings = np.array(trace.strings.items, dtype=object)
     return pd.DataFrame({
         "device": ev.device, "entry": ev.index,
