@@ -37,8 +37,13 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
     if as_json:
         echo_json(report)
     else:
-        t0 = time_origin(trace)  # the viewer's time base too
-        click.echo(report_text(report, t0_by_device={d: t0 for d in trace.devices}))
+        click.echo(report_text(report, t0_by_device=_first_times(trace)))
+
+
+def _first_times(trace) -> dict:
+    """{device: the time base of every time shown} (the viewer's too; tracekit.api uses it)."""
+    t0 = time_origin(trace)
+    return {d: t0 for d in trace.devices}
 
 
 def _ranks(files, as_json, rules, no_cache, jobs, no_summaries):
