@@ -165,8 +165,10 @@ def test_no_summary_for_a_single_process(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
-    """A real multi-process job: torchrun, gloo, DistributedDataParallel; rank 1 trains on twice the batch."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_ddp_one_rank_with_a_bigger_batch(tmp_path, nproc):
+    """A real multi-process job: torchrun, gloo, DistributedDataParallel; the last rank trains on twice the batch."""
+    big = nproc - 1
     import shutil as _sh
 
     torchrun = _sh.which("torchrun", path=os.path.dirname(sys.executable))
@@ -175,7 +177,7 @@ def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                             "TRACEKIT_RANK_SUMMARY")}
     script = os.path.join(os.path.dirname(__file__), "ddp_train.py")
-    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", script, str(tmp_path), "1"],
+    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", str(nproc), script, str(tmp_path), str(big)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          cwd=os.path.dirname(script), start_new_session=True)
     try:
@@ -185,12 +187,12 @@ def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
         p.communicate()
         raise
     assert p.returncode == 0, err[-2000:]
-    assert sorted(os.listdir(tmp_path)) == ["ddp.rank0.pickle", "ddp.rank0.pickle.summary.json",
-                                            "ddp.rank1.pickle", "ddp.rank1.pickle.summary.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"ddp.rank{r}.pickle{s}" for r in range(nproc)
+                                                  for s in ("", ".summary.json"))
     table = open_ranks([tmp_path])
-    assert table["rank_source"] == "the recorder's metadata" and table["from_summaries"] == 2
+    assert table["rank_source"] == "the recorder's metadata" and table["from_summaries"] == nproc
     raw = {}
-    for rank in (0, 1):
+    for rank in range(nproc):
         with open(tmp_path / f"ddp.rank{rank}.pickle", "rb") as f:
             from tracekit.io.unpickle import restricted_load
 
@@ -198,6 +200,6 @@ def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
         assert table["ranks"][rank]["peak_allocated_bytes"] == naive_replay(raw[rank])["peak"]
         assert raw[rank]["tracekit"]["settings"]["rank"] == rank
     out = table["imbalance"]["outlier"]
-    assert out["rank"] == 1 and out["by_category"][0]["category"] == "activation"
+    assert out["rank"] == big and out["by_category"][0]["category"] == "activation"
     text = CliRunner().invoke(cli, ["report", str(tmp_path)]).output
-    assert "Outlier: rank 1 peaks at" in text and "activation +" in text
+    assert f"Outlier: rank {big} peaks at" in text and "activation +" in text
