@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import tracekit
-from tracekit.analysis.ranks import assign_ranks, imbalance, rank_of_name, summarize
+from tracekit.analysis.ranks import assign_ranks, imbalance, is_summary, rank_of_name, summarize
 from tracekit.cli import cli
 from tracekit.io.rank_files import rank_files, read_summary, summary_path
 from tracekit.ranks import open_ranks
@@ -77,9 +77,16 @@ def test_summaries_are_trusted_only_for_their_own_file(job, tmp_path):
     os.unlink(copy / "run.rank0.pickle.summary.json")
     shutil.copy(d / "run.rank0.pickle", copy / "run.rank1.pickle")  # recorded again: rank 1's summary is stale
     (copy / "run.rank2.pickle.summary.json").write_text("{not json")
+    # a summary of the right file whose fields are of the wrong type is not trusted either
+    assert read_summary(copy / "run.rank2.pickle") is None
+    shutil.copy(d / "run.rank2.pickle.summary.json", copy / "run.rank2.pickle.summary.json")
+    bad = json.loads((copy / "run.rank2.pickle.summary.json").read_text())
+    bad["devices"][0]["categories_at_peak"] = {"activation": "lots"}
+    (copy / "run.rank2.pickle.summary.json").write_text(json.dumps(bad))
     table = open_ranks([copy])
     assert table["from_summaries"] == 0 and table["analysed"] == 3
     assert open_ranks([d], use_summaries=False)["analysed"] == 3
+    assert is_summary(read_summary(d / "run.rank0.pickle")) and not is_summary(bad)
 
 
 def test_the_pool_gives_what_one_process_gives(job):
@@ -148,6 +155,8 @@ def test_a_bad_rank_file_is_one_line_and_exit_2_after_the_others(job, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "Outlier: rank 2" in r.stdout and "not read: cannot open" in r.stdout
     assert r.stderr.count("\n") == 1 and "1 of 4 files could not be read" in r.stderr
+    r = CliRunner().invoke(cli, ["report", str(d), "--estimate-config", "gpt2"])
+    assert r.exit_code == 2 and "apply to one FILE" in r.output
     empty = tmp_path / "empty"
     empty.mkdir()
     r = subprocess.run([sys.executable, "-m", "tracekit.cli", "report", str(empty)],

@@ -64,8 +64,33 @@ def summarize(trace: Trace, rules=None) -> dict:
 
 
 def is_summary(obj) -> bool:
-    return isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == VERSION \
-        and isinstance(obj.get("devices"), list) and isinstance(obj.get("findings"), list)
+    """A summary this version reads, with every field the rank report uses of the right type (a file
+    beside a recording is untrusted: anything else is ignored and the recording analysed instead)."""
+    def num(v, none=True):
+        return (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    def sizes(d):
+        return isinstance(d, dict) and all(isinstance(k, str) and num(v, False) for k, v in d.items())
+
+    try:
+        if not (isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == VERSION
+                and isinstance(obj.get("devices"), list) and isinstance(obj.get("findings"), list)
+                and (obj.get("rank") is None or type(obj["rank"]) is int)):
+            return False
+        for d in obj["devices"]:
+            curve = d["curve"]
+            if not (isinstance(d, dict) and num(d["device"], False) and num(d["peak_allocated_bytes"])
+                    and num(d["final_allocated_bytes"]) and num(d.get("peak_time_s"))
+                    and isinstance(d["peak_when"] or "", str) and isinstance(d["label"], str)
+                    and sizes(d["categories_at_peak"]) and sizes(d["categories_at_end"] or {})
+                    and isinstance(curve, dict) and all(isinstance(curve[k] or [], list) and
+                                                        all(num(v, False) for v in curve[k] or [])
+                                                        for k in ("index", "allocated", "time_s"))):
+                return False
+        return all(isinstance(f, dict) and isinstance(f["kind"], str) and isinstance(f["summary"], str)
+                   for f in obj["findings"])
+    except (KeyError, TypeError):
+        return False
 
 
 def rank_of_name(path: str) -> int | None:
