@@ -156,8 +156,9 @@ class CompareView(QWidget):
                                                     ("category", k)) for k, c in cats])
         self._section("aligned by phase", [(change_text(p["peak_bytes"]), f"{p['phase']} peak", None)
                                            for p in d["phases"] if p["peak_bytes"]["significant"]])
-        self._section("at the peak, by site", [(f"{signed(s['change'])} ({relative(s)})", f"{s['category']}  {s['site']}",
-                                                ("site", s["site"])) for s in d["sites_at_peak"]])
+        self._section("at the peak, by site", [(f"{signed(s['change'])} ({relative(s)})",
+                                                f"{s['category']}  {s['site']}", ("site", s["site"]))
+                                               for s in d["sites_at_peak"]])
         self._section("at the peak, by module", [(f"{signed(m['change'])} ({relative(m)})",
                                                   f"{m['category']}  {m['module']}", ("module", m["module"]))
                                                  for m in d.get("modules_at_peak") or []])

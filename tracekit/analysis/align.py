@@ -3,7 +3,8 @@
 Each recorded iteration (the n-th of the file, whatever its number) takes
 the span [5n, 5n + 5): slot 0 what runs between steps before its forward
 pass, 1 the forward pass, 2 backward, 3 the optimizer step, 4 what runs
-after it (a gap between two phases joins the phase before it); entries spread evenly over their slot in trace order. The same
+after it (a gap between two phases joins the phase before it); entries
+spread evenly over their slot in trace order. The same
 point of the step then has the same x in both files, however long each
 took. Iterations whose phases do not come in that order (gradient
 accumulation: forward, backward, forward, ...) spread over their whole span
@@ -73,7 +74,8 @@ def aligned_series(trace: Trace, device: int, max_points: int = 3000, rules=None
     idx = s.index[s.index >= 0]
     ph = phases(trace)[device]
     marks = [(float(x[lo]) // SLOTS * SLOTS, it) for it, lo, _ in ph.iterations()] if rep.n else []
-    return {"x": x[idx] if len(idx) else np.zeros(0), "by_category": {k: v[s.index >= 0] for k, v in s.by_category.items()},
+    return {"x": x[idx] if len(idx) else np.zeros(0),
+            "by_category": {k: v[s.index >= 0] for k, v in s.by_category.items()},
             "total": s.total[s.index >= 0], "iterations": marks}
 
 
@@ -94,4 +96,5 @@ def aligned_difference(a: dict, b: dict, points: int = 1500) -> dict:
     names = list(a["by_category"]) + [n for n in b["by_category"] if n not in a["by_category"]]
     zero_a, zero_b = np.zeros(len(a["x"]), np.int64), np.zeros(len(b["x"]), np.int64)
     by = {n: at(b, b["by_category"].get(n, zero_b)) - at(a, a["by_category"].get(n, zero_a)) for n in names}
-    return {"x": x, "by_category": {n: v for n, v in by.items() if v.any()}, "total": at(b, b["total"]) - at(a, a["total"])}
+    return {"x": x, "by_category": {n: v for n, v in by.items() if v.any()},
+            "total": at(b, b["total"]) - at(a, a["total"])}
