@@ -212,3 +212,28 @@ def test_torchrun_ddp_one_rank_with_a_bigger_batch(tmp_path, nproc):
     assert out["rank"] == big and out["by_category"][0]["category"] == "activation"
     text = CliRunner().invoke(cli, ["report", str(tmp_path)]).output
     assert f"Outlier: rank {big} peaks at" in text and "activation +" in text
+
+
+def test_a_failing_summary_is_a_warning_and_ctrl_c_is_not_swallowed(tmp_path, monkeypatch):
+    import tracekit.analysis.ranks as ranks_module
+
+    from .pairs import record_run
+
+    monkeypatch.setenv("TRACEKIT_RANK_SUMMARY", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ranks_module, "summarize", broken)
+    with pytest.warns(RuntimeWarning, match="could not write the summary"):
+        raw = record_run(tmp_path / "a.pickle", steps=1, warmup=0)
+    assert raw["tracekit"]["settings"]["steps"] == 1 and os.listdir(tmp_path) == ["a.pickle"]
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ranks_module, "summarize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        record_run(tmp_path / "b.pickle", steps=1, warmup=0)
+    assert (tmp_path / "b.pickle").exists()  # the recording was written before
