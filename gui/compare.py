@@ -10,7 +10,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QHeaderView, QLabel, QSplitter, QTableWidget, QTableWidgetItem, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 
-from tracekit.analysis.align import SLOT_NAMES, aligned_series
+from tracekit.analysis.align import SLOT_NAMES, aligned_difference, aligned_series
 from tracekit.analysis.categories import categorize
 from tracekit.analysis.diff import diff
 from tracekit.analysis.replay import replay
@@ -42,9 +42,30 @@ class ComparePlot(pg.PlotWidget):
         self.addItem(pg.PlotDataItem(x, series["total"] / 2**20, pen=pg.mkPen("#222", width=1)))
         for x0, it in series["iterations"]:
             self.addItem(pg.InfiniteLine(x0, pen=pg.mkPen("#999", style=Qt.DashLine)))
-        ticks = [(x0 + k + 0.5, f"{SLOT_NAMES[k]}" + (f" (it {it})" if k == 1 else ""))
-                 for x0, it in series["iterations"] for k in range(1, 4)]
-        self.getAxis("bottom").setTicks([ticks])
+        self.getAxis("bottom").setTicks([phase_ticks(series["iterations"])])
+
+
+class DifferencePlot(pg.PlotWidget):
+    """B − A per category over the aligned step (one line each; zero is no change)."""
+
+    def __init__(self, delta, names, iterations, parent=None):
+        super().__init__(parent, background="w")
+        self.setTitle("B − A, by category, over the aligned step", color="#222", size="10pt")
+        self.getAxis("left").setLabel("MiB")
+        self.showGrid(y=True, alpha=0.2)
+        self.addItem(pg.InfiniteLine(0, angle=0, pen=pg.mkPen("#555")))
+        for name, values in delta["by_category"].items():
+            self.plot(delta["x"], values / 2**20, pen=pg.mkPen(category_color(name, names), width=2), name=name)
+        self.plot(delta["x"], delta["total"] / 2**20, pen=pg.mkPen("#222", width=1, style=Qt.DashLine))
+        for x0, _ in iterations:
+            self.addItem(pg.InfiniteLine(x0, pen=pg.mkPen("#999", style=Qt.DashLine)))
+        self.getAxis("bottom").setTicks([phase_ticks(iterations)])
+
+
+def phase_ticks(iterations) -> list:
+    """Axis labels at the middle of each iteration's forward, backward and optimizer slots."""
+    return [(x0 + k + 0.5, f"{SLOT_NAMES[k]}" + (f" (it {it})" if k == 1 else ""))
+            for x0, it in iterations for k in range(1, 4)]
 
 
 class CompareView(QWidget):
@@ -80,6 +101,8 @@ class CompareView(QWidget):
             p.setYRange(0, top, padding=0)
         self.plots[1].setXLink(self.plots[0])
         self.plots[1].setYLink(self.plots[0])
+        self.delta = DifferencePlot(aligned_difference(*series), names, series[0]["iterations"])
+        self.delta.setXLink(self.plots[0])
         self.tree = QTreeWidget()
         self.tree.setHeaderLabels(["change", "what"])
         self.tree.header().setSectionResizeMode(1, QHeaderView.Stretch)
@@ -90,9 +113,9 @@ class CompareView(QWidget):
             t.setHorizontalHeaderLabels(["bytes", "category", "why", "entry"])
             t.horizontalHeader().setSectionResizeMode(2, QHeaderView.Stretch)
             t.setToolTip(f"{label}: the allocations behind the selected change, live at the peak")
-        self.side_labels = [QLabel("A: pick a site or module on the right"), QLabel("B:")]
+        self.side_labels = [QLabel("A: pick a category, site or module on the right"), QLabel("B:")]
         plots = QSplitter(Qt.Vertical)
-        for p in self.plots:
+        for p in self.plots + [self.delta]:
             plots.addWidget(p)
         upper = QSplitter(Qt.Horizontal)
         upper.addWidget(plots)
@@ -130,11 +153,12 @@ class CompareView(QWidget):
         cats = sorted(((k, c) for k, c in d["categories_at_peak"].items() if c["significant"]),
                       key=lambda kc: -abs(kc[1]["change"]))
         self._section("at the peak, by category", [(change_text(c), f"{k}: {fmt_bytes(c['a'])} → {fmt_bytes(c['b'])}",
-                                                    None) for k, c in cats])
+                                                    ("category", k)) for k, c in cats])
         self._section("aligned by phase", [(change_text(p["peak_bytes"]), f"{p['phase']} peak", None)
                                            for p in d["phases"] if p["peak_bytes"]["significant"]])
-        self._section("at the peak, by site", [(f"{signed(s['change'])} ({relative(s)})", f"{s['category']}  {s['site']}",
-                                                ("site", s["site"])) for s in d["sites_at_peak"]])
+        self._section("at the peak, by site", [(f"{signed(s['change'])} ({relative(s)})",
+                                                f"{s['category']}  {s['site']}", ("site", s["site"]))
+                                               for s in d["sites_at_peak"]])
         self._section("at the peak, by module", [(f"{signed(m['change'])} ({relative(m)})",
                                                   f"{m['category']}  {m['module']}", ("module", m["module"]))
                                                  for m in d.get("modules_at_peak") or []])
@@ -173,6 +197,9 @@ class CompareView(QWidget):
 
     @staticmethod
     def _matches(trace, rep, kind, name) -> np.ndarray:
+        if kind == "category":
+            cats = categorize(trace)[rep.device]
+            return np.asarray(cats.names, dtype=object)[cats.labels] == name
         if kind == "site":
             strings, ids = allocation_where(trace, rep)
             return strings[ids] == name

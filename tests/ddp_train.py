@@ -1,11 +1,11 @@
 """A DistributedDataParallel training script for `torchrun` on the CPU (gloo), recorded by tracekit.
 
-    torchrun --nproc-per-node 2 tests/ddp_train.py OUT_DIR [BIG_RANK]
+    torchrun --standalone --nproc-per-node 2 tests/ddp_train.py OUT_DIR [BIG_RANK]
 
 Each rank trains a tiny GPT on its own random batches; rank BIG_RANK (if
-given) uses twice the batch, the planted imbalance. Each rank records one
-warm-up-free... see record_steps below: one warm-up step, two recorded steps,
-to OUT_DIR/ddp.pickle, which the recorder names ddp.rankN.pickle.
+given) uses twice the batch, the planted imbalance. Each rank runs one
+unrecorded warm-up step and records two steps to OUT_DIR/ddp.pickle, which
+the recorder names ddp.rankN.pickle (and writes its summary beside it).
 """
 import os
 import sys

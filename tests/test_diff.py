@@ -207,3 +207,17 @@ def test_the_shared_axis_puts_each_phase_in_its_slot(runs):
         s = aligned_series(trace, 0)
         k = int(s["total"].argmax())
         assert s["total"][k] == naive_replay(raw)["peak"] and 2 <= s["x"][k] % SLOTS < 3  # peaks in backward
+
+
+def test_difference_over_the_aligned_step(runs):
+    from tracekit.analysis.align import aligned_difference, aligned_series
+
+    (pa, _), (pb, _) = runs["base"], runs["b16"]
+    sa, sb = aligned_series(tracekit.load(pa), 0), aligned_series(tracekit.load(pb), 0)
+    d = aligned_difference(sa, sb)
+    assert (d["total"] == sum(d["by_category"].values())).all()  # the categories add up to the total
+    _, dev = _diff(runs, "base", "b16")
+    act = dev["categories_at_peak"]["activation"]
+    # twice the batch: over the step, B holds up to about the extra activations at the peak more
+    assert 0.8 * act["change"] <= d["by_category"]["activation"].max() <= 1.2 * act["change"]
+    assert d["by_category"]["activation"].min() >= -0.05 * act["a"]  # and never noticeably fewer

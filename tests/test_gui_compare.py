@@ -42,6 +42,9 @@ def test_compare_view_lists_the_allocations_behind_each_site(qtbot):
     assert top_a == top_b >= view.pair["peak_allocated_bytes"]["b"] / 2**20
     for row in view.pair["sites_at_peak"]:  # the lists on both sides add up to the site's change
         assert view.show_allocations("site", row["site"]) == [row["a"], row["b"]]
+    for name, c in view.pair["categories_at_peak"].items():
+        assert view.show_allocations("category", name) == [c["a"], c["b"]]
+    assert view.delta.listDataItems()  # the difference over the aligned step is drawn
     site = view.tree.topLevelItem(2).child(0)
     view.tree.setCurrentItem(site)
     assert view.side_labels[1].text().startswith("B: ") and view.sides[1].rowCount() > 0

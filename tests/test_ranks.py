@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import tracekit
-from tracekit.analysis.ranks import assign_ranks, imbalance, rank_of_name, summarize
+from tracekit.analysis.ranks import assign_ranks, imbalance, is_summary, rank_of_name, summarize
 from tracekit.cli import cli
 from tracekit.io.rank_files import rank_files, read_summary, summary_path
 from tracekit.ranks import open_ranks
@@ -77,9 +77,16 @@ def test_summaries_are_trusted_only_for_their_own_file(job, tmp_path):
     os.unlink(copy / "run.rank0.pickle.summary.json")
     shutil.copy(d / "run.rank0.pickle", copy / "run.rank1.pickle")  # recorded again: rank 1's summary is stale
     (copy / "run.rank2.pickle.summary.json").write_text("{not json")
+    # a summary of the right file whose fields are of the wrong type is not trusted either
+    assert read_summary(copy / "run.rank2.pickle") is None
+    shutil.copy(d / "run.rank2.pickle.summary.json", copy / "run.rank2.pickle.summary.json")
+    bad = json.loads((copy / "run.rank2.pickle.summary.json").read_text())
+    bad["devices"][0]["categories_at_peak"] = {"activation": "lots"}
+    (copy / "run.rank2.pickle.summary.json").write_text(json.dumps(bad))
     table = open_ranks([copy])
     assert table["from_summaries"] == 0 and table["analysed"] == 3
     assert open_ranks([d], use_summaries=False)["analysed"] == 3
+    assert is_summary(read_summary(d / "run.rank0.pickle")) and not is_summary(bad)
 
 
 def test_the_pool_gives_what_one_process_gives(job):
@@ -148,6 +155,8 @@ def test_a_bad_rank_file_is_one_line_and_exit_2_after_the_others(job, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "Outlier: rank 2" in r.stdout and "not read: cannot open" in r.stdout
     assert r.stderr.count("\n") == 1 and "1 of 4 files could not be read" in r.stderr
+    r = CliRunner().invoke(cli, ["report", str(d), "--estimate-config", "gpt2"])
+    assert r.exit_code == 2 and "apply to one FILE" in r.output
     empty = tmp_path / "empty"
     empty.mkdir()
     r = subprocess.run([sys.executable, "-m", "tracekit.cli", "report", str(empty)],
@@ -165,8 +174,10 @@ def test_no_summary_for_a_single_process(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
-    """A real multi-process job: torchrun, gloo, DistributedDataParallel; rank 1 trains on twice the batch."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_ddp_one_rank_with_a_bigger_batch(tmp_path, nproc):
+    """A real multi-process job: torchrun, gloo, DistributedDataParallel; the last rank trains on twice the batch."""
+    big = nproc - 1
     import shutil as _sh
 
     torchrun = _sh.which("torchrun", path=os.path.dirname(sys.executable))
@@ -175,7 +186,7 @@ def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                             "TRACEKIT_RANK_SUMMARY")}
     script = os.path.join(os.path.dirname(__file__), "ddp_train.py")
-    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", script, str(tmp_path), "1"],
+    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", str(nproc), script, str(tmp_path), str(big)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          cwd=os.path.dirname(script), start_new_session=True)
     try:
@@ -185,12 +196,12 @@ def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
         p.communicate()
         raise
     assert p.returncode == 0, err[-2000:]
-    assert sorted(os.listdir(tmp_path)) == ["ddp.rank0.pickle", "ddp.rank0.pickle.summary.json",
-                                            "ddp.rank1.pickle", "ddp.rank1.pickle.summary.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"ddp.rank{r}.pickle{s}" for r in range(nproc)
+                                                  for s in ("", ".summary.json"))
     table = open_ranks([tmp_path])
-    assert table["rank_source"] == "the recorder's metadata" and table["from_summaries"] == 2
+    assert table["rank_source"] == "the recorder's metadata" and table["from_summaries"] == nproc
     raw = {}
-    for rank in (0, 1):
+    for rank in range(nproc):
         with open(tmp_path / f"ddp.rank{rank}.pickle", "rb") as f:
             from tracekit.io.unpickle import restricted_load
 
@@ -198,6 +209,31 @@ def test_torchrun_ddp_two_ranks_one_with_a_bigger_batch(tmp_path):
         assert table["ranks"][rank]["peak_allocated_bytes"] == naive_replay(raw[rank])["peak"]
         assert raw[rank]["tracekit"]["settings"]["rank"] == rank
     out = table["imbalance"]["outlier"]
-    assert out["rank"] == 1 and out["by_category"][0]["category"] == "activation"
+    assert out["rank"] == big and out["by_category"][0]["category"] == "activation"
     text = CliRunner().invoke(cli, ["report", str(tmp_path)]).output
-    assert "Outlier: rank 1 peaks at" in text and "activation +" in text
+    assert f"Outlier: rank {big} peaks at" in text and "activation +" in text
+
+
+def test_a_failing_summary_is_a_warning_and_ctrl_c_is_not_swallowed(tmp_path, monkeypatch):
+    import tracekit.analysis.ranks as ranks_module
+
+    from .pairs import record_run
+
+    monkeypatch.setenv("TRACEKIT_RANK_SUMMARY", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ranks_module, "summarize", broken)
+    with pytest.warns(RuntimeWarning, match="could not write the summary"):
+        raw = record_run(tmp_path / "a.pickle", steps=1, warmup=0)
+    assert raw["tracekit"]["settings"]["steps"] == 1 and os.listdir(tmp_path) == ["a.pickle"]
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ranks_module, "summarize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        record_run(tmp_path / "b.pickle", steps=1, warmup=0)
+    assert (tmp_path / "b.pickle").exists()  # the recording was written before

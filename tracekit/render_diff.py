@@ -103,8 +103,9 @@ def _phase_lines(phases: list) -> list[str]:
         pk = p["peak_bytes"]
         if pk["a"] is None or pk["b"] is None:  # one file has no entry in this phase at all
             side = "A" if pk["a"] is None else "B"
-            out.append(f"    {p['phase']:<{width}}  {fmt_bytes(pk['a'] or 0) if pk['a'] is not None else '-':>10}  "
-                       f"{fmt_bytes(pk['b']) if pk['b'] is not None else '-':>10}  ({side} allocates nothing in this phase)")
+            shown = [fmt_bytes(v) if v is not None else "-" for v in (pk["a"], pk["b"])]
+            out.append(f"    {p['phase']:<{width}}  {shown[0]:>10}  {shown[1]:>10}  "
+                       f"({side} allocates nothing in this phase)")
             continue
         out.append(_row(p["phase"], pk, width, "    ") + (f"  ({why})" if why else ""))
     return out

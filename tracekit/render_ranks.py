@@ -43,7 +43,8 @@ def imbalance_lines(imb: dict | None) -> list[str]:
     why = ", ".join(f"{c['category']} {'+' if c['bytes'] > 0 else ''}{fmt_bytes(c['bytes'])}"
                     f" ({fmt_bytes(c['others_bytes'] + c['bytes'])} vs {fmt_bytes(c['others_bytes'])})"
                     for c in o["by_category"][:3])
-    out.append(f"Outlier: rank {o['rank']} peaks at {fmt_bytes(o['peak_bytes'])}, {sign}{fmt_bytes(o['over_others_bytes'])}"
+    out.append(f"Outlier: rank {o['rank']} peaks at {fmt_bytes(o['peak_bytes'])}, "
+               f"{sign}{fmt_bytes(o['over_others_bytes'])}"
                f" ({rel}) against the other ranks' median of {fmt_bytes(o['others_bytes'])}"
                + (f"; by category: {why}" if why else "") + ".")
     return out

@@ -3,7 +3,8 @@
 Each recorded iteration (the n-th of the file, whatever its number) takes
 the span [5n, 5n + 5): slot 0 what runs between steps before its forward
 pass, 1 the forward pass, 2 backward, 3 the optimizer step, 4 what runs
-after it (a gap between two phases joins the phase before it); entries spread evenly over their slot in trace order. The same
+after it (a gap between two phases joins the phase before it); entries
+spread evenly over their slot in trace order. The same
 point of the step then has the same x in both files, however long each
 took. Iterations whose phases do not come in that order (gradient
 accumulation: forward, backward, forward, ...) spread over their whole span
@@ -73,5 +74,27 @@ def aligned_series(trace: Trace, device: int, max_points: int = 3000, rules=None
     idx = s.index[s.index >= 0]
     ph = phases(trace)[device]
     marks = [(float(x[lo]) // SLOTS * SLOTS, it) for it, lo, _ in ph.iterations()] if rep.n else []
-    return {"x": x[idx] if len(idx) else np.zeros(0), "by_category": {k: v[s.index >= 0] for k, v in s.by_category.items()},
+    return {"x": x[idx] if len(idx) else np.zeros(0),
+            "by_category": {k: v[s.index >= 0] for k, v in s.by_category.items()},
             "total": s.total[s.index >= 0], "iterations": marks}
+
+
+def aligned_difference(a: dict, b: dict, points: int = 1500) -> dict:
+    """B − A per category on a common grid of the shared axis: {"x", "by_category" {name: bytes}, "total"}.
+
+    `a` and `b` are `aligned_series` results; each is read as a step function (the value after the last
+    point at or before x), over the span both cover."""
+    if not len(a["x"]) or not len(b["x"]):
+        return {"x": np.zeros(0), "by_category": {}, "total": np.zeros(0, np.int64)}
+    lo, hi = max(a["x"][0], b["x"][0]), min(a["x"][-1], b["x"][-1])
+    x = np.linspace(lo, hi, points) if hi > lo else np.array([lo])
+
+    def at(s, values):
+        k = np.clip(np.searchsorted(s["x"], x, side="right") - 1, 0, len(s["x"]) - 1)
+        return np.asarray(values, np.int64)[k]
+
+    names = list(a["by_category"]) + [n for n in b["by_category"] if n not in a["by_category"]]
+    zero_a, zero_b = np.zeros(len(a["x"]), np.int64), np.zeros(len(b["x"]), np.int64)
+    by = {n: at(b, b["by_category"].get(n, zero_b)) - at(a, a["by_category"].get(n, zero_a)) for n in names}
+    return {"x": x, "by_category": {n: v for n, v in by.items() if v.any()},
+            "total": at(b, b["total"]) - at(a, a["total"])}

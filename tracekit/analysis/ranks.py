@@ -52,7 +52,8 @@ def summarize(trace: Trace, rules=None) -> dict:
             "peak_time_s": None if d.get("peak_time_us") is None or t0 is None else (d["peak_time_us"] - t0) / 1e6,
             "peak_when": when(trace, d["device"], d["peak_event_index"])[2] or None,
             "phases": [{"phase": p["phase"], "peak_bytes": p["peak_bytes"]} for p in d.get("phases") or []],
-            "iterations": [{k: i[k] for k in ("iteration", "peak_bytes", "end_bytes")} for i in d.get("iterations") or []],
+            "iterations": [{k: i[k] for k in ("iteration", "peak_bytes", "end_bytes")}
+                           for i in d.get("iterations") or []],
             "curve": {"index": idx.tolist(), "allocated": rep.allocated[idx].tolist() if rep.n else [],
                       "time_s": ([(int(x) - t0) / 1e6 for x in t.tolist()] if t0 is not None and trace.has_time
                                  else None)},
@@ -64,8 +65,33 @@ def summarize(trace: Trace, rules=None) -> dict:
 
 
 def is_summary(obj) -> bool:
-    return isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == VERSION \
-        and isinstance(obj.get("devices"), list) and isinstance(obj.get("findings"), list)
+    """A summary this version reads, with every field the rank report uses of the right type (a file
+    beside a recording is untrusted: anything else is ignored and the recording analysed instead)."""
+    def num(v, none=True):
+        return (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    def sizes(d):
+        return isinstance(d, dict) and all(isinstance(k, str) and num(v, False) for k, v in d.items())
+
+    try:
+        if not (isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == VERSION
+                and isinstance(obj.get("devices"), list) and isinstance(obj.get("findings"), list)
+                and (obj.get("rank") is None or type(obj["rank"]) is int)):
+            return False
+        for d in obj["devices"]:
+            curve = d["curve"]
+            if not (isinstance(d, dict) and num(d["device"], False) and num(d["peak_allocated_bytes"])
+                    and num(d["final_allocated_bytes"]) and num(d.get("peak_time_s"))
+                    and isinstance(d["peak_when"] or "", str) and isinstance(d["label"], str)
+                    and sizes(d["categories_at_peak"]) and sizes(d["categories_at_end"] or {})
+                    and isinstance(curve, dict) and all(isinstance(curve[k] or [], list) and
+                                                        all(num(v, False) for v in curve[k] or [])
+                                                        for k in ("index", "allocated", "time_s"))):
+                return False
+        return all(isinstance(f, dict) and isinstance(f["kind"], str) and isinstance(f["summary"], str)
+                   for f in obj["findings"])
+    except (KeyError, TypeError):
+        return False
 
 
 def rank_of_name(path: str) -> int | None:
@@ -98,16 +124,16 @@ def rank_table(summaries: list[dict], paths: list[str], with_curves: bool = Fals
     rows = []
     for rank, s, path in zip(ranks, summaries, paths):
         dev = main_device(s) or {}
+        found = [f for f in s.get("findings") or []
+                 if f.get("kind") != "advice" and f.get("device") in (None, dev.get("device"))]
         kinds = {}
-        for f in s.get("findings") or []:
-            if f.get("kind") != "advice" and f.get("device") in (None, dev.get("device")):
-                kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+        for f in found:
+            kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
         rows.append({"rank": rank, "file": path, "device": dev.get("label"),
                      "peak_allocated_bytes": dev.get("peak_allocated_bytes"), "peak_when": dev.get("peak_when"),
                      "peak_time_s": dev.get("peak_time_s"), "final_allocated_bytes": dev.get("final_allocated_bytes"),
                      "categories_at_peak": dev.get("categories_at_peak") or {}, "findings": kinds,
-                     "finding_summaries": [f["summary"] for f in s.get("findings") or []
-                                           if f.get("kind") != "advice" and f.get("device") in (None, dev.get("device"))]})
+                     "finding_summaries": [f["summary"] for f in found]})
         if with_curves:
             rows[-1]["curve"] = dev.get("curve")
     rows.sort(key=lambda r: r["rank"])

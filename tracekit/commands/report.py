@@ -29,6 +29,8 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
     import os
 
     if len(files) > 1 or os.path.isdir(files[0]):
+        if any(v not in (None, False, ()) for v in estimate_knobs.values()):
+            raise click.UsageError("--estimate-config and its knobs apply to one FILE, not to several ranks")
         return _ranks(files, as_json, rules, no_cache, jobs, no_summaries)
     spec = report_spec(estimate_knobs)
     trace = open_trace(files[0], no_cache)

@@ -4,9 +4,9 @@
 re-parsing every rank's (possibly multi-GB) file on one machine; each rank
 computes its own, in parallel, at the end of recording. Written when the
 launcher says there are several processes (WORLD_SIZE > 1, as torchrun
-sets), or always with TRACEKIT_RANK_SUMMARY=1 (never with =0). Opening the
-file here also fills the columnar cache, so a later open on this machine is
-quick. A failure is a warning: training goes on.
+sets), or always with TRACEKIT_RANK_SUMMARY=1 (never with =0). The file is
+opened without the columnar cache: hundreds of ranks must not fill a shared
+home folder with caches. A failure is a warning: training goes on.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def write_beside(recorder) -> str | None:
         from ..io import load
         from ..io.rank_files import write_summary
 
-        summary = summarize(load(path))
+        summary = summarize(load(path, use_cache=False))
         world = os.environ.get("WORLD_SIZE", "").strip()
         summary["world_size"] = int(world) if world.isdigit() else None
         return write_summary(path, summary)
