@@ -183,7 +183,8 @@ def _reason(trace, rep, row) -> str:
     from .categories import categorize
 
     c = categorize(trace)[rep.device]
-    return f"{c.names[c.labels[row]]}: {c.reasons[c.reason[row]]}"
+    name, why = c.names[c.labels[row]], c.reasons[c.reason[row]]
+    return why if why.endswith(name) else f"{name}: {why}"  # "tagged by the recorder: parameter" says it already
 
 
 def public(group: dict) -> dict:
