@@ -84,6 +84,8 @@ def test_cached_reopen_equals_the_first_open_on_every_fixture(cache_dir):
         assert second.meta == first.meta and second.strings.items == first.strings.items
         for table in ("events", "frames", "stacks", "segments", "blocks"):
             for k, v in vars(getattr(first, table)).items():
+                if k.startswith("_"):  # the Recording's back-reference, not a column
+                    continue
                 w = getattr(getattr(second, table), k)
                 assert v.dtype == w.dtype and np.array_equal(v, w), (name, table, k)
         assert json.dumps(build_report(second)) == json.dumps(build_report(first))
