@@ -6,6 +6,10 @@ Runs the toy GPT at two sizes, each step timed plain, then recorded (the
 `record` context manager with model and optimizer, all steps in the file),
 and prints the median step times, their ratio and the file size. The time to
 convert and write the file at the end is printed separately.
+
+Modes: `default` (forward origins of backward allocations and module paths
+on, record/origins.py) and `no origins` (`record(..., origins=False)`, or
+TRACEKIT_ORIGINS=0 for `tracekit record`).
 """
 from __future__ import annotations
 
@@ -35,7 +39,10 @@ def timed_steps(step, n):
     return times
 
 
-def bench(config, steps, folder):
+MODES = {"default": dict(), "no origins": dict(origins=False)}
+
+
+def bench(config, steps, folder, options):
     _, _, step = make_training(seed=0, **config)
     timed_steps(step, 1)  # warm-up: optimizer state, allocator
     plain = statistics.median(timed_steps(step, steps))
@@ -43,7 +50,7 @@ def bench(config, steps, folder):
     model, optimizer, step = make_training(seed=0, **config)
     timed_steps(step, 1)
     path = os.path.join(folder, "bench.pickle")
-    rec = tk_record.record(path, model=model, optimizer=optimizer, backend="cpu")
+    rec = tk_record.record(path, model=model, optimizer=optimizer, backend="cpu", **options)
     rec.start()
     recorded = statistics.median(timed_steps(step, steps))
     t = time.perf_counter()
@@ -61,10 +68,12 @@ def main():
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.steps} steps")
     with tempfile.TemporaryDirectory() as folder:
         for name, config in SIZES.items():
-            plain, recorded, finish, size = bench(config, args.steps, folder)
-            print(f"{name}:\n  plain {plain * 1e3:8.1f} ms/step   recorded {recorded * 1e3:8.1f} ms/step   "
-                  f"ratio {recorded / plain:5.2f}x   convert+write {finish:5.2f} s for {args.steps} steps "
-                  f"({size / 1e6:.2f} MB)")
+            print(f"{name}:")
+            for mode, options in MODES.items():
+                plain, recorded, finish, size = bench(config, args.steps, folder, options)
+                print(f"  {mode:10s}  plain {plain * 1e3:8.1f} ms/step   recorded {recorded * 1e3:8.1f} ms/step   "
+                      f"ratio {recorded / plain:5.2f}x   convert+write {finish:5.2f} s for {args.steps} steps "
+                      f"({size / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

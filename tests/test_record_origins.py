@@ -94,6 +94,10 @@ def test_large_saved_intermediate_and_turning_it_off(tmp_path):
     gelu = line_of("saved_intermediate.py", "a = torch.nn.functional.gelu(h)")
     assert {(t["user_frame"]["line"], t["module"]) for t in top} == {(gelu, "mlp"), (gelu + 1, "mlp.down")}
     assert all(t["bytes"] == 512 * 8192 * 4 for t in top)
+    # per module: the saved wide intermediate is mlp.up's forward output; mlp's backward makes its gradient
+    rows = {(r["module"], r["pass"]): r for r in build_report(trace)["devices"][0]["modules"]["rows"]}
+    assert rows[("mlp.up", "forward")]["bytes_at_peak"] == 512 * 8192 * 4
+    assert rows[("mlp", "backward")]["peak_bytes"] == 512 * 8192 * 4
     off = tmp_path / "off"
     off.mkdir()
     trace, out, _ = record("saved_intermediate.py", off, env={"TRACEKIT_ORIGINS": "0"})

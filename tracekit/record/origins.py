@@ -114,8 +114,12 @@ class Origins:
                 if e.get("action") not in ("alloc", "segment_alloc"):
                     continue
                 origin = self.by_alloc.get((e.get("time_us"), e.get("addr")))
-                if origin is None and ranges and e.get("action") == "alloc" and e.get("time_us") is not None:
-                    origin = self._by_time(e["time_us"] * 1000, ranges, starts)
+                if origin is None and by_time and e.get("action") == "alloc" and e.get("time_us") is not None:
+                    t_ns = e["time_us"] * 1000
+                    origin = self._by_time(t_ns, ranges, starts) if ranges else None
+                    if origin is None and self.modules is not None:  # a forward allocation: its module
+                        module = self.modules.path_at(t_ns)
+                        origin = (None, module) if module else None
                 if origin is None:
                     continue
                 key, module = origin
