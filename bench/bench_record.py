@@ -59,6 +59,34 @@ def bench(config, steps, folder, options):
     return plain, recorded, finish, os.path.getsize(path)
 
 
+def walk_cost(config, steps):
+    """Seconds to convert one profiler session of `steps` steps: the allocation walk (cpu.py, the floor)
+    and the origins walk (origins.py) over the same result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tracekit.record.cpu import allocation_events
+    from tracekit.record.modules import ModuleTracker
+    from tracekit.record.origins import Origins
+
+    model, _, step = make_training(seed=0, **config)
+    step()
+    tracker = ModuleTracker(lambda: [("", model)])
+    tracker.install()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+            for _ in range(steps):
+                step()
+    finally:
+        tracker.remove()
+    results = prof.profiler.kineto_results
+    t = time.perf_counter()
+    allocation_events(results)
+    floor = time.perf_counter() - t
+    t = time.perf_counter()
+    Origins(tracker).take(results)
+    return floor, time.perf_counter() - t
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -74,6 +102,9 @@ def main():
                 print(f"  {mode:10s}  plain {plain * 1e3:8.1f} ms/step   recorded {recorded * 1e3:8.1f} ms/step   "
                       f"ratio {recorded / plain:5.2f}x   convert+write {finish:5.2f} s for {args.steps} steps "
                       f"({size / 1e6:.2f} MB)")
+            floor, origins = walk_cost(config, 2)
+            print(f"  converting 2 steps' profile: allocations {floor:5.2f} s, origins {origins:5.2f} s "
+                  f"({origins / floor:4.2f}x the allocation walk)")
 
 
 if __name__ == "__main__":
