@@ -21,6 +21,18 @@ from .sites import allocation_sites
 _INDEX = re.compile(r"(?<![^.])\d+(?=\.|$)")
 
 
+def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
+    """The module path our recorder wrote on each allocation (object array, None where none)."""
+    mod = allocation_sites(trace, rep).module
+    out = np.full(len(mod), None, dtype=object)
+    ids = np.unique(mod[mod > 0])
+    if len(ids):
+        names = np.array([trace.strings[int(i)] for i in ids], dtype=object)
+        has = mod > 0
+        out[has] = names[np.searchsorted(ids, mod[has])]
+    return out
+
+
 def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     """The most bytes each group held live at once (allocations' alloc/free entry indices)."""
     rows = np.flatnonzero(group >= 0)
