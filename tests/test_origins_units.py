@@ -136,3 +136,26 @@ def test_cuda_path_with_a_real_restricted_profiler():
     first = user_first(entries[0]["forward_frames"])[0]
     assert first["line"] == line and first["filename"].endswith("test_origins_units.py")
     assert att.profiler._prof is None and not att.modules._handles  # stopped and unhooked
+
+
+def test_cuda_profiler_steps_aside_for_the_users_profiler():
+    """While the user's torch.profiler runs, ours stops; theirs gets its events; ours resumes after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tracekit.record.origins import Attached
+
+    model = torch.nn.Linear(4, 4)
+    att = Attached(SimpleNamespace(_models=[("", model)], max_entries=None, origins=True), SimpleNamespace(name="cuda"))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as theirs:
+            model(torch.ones(2, 4)).sum().backward()
+        assert any(e.name == "aten::addmm" for e in theirs.events())
+        assert att.profiler._prof is not None  # ours runs again
+        before = len(att.origins.ranges)  # theirs' backward ranges, taken when it stopped
+        assert before > 0
+        _Probe.times.clear()
+        _Probe.apply(model(torch.ones(2, 4))).sum().backward()
+    finally:
+        att.finish({"device_traces": []})
+    assert att.profiler._prof is None and att.profiler._watch is None
+    assert any(r for r in att.origins.ranges[before:])  # ours saw the backward after theirs stopped

@@ -141,31 +141,58 @@ class Origins:
 
 class CudaProfiler:
     """A profiler restricted to what origins need beside the CUDA allocator history: CPU ops with
-    Python stacks (no memory events, no shapes, no CUDA activity). Restarted with the recorder's phases."""
+    Python stacks (no memory events, no shapes, no CUDA activity), for the whole recording.
+
+    One profiler runs per process: while the user's own runs (coexist.py), ours is stopped and
+    what theirs saw is taken instead; it starts again when theirs stops.
+    """
 
     def __init__(self, origins):
         self.origins = origins
         self._prof = None
+        self._watch = None
 
     def start(self):
+        from .coexist import OtherProfilers, profiler_running
+
+        if self._watch is None:
+            self._watch = OtherProfilers(self._stop_session, self._theirs_stopped)
+            self._watch.install()
+        if not profiler_running():
+            self._start_session()
+
+    def _start_session(self):
         from torch.profiler import ProfilerActivity, profile
 
         from .cpu import quiet_stderr
 
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=False, with_stack=True,
-                             record_shapes=False)
-        with quiet_stderr():
-            self._prof.start()
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=False, with_stack=True,
+                       record_shapes=False)
+        with self._watch.ours(), quiet_stderr():
+            prof.start()
+        self._prof = prof
 
-    def stop(self):
+    def _stop_session(self):
         prof, self._prof = self._prof, None
         if prof is None:
             return
         from .cpu import quiet_stderr
 
-        with quiet_stderr():
+        with self._watch.ours(), quiet_stderr():
             prof.stop()
-        self.origins.take(prof.profiler.kineto_results)
+        take(self.origins, prof.profiler.kineto_results)
+
+    def _theirs_stopped(self, results):
+        take(self.origins, results)
+        self._start_session()
+
+    def stop(self):
+        try:
+            self._stop_session()
+        finally:
+            if self._watch is not None:
+                self._watch.remove()
+                self._watch = None
 
 
 class Attached:
