@@ -33,7 +33,7 @@ class ModulesPanel(QWidget):
         if not table:
             self.caption.setText("This file records no module per allocation (tracekit's recorder writes it).")
         else:
-            self.caption.setText("; ".join(f"{g['pattern']} ({g['pass']}): {g['layers']} layers, "
+            self.caption.setText("; ".join(f"{g['pattern']} ({g['pass']}): {g['layers']} modules, "
                                            f"{fmt_bytes(g['bytes_at_peak_total'])} at the peak" for g in layers[:2]))
         self.caption.setVisible(bool(self.caption.text()))
         self.table.setToolTip("forward: made while the module's forward ran; backward: made by the backward "

@@ -159,3 +159,15 @@ def test_cuda_profiler_steps_aside_for_the_users_profiler():
         att.finish({"device_traces": []})
     assert att.profiler._prof is None and att.profiler._watch is None
     assert any(r for r in att.origins.ranges[before:])  # ours saw the backward after theirs stopped
+
+
+def test_module_lines_text():
+    from tracekit.render_modules import module_lines
+
+    rows = [{"module": f"layers.{i}.mlp", "pass": "forward", "bytes_at_peak": 1 << 20, "peak_bytes": 2 << 20}
+            for i in range(2)]
+    table = {"rows": rows, "modules": 2, "layers": _layers(rows)}
+    text = "\n".join(module_lines(table))
+    assert "1.0 MiB     2.0 MiB  layers.0.mlp (forward)" in text
+    assert "layers.*.mlp (forward): 2 modules hold 1.0 MiB each at the peak (2.0 MiB in all), at most 2.0 MiB" in text
+    assert module_lines(None) == []

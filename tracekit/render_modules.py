@@ -16,6 +16,6 @@ def module_lines(table: dict | None) -> list[str]:
     for g in table["layers"][:5]:
         lo, hi = fmt_bytes(g["bytes_at_peak_min"]), fmt_bytes(g["bytes_at_peak_max"])
         each = lo if lo == hi else f"{lo}–{hi}"
-        out.append(f"    {g['pattern']} ({g['pass']}): {g['layers']} layers hold {each} each at the peak "
+        out.append(f"    {g['pattern']} ({g['pass']}): {g['layers']} modules hold {each} each at the peak "
                    f"({fmt_bytes(g['bytes_at_peak_total'])} in all), at most {fmt_bytes(g['peak_bytes_max'])}")
     return out
