@@ -14,7 +14,7 @@ import numpy as np
 import tracekit
 from tracekit.analysis.categories import categorize
 from tracekit.analysis.live import has_timeline, live_by_site
-from tracekit.analysis.sites import allocation_sites, allocation_where, site_frames
+from tracekit.analysis.sites import allocation_sites, allocation_where, site_frames, site_info
 from tracekit.analysis.phases import PHASES, phases
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
@@ -181,6 +181,17 @@ class Document:
         rep = self.replays[device]
         site = allocation_sites(self.trace, rep).site_stack[row]
         return site_frames(self.trace, int(rep.allocations.stack_id[row]), int(site))
+
+    def allocation_origin(self, device, row) -> tuple[str | None, str | None]:
+        """(the forward line whose backward made it, as "backward of file:line in f", or None; its module)."""
+        rep = self.replays[device]
+        sites = allocation_sites(self.trace, rep)
+        module = int(sites.module[row])
+        name = self.trace.strings[module] if module > 0 else None
+        if not sites.forward[row]:
+            return None, name
+        info = site_info(self.trace, int(rep.allocations.stack_id[row]), int(sites.site_stack[row]), True)
+        return info["where"], name
 
     def where_table(self, device):
         """(strings, ids): the top user frame of each allocation, as an index into unique strings."""

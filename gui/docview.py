@@ -8,6 +8,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QComboBox, QGroupBo
                                QLineEdit, QProgressBar, QPushButton, QSplitter, QTableView, QVBoxLayout, QWidget)
 
 from .breakdown import BreakdownPanel
+from .modules_panel import ModulesPanel
 from .findings import FindingsList
 from .inspector import Inspector
 from .palette import fmt_bytes
@@ -74,6 +75,7 @@ class DocumentView(QWidget):
 
         self.timeline = TimelineWidget()
         self.breakdown = BreakdownPanel()
+        self.modules = ModulesPanel()  # per nn.Module (issue 11)
         self.findings = FindingsList()
         self.inspector = Inspector()
         self.model = AllocationsModel(self)
@@ -115,7 +117,8 @@ class DocumentView(QWidget):
         side = QSplitter(Qt.Vertical)
         side.addWidget(_boxed("Breakdown", self.breakdown))
         side.addWidget(_boxed("Findings", self.findings))
-        side.setSizes([300, 260])
+        side.addWidget(_boxed("Modules", self.modules))
+        side.setSizes([300, 260, 200])
         upper = QSplitter(Qt.Horizontal)
         upper.addWidget(self.timeline)
         upper.addWidget(side)
@@ -159,6 +162,7 @@ class DocumentView(QWidget):
         self.breakdown.set_categories(self.timeline.present_names, at_peak,
                                       rep.reserved_at(rep.peak_index))
         self.findings.set_findings(doc.findings(device))
+        self.modules.set_table(info.get("modules"))
         self.inspector.clear()
         self.cursor_index = None
         self.category_box.blockSignals(True)

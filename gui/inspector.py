@@ -76,6 +76,9 @@ class Inspector(QWidget):
                          f" ({f - a:,} entries)")
         elif a >= 0 and f >= 0:
             lines.append(f"lifetime   {f - a:,} entries")
+        made, module = doc.allocation_origin(device, row)  # forward origin and module (issue 11)
+        if made or module:
+            lines.append(f"made in    {made or 'forward'}" + (f" · module {module}" if module else ""))
         lines += ["", "Allocated at (innermost first, your code first):"]
         lines += format_frames(doc.allocation_frames(device, row))
         if al.free_stack_id[row] >= 0:

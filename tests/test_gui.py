@@ -490,3 +490,19 @@ def test_readme_and_ci_install_the_packages_the_check_knows():
     ci = (ROOT / ".ci" / "run").read_text()
     for package in display.XCB_PACKAGES:
         assert package in readme and package in ci, package
+
+
+def test_modules_panel_shows_the_report_rows(qtbot):
+    """The Modules panel lists the report's per-module rows (analysis/modules.py); none for foreign files."""
+    from tracekit_gui.modules_panel import ModulesPanel
+
+    table = {"rows": [{"module": "mlp", "pass": "backward", "bytes_at_peak": 2 << 20, "peak_bytes": 3 << 20},
+                      {"module": "mlp.up", "pass": "forward", "bytes_at_peak": 1 << 20, "peak_bytes": 1 << 20}],
+             "modules": 2, "layers": []}
+    panel = ModulesPanel()
+    qtbot.addWidget(panel)
+    panel.set_table(table)
+    cells = [[panel.table.item(r, c).text() for c in range(4)] for r in range(panel.table.rowCount())]
+    assert cells == [["mlp", "backward", "2.0 MiB", "3.0 MiB"], ["mlp.up", "forward", "1.0 MiB", "1.0 MiB"]]
+    panel.set_table(None)
+    assert panel.table.rowCount() == 0 and "no module" in panel.caption.text()

@@ -98,6 +98,17 @@ class Events:
     compile_context: np.ndarray  # int32 string id
     category: np.ndarray  # int32 string id written by tracekit (0 = none)
     device_free: np.ndarray  # int64, oom entries only (else 0)
+    # the forward op's stack that caused a backward allocation (NO_ID: none), and the nn.Module path
+    # running when it was made (string id, 0 = none); written by our recorder (docs/format.md)
+    forward_stack_id: np.ndarray = None  # int32
+    module: np.ndarray = None  # int32 string id
+
+    def __post_init__(self):
+        n = len(self.action)
+        if self.forward_stack_id is None:
+            self.forward_stack_id = np.full(n, NO_ID, np.int32)
+        if self.module is None:
+            self.module = np.zeros(n, np.int32)
 
     def __len__(self):
         return len(self.action)

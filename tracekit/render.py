@@ -72,6 +72,8 @@ def report_text(report: dict, t0_by_device=None) -> str:
             out.append("  live at the peak, by allocation site:")
             out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {_site(s)}")
                           for s in d["top_stacks_at_peak"]], indent="    ")
+        from .render_modules import module_lines  # per module (issue 11)
+        out += module_lines(d.get("modules"))
         out.append("")
     others = [f for f in report["findings"] if f["kind"] != "peak"]
     if others:

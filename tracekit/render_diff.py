@@ -80,7 +80,7 @@ def diff_text(result: dict) -> str:
         out += _phase_lines(d.get("phases") or [])
         out += _iteration_lines(d.get("iterations") or [])
         out += _keyed_rows("at the peak, by site (your line):", d["sites_at_peak"], "site")
-        out += _keyed_rows("at the peak, by module (tensors the recorder named):", d.get("modules_at_peak") or [],
+        out += _keyed_rows("at the peak, by module (named tensors, and the module that ran):", d.get("modules_at_peak") or [],
                            "module")
         if not any(c["significant"] for _, c in figures) and not d["sites_at_peak"]:
             out.append("  nothing changed beyond noise")

@@ -115,7 +115,8 @@ def peak_sites(trace: Trace, device: int) -> dict:
 
 def peak_modules(trace: Trace, device: int) -> dict | None:
     """{module path: {category: bytes live at the peak}} of the tensors the recorder named (parameters,
-    gradients, optimizer state); None when the file names none (not our recorder, or no model given)."""
+    gradients, optimizer state) and, for the rest, the module that ran when they were made (tables.tag_names);
+    None when the file names none (not our recorder, or no model given)."""
     from .categories import categorize
     from .tables import tag_names
 

@@ -24,6 +24,8 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
     from .estimate.measured import add_estimates  # predicted vs measured, per device (issue 12)
     add_estimates(trace, devices, estimate, rules)
+    from .modules import add_modules  # per nn.Module (issue 11)
+    add_modules(trace, devices, reps)
     findings = []
     for d, summary in zip(trace.devices, devices):
         findings += device_findings(trace, reps[d], rules, summary)

@@ -6,6 +6,12 @@ pass, recorded with C++ stacks) take the user's line that ran that pass (the
 `loss.backward()` call seen on entries of the same phase run), and say which
 autograd node made them. Sites group by (user frame, autograd node), so one
 line never shows twice and the engine's work splits by node.
+
+Our recorder writes, on each backward allocation, the stack of the forward op
+whose backward made it (`forward_frames`, record/origins.py): that forward
+line is the site ("backward of train.py:13 in loss_fn"), grouped apart from
+the same line's forward allocations. Every allocation may also carry the
+`nn.Module` that ran (`module`; for backward, the module of its forward op).
 """
 from __future__ import annotations
 
@@ -71,6 +77,8 @@ class AllocationSites:
     site_stack: np.ndarray  # int32: own stack, or the stack of the user's line that ran its pass
     key: np.ndarray  # int64: (user frame, node) packed; allocations with equal keys are one site
     borrowed: np.ndarray  # bool: the site comes from the pass, not the allocation's own stack
+    forward: np.ndarray  # bool: the site is the forward op whose backward made the allocation
+    module: np.ndarray  # int32 string id of the module that ran (0: not recorded)
 
 
 def allocation_sites(trace: Trace, rep: DeviceReplay) -> AllocationSites:
@@ -103,16 +111,26 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     traced = al.alloc_index >= 0
     if n:
         site[traced] = entry_site[al.alloc_index[traced]]
-    borrowed = site != own
+    fwd = np.full(len(own), -1, np.int64)
+    module = np.zeros(len(own), np.int32)
+    if n:
+        fwd[traced] = trace.events.forward_stack_id[rep.events][al.alloc_index[traced]]
+        module[traced] = trace.events.module[rep.events][al.alloc_index[traced]]
+    forward = fwd >= 0
+    site[forward] = fwd[forward]
+    borrowed = (site != own) & ~forward
     user = ss.user_frame[site + 1].astype(np.int64)
     nodes = ss.node[own + 1].astype(np.int64)
+    if forward.any():  # a line's backward allocations are a site apart from its forward ones
+        nodes = np.where(forward & (nodes == 0), trace.strings.intern("backward"), nodes)
     # no user frame: the stack itself is the site; no stack at all: what the categories say of it
     from .categories import categorize
 
     reason = categorize(trace)[device].reason.astype(np.int64)
     first = np.where(user >= 0, user, np.where(own >= 0, -2 - own, -(1 << 40) - reason))
     key = first * (len(trace.strings) + 1) + np.where(user >= 0, nodes, 0)
-    return AllocationSites(site_stack=site.astype(np.int32), key=key, borrowed=borrowed)
+    return AllocationSites(site_stack=site.astype(np.int32), key=key, borrowed=borrowed, forward=forward,
+                           module=module)
 
 
 def site_frames(trace: Trace, own_stack: int, site_stack: int) -> list[dict]:
@@ -123,15 +141,37 @@ def site_frames(trace: Trace, own_stack: int, site_stack: int) -> list[dict]:
     return [f for f in trace.stack(site_stack) if is_user(f)] + own
 
 
-def site_info(trace: Trace, own_stack: int, site_stack: int | None = None) -> dict:
-    """frames (user first), user_frame, what the internal frames reveal, and the one-line site."""
+def site_info(trace: Trace, own_stack: int, site_stack: int | None = None, forward: bool | None = None,
+              module: int = 0) -> dict:
+    """frames (user first), user_frame, what the internal frames reveal, and the one-line site.
+
+    `forward`: the site is the forward op whose backward made the allocation
+    (None: so when `site_stack` is another stack that some entry names as
+    its forward_frames); `module`: the string id of its module.
+    """
     site_stack = own_stack if site_stack is None else site_stack
+    if forward is None:
+        forward = site_stack != own_stack and site_stack >= 0 and site_stack in forward_stacks(trace)
     frames = site_frames(trace, own_stack, site_stack)
     what = describe(trace.stack(own_stack)) if own_stack >= 0 else ""
     user = frames[0] if frames and is_user(frames[0]) else None
     # a user line says where; what the internals reveal is added when it is not the line's own op
     shown = what if user is None or site_stack != own_stack or what in _WORTH_SAYING else ""
-    return {"frames": frames, "user_frame": user, "what": what or None, "where": where(frames, shown)}
+    if forward:
+        shown = what if what and what not in ("autograd engine",) else ""
+    line = where(frames, shown)
+    name = trace.strings[module] if module > 0 else None
+    if forward:
+        line = f"backward of {line}" + (f" in module {name}" if name else "")
+    return {"frames": frames, "user_frame": user, "what": what or None, "where": line,
+            "forward_origin": bool(forward), "module": name}
+
+
+@per_trace
+def forward_stacks(trace: Trace) -> frozenset:
+    """The stack ids some entry names as its forward_frames."""
+    f = trace.events.forward_stack_id
+    return frozenset(np.unique(f[f >= 0]).tolist())
 
 
 # What internal frames reveal that the user's line alone does not.
@@ -155,8 +195,9 @@ def group_sites(trace: Trace, rep: DeviceReplay, mask: np.ndarray, limit: int = 
             break
         members = rows[inv == k]
         lead = members[np.argmax(al.size[members])]
-        info = site_info(trace, int(al.stack_id[lead]), int(sites.site_stack[lead]))
-        if al.stack_id[lead] < 0:
+        info = site_info(trace, int(al.stack_id[lead]), int(sites.site_stack[lead]), bool(sites.forward[lead]),
+                         int(sites.module[lead]))
+        if al.stack_id[lead] < 0 and not sites.forward[lead]:
             info["where"] = f"(no stack) {_reason(trace, rep, lead)}"
         out.append({"bytes": int(nbytes[k]), "count": int(count[k]), **info,
                     "stack_id": int(al.stack_id[lead]),
@@ -172,10 +213,11 @@ def allocation_where(trace: Trace, rep: DeviceReplay) -> tuple[np.ndarray, np.nd
     uniq, first, inv = np.unique(sites.key, return_index=True, return_inverse=True)
     strings = np.empty(len(uniq), dtype=object)
     for k, row in enumerate(first.tolist()):
-        if al.stack_id[row] < 0:
+        if al.stack_id[row] < 0 and not sites.forward[row]:
             strings[k] = f"(no stack) {_reason(trace, rep, row)}"
         else:
-            strings[k] = site_info(trace, int(al.stack_id[row]), int(sites.site_stack[row]))["where"]
+            strings[k] = site_info(trace, int(al.stack_id[row]), int(sites.site_stack[row]),
+                                   bool(sites.forward[row]), int(sites.module[row]))["where"]
     return strings, inv.astype(np.int32)
 
 

@@ -92,7 +92,18 @@ def tag_names(trace: Trace, rep) -> tuple[np.ndarray, np.ndarray]:
 
     A parameter `blocks.0.qkv.weight`, its gradient `blocks.0.qkv.weight.grad`
     and its state `blocks.0.qkv.weight.exp_avg` all name module `blocks.0.qkv`
-    ("" is the model itself)."""
+    ("" is the model itself). Untagged allocations take the module our recorder
+    wrote on them (`module`: the one that ran; see analysis/modules.py)."""
+    tensor, module = _tag_names(trace, rep)
+    from .modules import recorded_modules
+
+    recorded = recorded_modules(trace, rep)
+    fill = (module == None) & (recorded != None)  # noqa: E711 (object arrays)
+    module[fill] = recorded[fill]
+    return tensor, module
+
+
+def _tag_names(trace: Trace, rep) -> tuple[np.ndarray, np.ndarray]:
     m = len(rep.allocations)
     tensor, module = np.full(m, None, dtype=object), np.full(m, None, dtype=object)
     tags = [t for t in (trace.recorder or {}).get("tags") or []

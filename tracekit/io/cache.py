@@ -30,14 +30,14 @@ import numpy as np
 from ..model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 from .limits import env_number
 
-VERSION = 4  # bump whenever Trace or meta layout changes (4: memory-timeline device label)
+VERSION = 5  # bump whenever Trace or meta layout changes (4: memory-timeline device label, 5: origins)
 _TABLES = {"ev": ("events", Events), "fr": ("frames", Frames), "st": ("stacks", Stacks),
            "sg": ("segments", Segments), "bl": ("blocks", Blocks)}
 _I32, _I64, _U64, _I8 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int8)
 DTYPES = {
     "ev": {"device": _I32, "index": _I64, "action": _I8, "addr": _U64, "size": _I64, "stream": _I64,
            "time_us": _I64, "stack_id": _I32, "user_metadata": _I32, "compile_context": _I32,
-           "category": _I32, "device_free": _I64},
+           "category": _I32, "device_free": _I64, "forward_stack_id": _I32, "module": _I32},
     "fr": {"filename": _I32, "line": _I32, "name": _I32},
     "st": {"offsets": _I64, "frame_ids": _I32},
     "sg": {"device": _I32, "address": _U64, "total_size": _I64, "stream": _I64, "segment_type": _I32,
@@ -201,9 +201,9 @@ def check_consistent(t: Trace) -> None:
         raise Odd("stack offsets")
     within(t.stacks.frame_ids, 0, nf, "frame ids")
     for col in (t.frames.filename, t.frames.name, t.events.user_metadata, t.events.compile_context,
-                t.events.category, t.segments.segment_type, t.segments.pool_id):
+                t.events.category, t.events.module, t.segments.segment_type, t.segments.pool_id):
         within(col, 0, ns, "string ids")
-    for col in (t.events.stack_id, t.segments.stack_id, t.blocks.stack_id):
+    for col in (t.events.stack_id, t.events.forward_stack_id, t.segments.stack_id, t.blocks.stack_id):
         within(col, -1, nst, "stack ids")
     within(t.events.action, 0, len(ACTIONS), "actions")
     within(t.blocks.state, 0, len(BLOCK_STATES), "block states")

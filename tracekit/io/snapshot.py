@@ -107,6 +107,8 @@ def _events_of(device, entries, it, present, unknown) -> dict:
         "compile_context": _string_column(_values(entries, "compile_context", keys, ""), it),
         "category": _string_column(_values(entries, "category", keys, ""), it),
         "device_free": np.zeros(n, dtype=np.int64),
+        "forward_stack_id": _stack_column(_values(entries, "forward_frames", keys, None), it),
+        "module": _string_column(_values(entries, "module", keys, ""), it),
     }
     for i in np.flatnonzero(action == OOM):
         free = entries[i].get("device_free", 0)
@@ -188,6 +190,7 @@ _EVENT_DTYPES = {
     "device": np.int32, "index": np.int64, "action": np.int8, "addr": np.uint64, "size": np.int64,
     "stream": np.int64, "time_us": np.int64, "stack_id": np.int32, "user_metadata": np.int32,
     "compile_context": np.int32, "category": np.int32, "device_free": np.int64,
+    "forward_stack_id": np.int32, "module": np.int32,
 }
 
 

@@ -15,7 +15,7 @@ __all__ = ["record", "record_steps", "Recorder"]
 
 
 def record(path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", stacks="python",
-           max_entries=DEFAULT_MAX_ENTRIES, activations=True) -> Recorder:
+           max_entries=DEFAULT_MAX_ENTRIES, activations=True, origins=True) -> Recorder:
     """Record memory while the `with` block runs and write it to `path`.
 
     path: output file; "{rank}" and "{pid}" are filled in. model, optimizer:
@@ -23,7 +23,9 @@ def record(path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", sta
     buffers, gradients, optimizer state) and holds the ones that existed
     before recording. backend: "auto" (CUDA if available, else CPU), "cuda"
     or "cpu". stacks: "python" or "all". max_entries: trace entries kept (the
-    newest). activations: tag tensors saved for backward.
+    newest). activations: tag tensors saved for backward. origins: name each
+    backward allocation by its forward line and every allocation by its module
+    (False, or TRACEKIT_ORIGINS=0, turns it off).
 
         with tracekit.record("step.pickle", model=model, optimizer=opt) as rec:
             for batch in loader:
@@ -31,7 +33,7 @@ def record(path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", sta
                 rec.step()  # optional iteration boundary
     """
     return Recorder(path, model, optimizer, backend=backend, stacks=stacks,
-                    max_entries=max_entries, activations=activations)
+                    max_entries=max_entries, activations=activations, origins=origins)
 
 
 def record_steps(step_fn, steps=3, warmup=1, path=DEFAULT_PATH, model=None, optimizer=None, **options):

@@ -73,6 +73,7 @@ class CpuBackend:
         self._watch = None  # coexist.OtherProfilers
         self._ranges = None  # coexist.OpenRanges: no restart while a record_function range is open
         self._paused = None  # the open gap while the user's profiler runs
+        self.origins = None  # origins.Origins: forward origins and modules, fed each session (origins.py)
 
     # -- recording ---------------------------------------------------------
     def device_of(self, tensor):
@@ -142,6 +143,9 @@ class CpuBackend:
 
     def _take(self, results, since_us=None):
         """Convert a profiler result's allocation events into the ring, then let the result go."""
+        if self.origins is not None:
+            from .origins import take
+            take(self.origins, results)
         events = allocation_events(results, with_ops=self.stacks == "all")
         if since_us is not None:
             events = [e for e in events if e[0] // 1000 >= since_us]

@@ -17,6 +17,7 @@ import signal
 import sys
 import warnings
 
+from . import origins as _origins
 from . import summary
 from .hooks import Hooks
 from .marks import Marks, now_us
@@ -39,7 +40,8 @@ class Recorder:
     """
 
     def __init__(self, path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", stacks="python",
-                 max_entries=DEFAULT_MAX_ENTRIES, activations=True, warmup=0, steps=None, command=None):
+                 max_entries=DEFAULT_MAX_ENTRIES, activations=True, warmup=0, steps=None, command=None,
+                 origins=True):
         if stacks not in ("python", "all"):
             raise ValueError(f"stacks must be 'python' or 'all', not {stacks!r}")
         if backend not in ("auto", "cuda", "cpu"):
@@ -75,6 +77,8 @@ class Recorder:
         self._preexisting_frames = []
         self._watch = None
         self._term = None
+        self.origins = origins  # forward origins of backward allocations, and modules (origins.py)
+        self._origins = None
 
     # -- context manager ---------------------------------------------------
     def __enter__(self):
@@ -139,6 +143,8 @@ class Recorder:
                 self._hooks.remove()
             if self._term is not None:
                 self._term.remove()
+            if self._origins is not None:
+                self._origins.remove()
 
     # -- listener methods (called by Hooks) --------------------------------
     def forward_started(self, module, args, kwargs):
@@ -206,6 +212,7 @@ class Recorder:
         self._start_us = now_us()
         self._first_iteration = self._marks.iteration
         self._tag_existing(self._start_us)
+        self._origins = _origins.attach(self, self._backend)
         self._backend.start(self._preexisting)
         self.recording = True
         self._backend.set_metadata(now_us(), self._marks.metadata)
@@ -289,6 +296,8 @@ class Recorder:
                 snapshot = self._backend.snapshot(preexisting, freed=freed)
             else:
                 snapshot = self._backend.snapshot(preexisting)
+            if self._origins is not None:
+                self._origins.finish(snapshot)
             snapshot["tracekit"] = self._tracekit_key(end_us)
             if not any(snapshot.get("device_traces") or []):
                 why = "; ".join(sorted({g["reason"] for g in snapshot["tracekit"]["gaps"]})) or "no allocations"
@@ -376,6 +385,7 @@ class Recorder:
         for cleanup in (
             lambda: self._hooks.remove(pop_saved_hooks) if self._hooks is not None else None,
             lambda: self._backend.restore() if self._backend is not None else None,
+            lambda: self._origins.remove() if self._origins is not None else None,
             lambda: self._term.remove() if self._term is not None else None,
         ):
             try:

@@ -1,0 +1,108 @@
+"""Memory per `nn.Module`: what each module's forward and backward hold at the peak and at most.
+
+Our recorder writes on each allocation the module that ran (`module`; for a
+backward allocation, the module whose forward op made its autograd node,
+record/origins.py). Here allocations group by module and by pass (forward:
+made while the module's forward ran; backward: made by the backward of its
+forward ops). Repeated layers (``layers.0.mlp`` … ``layers.31.mlp``) are
+also summarised as one pattern (``layers.*.mlp``). Files without the field
+have no module table (None).
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..model import Trace
+from .replay import DeviceReplay
+from .sites import allocation_sites
+
+_INDEX = re.compile(r"(?<![^.])\d+(?=\.|$)")
+
+
+def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
+    """The module path our recorder wrote on each allocation (object array, None where none)."""
+    mod = allocation_sites(trace, rep).module
+    out = np.full(len(mod), None, dtype=object)
+    ids = np.unique(mod[mod > 0])
+    if len(ids):
+        names = np.array([trace.strings[int(i)] for i in ids], dtype=object)
+        has = mod > 0
+        out[has] = names[np.searchsorted(ids, mod[has])]
+    return out
+
+
+def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
+    """The most bytes each group held live at once (allocations' alloc/free entry indices)."""
+    rows = np.flatnonzero(group >= 0)
+    out = np.zeros(n_groups, np.int64)
+    if not len(rows):
+        return out
+    g = group[rows].astype(np.int64)
+    size = al.size[rows].astype(np.int64)
+    born = al.alloc_index[rows]
+    dies = np.where(al.free_index[rows] >= 0, al.free_index[rows], np.iinfo(np.int64).max)
+    grp = np.concatenate([g, g])
+    idx = np.concatenate([born, dies])
+    delta = np.concatenate([size, -size])
+    order = np.lexsort((delta, idx, grp))  # frees before allocs at one index
+    grp, delta = grp[order], delta[order]
+    live = np.cumsum(delta)
+    starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+    base = np.r_[0, live[starts[1:] - 1]]
+    live = live - np.repeat(base, np.diff(np.r_[starts, len(grp)]))
+    out[grp[starts]] = np.maximum.reduceat(live, starts)
+    return out
+
+
+def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | None:
+    """{"rows": per module and pass, largest at the peak first; "layers": repeated layers}; None without modules."""
+    al = rep.allocations
+    sites = allocation_sites(trace, rep)
+    mod = sites.module.astype(np.int64)
+    if not len(al) or not (mod > 0).any():
+        return None
+    backward = sites.forward
+    key = np.where(al.alloc_index >= 0, mod * 2 + backward, -1)  # made in the trace; module 0: outside any
+    uniq, inv = np.unique(key[key >= 0], return_inverse=True)
+    group = np.full(len(al), -1, np.int64)
+    group[key >= 0] = inv
+    live = al.live_at(rep.peak_index)
+    n = len(uniq)
+    at_peak = np.bincount(group[live & (group >= 0)], weights=al.size[live & (group >= 0)], minlength=n)
+    total = np.bincount(group[group >= 0], weights=al.size[group >= 0], minlength=n)
+    count = np.bincount(group[group >= 0], minlength=n)
+    most = group_peaks(group, al, n)
+    rows = [{"module": trace.strings[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
+             "bytes_at_peak": int(at_peak[k]), "peak_bytes": int(most[k]),
+             "allocated_bytes": int(total[k]), "count": int(count[k])} for k, u in enumerate(uniq.tolist())]
+    rows.sort(key=lambda r: (-r["bytes_at_peak"], -r["peak_bytes"], r["module"], r["pass"]))
+    return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows)}
+
+
+def _layers(rows: list[dict]) -> list[dict]:
+    """Rows of repeated layers folded into a pattern: how many, and their least/most bytes at the peak."""
+    groups = {}
+    for r in rows:
+        pattern = _INDEX.sub("*", r["module"])
+        if pattern != r["module"]:
+            groups.setdefault((pattern, r["pass"]), []).append(r)
+    out = []
+    for (pattern, kind), members in groups.items():
+        if len(members) < 2:
+            continue
+        at_peak = [m["bytes_at_peak"] for m in members]
+        peaks = [m["peak_bytes"] for m in members]
+        out.append({"pattern": pattern, "pass": kind, "layers": len(members),
+                    "bytes_at_peak_min": min(at_peak), "bytes_at_peak_max": max(at_peak),
+                    "bytes_at_peak_total": sum(at_peak), "peak_bytes_max": max(peaks)})
+    out.sort(key=lambda r: -r["bytes_at_peak_total"])
+    return out
+
+
+def add_modules(trace: Trace, devices: list[dict], reps) -> None:
+    """Put each device's module table under "modules" in its report summary (None without modules)."""
+    for d in devices:
+        d["modules"] = module_table(trace, reps[d["device"]])
+
