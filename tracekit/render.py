@@ -145,6 +145,8 @@ def info_text(info: dict) -> str:
         ("fields present", ", ".join(info["present_fields"]) or "none"),
         ("top-level keys", ", ".join(info["top_level"]) or "none"),
     ]
+    if info.get("window"):
+        pairs.append(("window", info["window"] + " (entries renumbered from 0)"))
     if info["unknown_actions"]:
         pairs.append(("unknown actions", ", ".join(info["unknown_actions"]) + " (skipped)"))
     out = _rows(pairs, indent="")

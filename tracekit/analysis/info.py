@@ -27,6 +27,7 @@ def file_info(trace: Trace) -> dict:
         "present_fields": meta.get("present_fields", []), "top_level": top,
         "unknown_actions": meta.get("unknown_actions", []),
         "external_annotations": len(meta.get("external_annotations") or []),
+        "window": (meta.get("window") or {}).get("description"),
         "devices": [],
     }
     ev = trace.events
