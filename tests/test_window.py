@@ -128,3 +128,12 @@ def test_cli_report_and_info_with_a_window(tmp_path, monkeypatch):
     for bad in (["--last", "ten"], ["--iterations", "3..1"], ["--from", "5", "--to", "4"], ["--from", "-1"]):
         r = CliRunner().invoke(cli, ["info", SAMPLE, *bad])
         assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (bad, r.output)
+
+
+def test_viewer_document_opens_the_window(tmp_path, monkeypatch):
+    document = pytest.importorskip("tracekit_gui.document")
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path))
+    doc = document.Document.open(SAMPLE, window=Window(iterations=(2, 2)))
+    it = phases(load(SAMPLE, use_cache=False))[0].iteration
+    assert len(doc.trace.events) == int((it == 2).sum())
+    assert doc.device_report(0)["peak_iteration"] == 2
