@@ -122,6 +122,10 @@ def test_cli_report_and_info_with_a_window(tmp_path, monkeypatch):
     assert dev["peak_allocated_bytes"] == int(full.allocated[inside].max())
     assert dev["peak_event_index"] == int(np.argmax(full.allocated[inside]))  # renumbered from the window
     assert dev["peak_iteration"] == 2
+    assert json.loads(r.output)["window"]["devices"]["0"] == [int(inside[0]), int(inside[-1]) + 1, len(it)]
+    r = CliRunner().invoke(cli, ["report", SAMPLE, "--iterations", "2"])
+    assert r.output.startswith(f"window: iteration 2; entries are renumbered from 0, entry 0 here is entry "
+                               f"{int(inside[0])} of the file (cpu)\n")
     r = CliRunner().invoke(cli, ["info", SAMPLE, "--from", "100", "--to", "199"])
     assert r.exit_code == 0, r.output
     assert "window          entries 100..199" in r.output and "entries           100 " in r.output

@@ -49,6 +49,13 @@ def window_of(opts: dict):
     return w
 
 
+def window_line(trace) -> str:
+    """'window: iterations 1..2; entry 0 here is entry 2644 of the file (cpu)' for a cut trace."""
+    cut = trace.meta["window"]
+    starts = ", ".join(f"entry {lo} of the file ({trace.device_label(d)})" for d, (lo, _, _) in cut["devices"].items())
+    return f"window: {cut['description']}; entries are renumbered from 0, entry 0 here is {starts}"
+
+
 def open_trace(path, no_cache=False, window=None):
     """Load a file, drawing progress on stderr if it takes more than a second; cut to `window` if given."""
     progress = StderrProgress(f"opening {path}")

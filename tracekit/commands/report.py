@@ -4,7 +4,8 @@ import click
 
 from ..analysis.report import build_report
 from ..render import trace_report_text
-from ._common import echo_json, json_option, no_cache_option, open_trace, rules_option, window_of, window_options
+from ._common import (echo_json, json_option, no_cache_option, open_trace, rules_option, window_line, window_of,
+                      window_options)
 from .estimate import report_options, report_spec
 
 
@@ -37,9 +38,12 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
     spec = report_spec(estimate_knobs)
     trace = open_trace(files[0], no_cache, window)
     report = build_report(trace, rules=rules, estimate=spec)
+    cut = trace.meta.get("window")
     if as_json:
-        echo_json(report)
+        echo_json({**report, "window": cut} if cut else report)
     else:
+        if cut:
+            click.echo(window_line(trace))
         click.echo(trace_report_text(trace, report))
 
 
