@@ -139,6 +139,7 @@ def info_text(info: dict) -> str:
         ("file", info["file"]),
         ("size", fmt_bytes(info["file_bytes"])),
         ("format", f"{info['format']} ({info['container']})"),
+        *([("read by", info["reader"])] if info.get("reader") else []),
         ("recorded by", info["recorded_by"]),
         ("devices", ", ".join(info["device_labels"]) or "none"),
         ("segments", f"{info['segments']} ({info['blocks']} blocks)"),
