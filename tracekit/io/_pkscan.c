@@ -36,7 +36,7 @@ static int grow(Buf *b, Py_ssize_t more) {
 #define AT(b, T, i) (((T *)(b).p)[i])
 
 typedef struct {
-    Buf stack, marks, memo, nkind, nfirst, nlast, ncount, eparent, ekey, ekind, eval, enext;
+    Buf stack, marks, memo, nkind, nfirst, nlast, ncount, eparent, ekey, ekind, eval;
     PyObject *strings, *index, *keys;  /* list of str, {str: id}, list of (kind, val) non-str keys */
     const char *err;
 } S;
@@ -72,19 +72,16 @@ static int32_t key_of(S *s, Value k) {
 
 static int edge(S *s, int64_t parent, int32_t key, Value v) {
     Py_ssize_t e = s->eparent.n;
-    if (e >= LIMIT || grow(&s->eparent, 1) || grow(&s->ekey, 1) || grow(&s->ekind, 1) || grow(&s->eval, 1)
-        || grow(&s->enext, 1)) return -1;
+    if (e >= LIMIT || grow(&s->eparent, 1) || grow(&s->ekey, 1) || grow(&s->ekind, 1) || grow(&s->eval, 1))
+        return -1;
     AT(s->eparent, int32_t, e) = (int32_t)parent;
     AT(s->ekey, int32_t, e) = key;
     AT(s->ekind, uint8_t, e) = v.kind;
     AT(s->eval, int64_t, e) = v.val;
-    AT(s->enext, int32_t, e) = -1;
-    int32_t last = AT(s->nlast, int32_t, parent);
-    if (last < 0) AT(s->nfirst, int32_t, parent) = (int32_t)e;
-    else AT(s->enext, int32_t, last) = (int32_t)e;
+    if (AT(s->nlast, int32_t, parent) < 0) AT(s->nfirst, int32_t, parent) = (int32_t)e;
     AT(s->nlast, int32_t, parent) = (int32_t)e;
     AT(s->ncount, int32_t, parent)++;
-    s->eparent.n++; s->ekey.n++; s->ekind.n++; s->eval.n++; s->enext.n++;
+    s->eparent.n++; s->ekey.n++; s->ekind.n++; s->eval.n++;
     return 0;
 }
 
@@ -111,7 +108,13 @@ static int string(S *s, const char *p, Py_ssize_t n) {
     return push(s, K_STR, i);
 }
 
-static PyObject *bytes_of(Buf *b) { return PyBytes_FromStringAndSize(b->p ? b->p : "", b->n * b->size); }
+/* The buffer as bytes, freed at once: only one buffer is ever held twice. */
+static PyObject *take(Buf *b) {
+    PyObject *out = PyBytes_FromStringAndSize(b->p ? b->p : "", b->n * b->size);
+    PyMem_Free(b->p);
+    b->p = NULL;
+    return out;
+}
 
 #define NEED(k) do { if (end - p < (Py_ssize_t)(k)) { s.err = "truncated"; goto fail; } } while (0)
 #define TOP(k) do { if (s.stack.n - (s.marks.n ? AT(s.marks, Py_ssize_t, s.marks.n - 1) : 0) < (k)) { \
@@ -126,7 +129,7 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
     memset(&s, 0, sizeof s);
     s.stack.size = sizeof(Value); s.marks.size = sizeof(Py_ssize_t); s.memo.size = sizeof(Value);
     s.nkind.size = 1; s.nfirst.size = 4; s.nlast.size = 4; s.ncount.size = 4;
-    s.eparent.size = 4; s.ekey.size = 4; s.ekind.size = 1; s.eval.size = 8; s.enext.size = 4;
+    s.eparent.size = 4; s.ekey.size = 4; s.ekind.size = 1; s.eval.size = 8;
     s.strings = PyList_New(0); s.index = PyDict_New(); s.keys = PyList_New(0);
     PyObject *result = NULL;
     Value top = {0, 0};
@@ -281,11 +284,19 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
         }
     }
 done:
-    result = Py_BuildValue("(iLNNNNNNNNNNOO)", (int)top.kind, (long long)top.val,
-                           bytes_of(&s.nkind), bytes_of(&s.nfirst), bytes_of(&s.nlast), bytes_of(&s.ncount),
-                           bytes_of(&s.eparent), bytes_of(&s.ekey),
-                           bytes_of(&s.ekind), bytes_of(&s.eval), bytes_of(&s.enext), PyLong_FromSsize_t(view.len),
-                           s.strings, s.keys);
+    {
+        PyMem_Free(s.stack.p); PyMem_Free(s.memo.p);
+        s.stack.p = s.memo.p = NULL;
+        PyObject *parts[8] = {take(&s.nkind), take(&s.nfirst), take(&s.nlast), take(&s.ncount),
+                              take(&s.eparent), take(&s.ekey), take(&s.ekind), take(&s.eval)};
+        int ok = 1;
+        for (int i = 0; i < 8; i++) ok &= parts[i] != NULL;
+        if (ok)
+            result = Py_BuildValue("(iLNNNNNNNNOO)", (int)top.kind, (long long)top.val, parts[0], parts[1],
+                                   parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], s.strings, s.keys);
+        else
+            for (int i = 0; i < 8; i++) Py_XDECREF(parts[i]);
+    }
     goto cleanup;
 fail:
     PyErr_Format(PyExc_ValueError, "unsupported: %s", s.err ? s.err : "?");
@@ -295,7 +306,7 @@ error:
 cleanup:
     PyBuffer_Release(&view);
     Buf *all[] = {&s.stack, &s.marks, &s.memo, &s.nkind, &s.nfirst, &s.nlast, &s.ncount, &s.eparent, &s.ekey, &s.ekind,
-                  &s.eval, &s.enext};
+                  &s.eval};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) PyMem_Free(all[i]->p);
     Py_XDECREF(s.strings); Py_XDECREF(s.index); Py_XDECREF(s.keys);
     return result;

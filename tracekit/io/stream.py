@@ -73,7 +73,7 @@ class Tape:
 
     def __init__(self, data):
         try:
-            (self.root_kind, self.root, nkind, nfirst, nlast, ncount, ep, ek, ekind, ev, enext, _, self.strings,
+            (self.root_kind, self.root, nkind, nfirst, nlast, ncount, ep, ek, ekind, ev, self.strings,
              self.keys) = _scan(data)
         except ValueError as e:
             raise Unsupported(str(e)) from None
@@ -85,7 +85,7 @@ class Tape:
         self.ekind = np.frombuffer(ekind, np.uint8)
         self.ev = np.frombuffer(ev, np.int64)
         # scalar access for the small part made into Python objects
-        self._first, self._next = memoryview(nfirst).cast("i"), memoryview(enext).cast("i")
+        self._first, self._last, self._count = (memoryview(b).cast("i") for b in (nfirst, nlast, ncount))
         self._k, self._kind, self._v = memoryview(ek).cast("i"), memoryview(ekind), memoryview(ev).cast("q")
         self._made = {}
         self._depth = max_depth()
@@ -94,10 +94,11 @@ class Tape:
     # -- Python objects, for everything but the trace entries --------------------------------------
 
     def edges(self, node):
-        e = self._first[node]
-        while e >= 0:
-            yield e
-            e = self._next[e]
+        """The edges of a node, in order (contiguous unless items were added in several batches)."""
+        first, last, count = self._first[node], self._last[node], self._count[node]
+        if last - first + 1 == count:
+            return range(first, last + 1) if count else range(0)
+        return np.flatnonzero(self.ep == node).tolist()
 
     def value(self, kind, v, depth=0):
         if kind == K_STR:
@@ -169,11 +170,13 @@ class Tape:
     def _children(self, parent_row, n, nodes):
         """Edges whose parent has a row (>= 0) in `parent_row` (indexed by node; `nodes` are those
         parents by row), grouped by row, in list order."""
-        first, count = self.nfirst[nodes].astype(np.int64), self.ncount[nodes].astype(np.int64)
+        first, count = self.nfirst[nodes], self.ncount[nodes]
         if ((count == 0) | (self.nlast[nodes] - first + 1 == count)).all():  # each one's edges contiguous
             rows = np.repeat(np.arange(len(nodes), dtype=np.int32), count)
-            starts = np.cumsum(count) - count
-            return np.repeat(first - starts, count) + np.arange(int(count.sum())), rows
+            starts = (np.cumsum(count, dtype=np.int64) - count).astype(np.int32)  # edges < 2**31
+            idx = np.repeat(first - starts, count)
+            idx += np.arange(len(idx), dtype=np.int32)
+            return idx, rows
         pr = parent_row[self.ep]
         idx = np.flatnonzero(pr >= 0)
         rows = pr[idx]
