@@ -103,13 +103,23 @@ ODD = {
     "user_metadata int": [{"action": "alloc", "addr": 1, "size": 4, "user_metadata": 5}],
     "int key": [{"action": "alloc", "addr": 1, "size": 4, 7: "x"}],
     "entry not a dict": [{"action": "alloc", "addr": 1, "size": 4}, ["alloc"]],
+    "entries with different keys": [{"action": "alloc", "addr": 1, "size": 4},
+                                    {"size": 4, "action": "free_completed", "addr": 1, "frames": [FRAME]},
+                                    {"action": "alloc", "addr": 2, "size": 8, "frames": [FRAME, FRAME]}],
+    "a key twice": [{"action": "alloc", "addr": 1, "size": 4}],  # made below: SETITEMS sets 'addr' again
 }
 
 
 @pytest.mark.parametrize("name", sorted(ODD))
 def test_unusual_entries_read_or_fail_the_same(name, tmp_path, monkeypatch):
     p = tmp_path / "odd.pickle"
-    p.write_bytes(pickle.dumps(_snapshot(ODD[name]), protocol=4))
+    data = pickle.dumps(_snapshot(ODD[name]), protocol=4)
+    if name == "a key twice":  # the entry's SETITEMS gets a second 'addr' (same memoised key string) = 9
+        i = data.index(b"\x8c\x04addr")
+        k = data.index(b"u", i)
+        data = data[:k] + b"h\x09K\x09" + data[k:]
+        assert pickle.loads(data)["device_traces"][0][0]["addr"] == 9
+    p.write_bytes(data)
     old, new = both(p, monkeypatch)
     if isinstance(old, str):
         assert new == old

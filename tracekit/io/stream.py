@@ -194,12 +194,34 @@ class Tape:
         row[distinct] = np.arange(len(distinct), dtype=np.int32)
         return distinct, row[nodes], row
 
-    def _field(self, idx, keys, row, n, name, kinds):
+    def _regular(self, nodes):
+        """{key: edge of that key per node} when all `nodes` have the same string keys in the same order
+        (the usual case: one writer makes every entry alike), else None."""
+        count = self.ncount[nodes]
+        if not len(nodes) or (count != count[0]).any() or count[0] == 0:
+            return None
+        first, c = self.nfirst[nodes], int(count[0])
+        if (self.nlast[nodes] - first + 1 != c).any():
+            return None
+        idx = first[:, None] + np.arange(c, dtype=np.int32)
+        keys = self.ek[idx]
+        row0 = keys[0].tolist()
+        if min(row0) < 0 or len(set(row0)) != c or (keys != keys[0]).any():
+            return None
+        return {k: idx[:, j] for j, k in enumerate(row0)}
+
+    def _field(self, idx, keys, row, n, name, kinds, regular=None):
         """(rows, kinds, values) of the `name` items of the containers whose edges are `idx` with keys `keys`
-        (`row`: node -> row); Unsupported on a duplicate or a kind not in `kinds`."""
+        (`row`: node -> row; or `regular` from _regular); Unsupported on a duplicate or a kind not in `kinds`."""
         sid = self.sid.get(name)
-        if sid is None:
+        if sid is None or (regular is not None and sid not in regular):
             return np.zeros(0, np.int32), self.ekind[:0], self.ev[:0]
+        if regular is not None:
+            sel = regular[sid]
+            k = self.ekind[sel]
+            if not np.isin(k, kinds).all():
+                raise Unsupported(f"an entry's '{name}' of an unusual type")
+            return np.arange(n, dtype=np.int32), k, self.ev[sel]
         sel = idx[keys == sid]
         r = row[self.ep[sel]]
         if len(r) and np.bincount(r, minlength=n).max() > 1:
@@ -221,13 +243,19 @@ class Tape:
             raise Unsupported("one entry dict listed twice")
         row[distinct] = -1
         row[self.ev[eidx]] = np.arange(n, dtype=np.int32)  # rows in list order
-        idx, _ = self._children(row, n, self.ev[eidx])
-        keys = self.ek[idx]
-        if (keys < 0).any():
-            raise Unsupported("an entry key that is not a string")
-        present.update(self.strings[k][:100] for k in np.unique(keys).tolist())
+        reg = self._regular(self.ev[eidx])
+        if reg is not None:
+            idx = keys = None
+            present.update(self.strings[k][:100] for k in reg)
+        else:
+            idx, _ = self._children(row, n, self.ev[eidx])
+            keys = self.ek[idx]
+            if (keys < 0).any():
+                raise Unsupported("an entry key that is not a string")
+            present.update(self.strings[k][:100] for k in np.unique(keys).tolist())
+        field = lambda *a: self._field(*a, regular=reg)  # noqa: E731
 
-        r, _, v = self._field(idx, keys, row, n, "action", [K_STR])
+        r, _, v = field(idx, keys, row, n, "action", [K_STR])
         if len(r) != n:
             raise Unsupported("an entry without an action")
         names = np.unique(v)
@@ -240,7 +268,7 @@ class Tape:
         col = {"device": np.full(n, device, dtype=np.int32), "index": np.arange(n, dtype=np.int64), "action": action}
         for name, dtype, default in (("addr", np.uint64, 0), ("size", np.int64, 0), ("stream", np.int64, 0),
                                      ("time_us", np.int64, NO_TIME)):
-            r, _, v = self._field(idx, keys, row, n, name, [K_INT])
+            r, _, v = field(idx, keys, row, n, name, [K_INT])
             if name == "addr" and (v < 0).any():
                 raise Unsupported("a negative address")
             c = np.full(n, default, dtype=np.int64)
@@ -250,16 +278,16 @@ class Tape:
         t = col["time_us"]
         if ((t != NO_TIME) & ((t >= MAX_TIME) | (t <= -MAX_TIME))).any():
             raise Unsupported("a time out of range")
-        col["stack_id"] = self._stacks(idx, keys, row, n, it)
+        col["stack_id"] = self._stacks(field(idx, keys, row, n, "frames", [K_LIST, K_NONE]), n, it)
         for name in ("user_metadata", "compile_context", "category"):
-            r, _, v = self._field(idx, keys, row, n, name, [K_STR])
+            r, _, v = field(idx, keys, row, n, name, [K_STR])
             c = np.zeros(n, np.int32)
             if len(r):
                 distinct = np.unique(v)
                 ids = np.array([it.strings.intern(self.strings[s]) for s in distinct.tolist()], np.int32)
                 c[r] = ids[np.searchsorted(distinct, v)]
             col[name] = c
-        r, k, v = self._field(idx, keys, row, n, "device_free", [K_INT, K_NONE, K_FALSE, K_TRUE])
+        r, k, v = field(idx, keys, row, n, "device_free", [K_INT, K_NONE, K_FALSE, K_TRUE])
         free = np.zeros(n, np.int64)
         oom = action[r] == OOM
         if (oom & ((k != K_INT) & (k != K_NONE) | (k == K_INT) & ((v < 0) | (v >= MAX_TOTAL)))).any():
@@ -268,10 +296,10 @@ class Tape:
         col["device_free"] = free
         return col
 
-    def _stacks(self, idx, keys, row, n, it):
+    def _stacks(self, frames, n, it):
         """Stack ids of the entries' 'frames' lists, interned as columns.Interner does (first seen, first id)."""
         out = np.full(n, -1, np.int32)
-        r, k, v = self._field(idx, keys, row, n, "frames", [K_LIST, K_NONE])
+        r, k, v = frames
         r, lists = r[k == K_LIST], v[k == K_LIST]
         if not len(r):
             return out
@@ -283,11 +311,12 @@ class Tape:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         fnodes = self.ev[fidx]
         ufr, finv, frow = self._rows(fnodes)
-        gidx, _ = self._children(frow, len(ufr), ufr)
-        gkeys = self.ek[gidx]
+        reg = self._regular(ufr)
+        gidx, gkeys = (None, None) if reg is not None else (self._children(frow, len(ufr), ufr)[0], None)
+        gkeys = self.ek[gidx] if gidx is not None else None
         parts = {}
         for name, kind in (("filename", K_STR), ("line", K_INT), ("name", K_STR)):
-            fr, _, fv = self._field(gidx, gkeys, frow, len(ufr), name, [kind])
+            fr, _, fv = self._field(gidx, gkeys, frow, len(ufr), name, [kind], regular=reg)
             if len(fr) != len(ufr):
                 raise Unsupported(f"a frame without '{name}'")
             parts[name] = np.empty(len(ufr), np.int64)
