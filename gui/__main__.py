@@ -18,6 +18,10 @@ parser.add_argument("--select", default=None, metavar="KIND",
 parser.add_argument("--no-cache", action="store_true", help="do not read or write the columnar cache")
 parser.add_argument("--compare", action="store_true", help="compare two files (A before, B after)")
 parser.add_argument("--check", action="store_true", help="only check that a window can open here (exit 2 if not)")
+for flag, metavar, what in (("--from", "N", "only entries from N on"), ("--to", "N", "only entries up to N (inclusive)"),
+                            ("--last", "SPAN", "only the last SPAN (10s, 250ms, 2min)"),
+                            ("--iterations", "A..B", "only iterations A to B")):
+    parser.add_argument(flag, dest="window_" + flag[2:], default=None, metavar=metavar, help=what)
 args = parser.parse_args()
 if args.check:
     why = display.missing_packages() or display.problem()
@@ -25,7 +29,19 @@ if args.check:
         print(f"tracekit: {why}", file=sys.stderr)
     sys.exit(2 if why else 0)
 
+from tracekit.analysis.window import Window, parse_duration, parse_iterations  # noqa: E402
+
+try:
+    trace_window = Window(
+        first=None if args.window_from is None else int(args.window_from),
+        last=None if args.window_to is None else int(args.window_to),
+        last_us=None if args.window_last is None else parse_duration(args.window_last),
+        iterations=None if args.window_iterations is None else parse_iterations(args.window_iterations))
+except ValueError as e:
+    print(f"tracekit: {e}", file=sys.stderr)
+    sys.exit(2)
+
 from .app import main  # noqa: E402  (Qt is imported only past the check)
 
 sys.exit(main(args.files, screenshot_path=args.screenshot, select=args.select, use_cache=not args.no_cache,
-              compare=args.compare))
+              compare=args.compare, trace_window=trace_window or None))

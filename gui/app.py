@@ -168,8 +168,9 @@ class MainWindow(QMainWindow):
         recent = self.recent_files()
         return os.path.dirname(recent[0]) if recent else os.getcwd()
 
-    def open_file(self, path, use_cache=True) -> LoadingView:
-        """Start loading `path` in a new tab (in the background); returns the tab's loading view."""
+    def open_file(self, path, use_cache=True, window=None) -> LoadingView:
+        """Start loading `path` (cut to `window`, if given) in a new tab, in the background; returns the tab's
+        loading view."""
         path = os.path.abspath(os.fspath(path))
         view = LoadingView(path)
         index = self.tabs.addTab(view, os.path.basename(path))
@@ -177,7 +178,7 @@ class MainWindow(QMainWindow):
         self.tabs.setCurrentIndex(index)
         if self.tabs.indexOf(self.welcome) >= 0:
             self.tabs.removeTab(self.tabs.indexOf(self.welcome))
-        thread = LoadThread(path, use_cache=use_cache)
+        thread = LoadThread(path, use_cache=use_cache, window=window)
         thread.progress.connect(view.set_progress)
         thread.loaded.connect(lambda doc: self._loaded(view, doc))
         thread.failed.connect(lambda msg: self._failed(view, msg))
@@ -384,7 +385,8 @@ def _wait_exposed(window, timeout_s=20) -> bool:
     return window.windowHandle().isExposed()
 
 
-def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compare=False) -> int:
+def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compare=False,
+               trace_window=None) -> int:
     """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
 
     On a real display (xcb under Xvfb, say) the window is shown there and must be
@@ -397,7 +399,7 @@ def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compar
     if app.platformName() != "offscreen" and not _wait_exposed(window):
         print(f"tracekit: the window never appeared on the {app.platformName()} display", file=sys.stderr)
         return 2
-    _open_all(window, files, compare, use_cache)
+    _open_all(window, files, compare, use_cache, trace_window)
     wait_loaded(window)
     if window.last_error or not (window.document_views() or window.tabs.currentWidget() is not window.welcome):
         print(f"tracekit: {window.last_error or 'nothing could be shown'}", file=sys.stderr)
@@ -421,7 +423,7 @@ def _without_offscreen_noise(mode, context, message):
         sys.stderr.write(message + "\n")
 
 
-def _open_all(window, files, compare=False, use_cache=True):
+def _open_all(window, files, compare=False, use_cache=True, trace_window=None):
     """Files in tabs; two with `compare` side by side; a folder as a rank dashboard."""
     if compare and len(files) == 2:
         return window.open_compare(*files)
@@ -429,10 +431,10 @@ def _open_all(window, files, compare=False, use_cache=True):
         if os.path.isdir(f):
             window.open_ranks(f)
         else:
-            window.open_file(f, use_cache=use_cache)
+            window.open_file(f, use_cache=use_cache, window=trace_window)
 
 
-def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False) -> int:
+def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False, trace_window=None) -> int:
     """Run the viewer on `files` (or render a screenshot and exit).
 
     Before Qt starts, checks that a window can open here; if not, says in one line
@@ -445,11 +447,12 @@ def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=Fa
         return 2
     qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
-        return screenshot(files, screenshot_path, select=select, use_cache=use_cache, compare=compare)
+        return screenshot(files, screenshot_path, select=select, use_cache=use_cache, compare=compare,
+                          trace_window=trace_window)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")
     app.setOrganizationName("tracekit")
     window = MainWindow()
     window.show()
-    QTimer.singleShot(0, lambda: _open_all(window, files, compare, use_cache))
+    QTimer.singleShot(0, lambda: _open_all(window, files, compare, use_cache, trace_window))
     return app.exec()

@@ -19,6 +19,7 @@ from tracekit.analysis.phases import PHASES, phases
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
 from tracekit.analysis.timeline import categories_at, category_series, time_origin
+from tracekit.analysis.window import select
 from tracekit.errors import Cancelled
 from tracekit.model import NO_TIME
 
@@ -38,8 +39,9 @@ class Document:
     # ---- building ---------------------------------------------------------
 
     @classmethod
-    def open(cls, path, progress=None, cancelled=lambda: False, use_cache=True) -> "Document":
-        """Load and analyse `path`. `progress(fraction, message)`; raises Cancelled when `cancelled()`."""
+    def open(cls, path, progress=None, cancelled=lambda: False, use_cache=True, window=None) -> "Document":
+        """Load and analyse `path` (cut to `window`, a tracekit.analysis.window.Window, if given).
+        `progress(fraction, message)`; raises Cancelled when `cancelled()`."""
         def tell(fraction, message):
             if cancelled():
                 raise Cancelled()
@@ -47,6 +49,8 @@ class Document:
                 progress(fraction, message)
 
         trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache)
+        if window:
+            trace = select(trace, window)
         tell(0.7, "replaying allocations")
         replays = replay(trace)
         tell(0.75, "classifying memory")

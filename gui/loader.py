@@ -54,10 +54,10 @@ class LoadThread(QObject):
     failed = Signal(str)  # the user-facing message
     cancelled = Signal()
 
-    def __init__(self, path, parent=None, use_cache=True):
+    def __init__(self, path, parent=None, use_cache=True, window=None):
         super().__init__(parent)
         self.path = str(path)
-        self.use_cache = use_cache
+        self.use_cache, self.window = use_cache, window
         self._cancel = threading.Event()
         self._state = (0.0, "starting")  # (fraction, message): written by the worker, read by the timer
         self._shown = None
@@ -95,7 +95,7 @@ class LoadThread(QObject):
 
         try:
             doc = Document.open(self.path, progress=progress, cancelled=self._cancel.is_set,
-                                use_cache=self.use_cache)
+                                use_cache=self.use_cache, window=self.window)
         except Cancelled:
             self._outcome = ("cancelled", None)
         except TracekitError as e:

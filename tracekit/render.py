@@ -141,12 +141,15 @@ def info_text(info: dict) -> str:
         ("file", info["file"]),
         ("size", fmt_bytes(info["file_bytes"])),
         ("format", f"{info['format']} ({info['container']})"),
+        *([("read by", info["reader"])] if info.get("reader") else []),
         ("recorded by", info["recorded_by"]),
         ("devices", ", ".join(info["device_labels"]) or "none"),
         ("segments", f"{info['segments']} ({info['blocks']} blocks)"),
         ("fields present", ", ".join(info["present_fields"]) or "none"),
         ("top-level keys", ", ".join(info["top_level"]) or "none"),
     ]
+    if info.get("window"):
+        pairs.append(("window", info["window"] + " (entries renumbered from 0)"))
     if info["unknown_actions"]:
         pairs.append(("unknown actions", ", ".join(info["unknown_actions"]) + " (skipped)"))
     out = _rows(pairs, indent="")

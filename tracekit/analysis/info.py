@@ -18,7 +18,7 @@ def file_info(trace: Trace) -> dict:
     top = [k for k in ("allocator_settings", "external_annotations", "tracekit") if k in meta] + meta.get("other_keys", [])
     info = {
         "file": trace.path, "file_bytes": meta.get("file_bytes", 0), "format": trace.format,
-        "container": meta.get("container", "?"),
+        "container": meta.get("container", "?"), "reader": meta.get("reader"),
         "recorded_by": f"tracekit recorder v{rec.get('version')} ({rec.get('backend')})" if isinstance(rec, dict)
         else "PyTorch (not tracekit)" if trace.format == "snapshot" else "torch.profiler",
         "device_labels": [trace.device_label(d) for d in trace.devices],
@@ -27,6 +27,7 @@ def file_info(trace: Trace) -> dict:
         "present_fields": meta.get("present_fields", []), "top_level": top,
         "unknown_actions": meta.get("unknown_actions", []),
         "external_annotations": len(meta.get("external_annotations") or []),
+        "window": (meta.get("window") or {}).get("description"),
         "devices": [],
     }
     ev = trace.events

@@ -15,13 +15,59 @@ rules_option = click.option("--rules", type=click.Path(exists=True, dir_okay=Fal
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 
 
-def open_trace(path, no_cache=False):
-    """Load a file, drawing progress on stderr if it takes more than a second."""
+def _parsed(parse):
+    def convert(ctx, param, value):
+        try:
+            return None if value is None else parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return convert
+
+
+def window_options(f):
+    """--from/--to/--last/--iterations: look at a window of the trace (tracekit.analysis.window)."""
+    from ..analysis.window import parse_duration, parse_iterations
+
+    f = click.option("--iterations", "window_iterations", metavar="A..B", callback=_parsed(parse_iterations),
+                     help="Only iterations A to B (e.g. 3..5, or 4).")(f)
+    f = click.option("--last", "window_last", metavar="SPAN", callback=_parsed(parse_duration),
+                     help="Only the last SPAN of the recording (e.g. 10s, 250ms, 2min).")(f)
+    f = click.option("--to", "window_to", type=click.IntRange(min=0), metavar="N",
+                     help="Only entries up to N (inclusive; numbered from 0 in each device's trace).")(f)
+    return click.option("--from", "window_from", type=click.IntRange(min=0), metavar="N",
+                        help="Only entries from N on (numbered from 0 in each device's trace).")(f)
+
+
+def window_of(opts: dict):
+    """The Window named by window_options' values (popped from `opts`)."""
+    from ..analysis.window import Window
+
+    w = Window(first=opts.pop("window_from", None), last=opts.pop("window_to", None),
+               last_us=opts.pop("window_last", None), iterations=opts.pop("window_iterations", None))
+    if w.first is not None and w.last is not None and w.last < w.first:
+        raise click.BadParameter(f"--to {w.last} is before --from {w.first}")
+    return w
+
+
+def window_line(trace) -> str:
+    """'window: iterations 1..2; entry 0 here is entry 2644 of the file (cpu)' for a cut trace."""
+    cut = trace.meta["window"]
+    starts = ", ".join(f"entry {lo} of the file ({trace.device_label(d)})" for d, (lo, _, _) in cut["devices"].items())
+    return f"window: {cut['description']}; entries are renumbered from 0, entry 0 here is {starts}"
+
+
+def open_trace(path, no_cache=False, window=None):
+    """Load a file, drawing progress on stderr if it takes more than a second; cut to `window` if given."""
     progress = StderrProgress(f"opening {path}")
     try:
-        return load(path, progress=progress, use_cache=not no_cache)
+        trace = load(path, progress=progress, use_cache=not no_cache)
     finally:
         progress.close()
+    if window:
+        from ..analysis.window import select
+
+        trace = select(trace, window)
+    return trace
 
 
 def echo_json(obj):

@@ -3,16 +3,17 @@ import click
 
 from ..analysis.info import file_info
 from ..render import info_text
-from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace
+from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace, window_of, window_options
 
 
 @click.command("info")
 @file_argument
 @json_option
 @no_cache_option
-def command(file, as_json, no_cache):
+@window_options
+def command(file, as_json, no_cache, **window):
     """Format facts about a memory FILE: what it holds and how complete it is."""
-    info = file_info(open_trace(file, no_cache))
+    info = file_info(open_trace(file, no_cache, window_of(window)))
     if as_json:
         echo_json(info)
     else:

@@ -4,7 +4,8 @@ import click
 
 from ..analysis.report import build_report
 from ..render import trace_report_text
-from ._common import echo_json, json_option, no_cache_option, open_trace, rules_option
+from ._common import (echo_json, json_option, no_cache_option, open_trace, rules_option, window_line, window_of,
+                      window_options)
 from .estimate import report_options, report_spec
 
 
@@ -18,6 +19,7 @@ from .estimate import report_options, report_spec
 @click.option("--no-summaries", is_flag=True,
               help="With several files or a folder: analyse every file, ignoring the summaries beside them.")
 @report_options
+@window_options
 def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knobs):
     """Peak, categories and findings of a memory FILE (snapshot or profiler trace).
 
@@ -28,16 +30,22 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
     rank's file is read instead of the file when it is there."""
     import os
 
+    window = window_of(estimate_knobs)
     if len(files) > 1 or os.path.isdir(files[0]):
+        if window:
+            raise click.UsageError("--from/--to/--last/--iterations apply to one FILE, not to several ranks")
         if any(v not in (None, False, ()) for v in estimate_knobs.values()):
             raise click.UsageError("--estimate-config and its knobs apply to one FILE, not to several ranks")
         return _ranks(files, as_json, rules, no_cache, jobs, no_summaries)
     spec = report_spec(estimate_knobs)
-    trace = open_trace(files[0], no_cache)
+    trace = open_trace(files[0], no_cache, window)
     report = build_report(trace, rules=rules, estimate=spec)
+    cut = trace.meta.get("window")
     if as_json:
-        echo_json(report)
+        echo_json({**report, "window": cut} if cut else report)
     else:
+        if cut:
+            click.echo(window_line(trace))
         click.echo(trace_report_text(trace, report))
 
 

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from ._common import no_cache_option
+from ._common import no_cache_option, window_of, window_options
 
 
 VIEWER = "tracekit_gui"  # the viewer's package (source folder gui/)
@@ -38,7 +38,8 @@ class _UserError(click.ClickException):
 @click.option("--screenshot", "screenshot", type=click.Path(dir_okay=False), default=None,
               help="Render the window after loading (offscreen without a display), write this PNG and exit.")
 @no_cache_option
-def command(files, screenshot, compare, no_cache):
+@window_options
+def command(files, screenshot, compare, no_cache, **window_opts):
     """Open FILES (snapshots or profiler traces) in the desktop viewer; a folder of rank files opens as a
     rank dashboard; --compare with two files compares them."""
     if compare and len(files) != 2:
@@ -58,6 +59,13 @@ def command(files, screenshot, compare, no_cache):
     # The viewer runs as `python -m tracekit_gui`, a process of its own: tracekit never imports Qt.
     shot = ["--screenshot", screenshot] if screenshot else []
     cache = ["--no-cache"] if no_cache else []
+    window = window_of(window_opts)
+    if window and (compare or len(files) != 1 or os.path.isdir(files[0])):
+        raise click.UsageError("--from/--to/--last/--iterations apply to one FILE")
+    cache += [arg for flag, value in (("--from", window.first), ("--to", window.last),
+                                      ("--last", None if window.last_us is None else f"{window.last_us}us"),
+                                      ("--iterations", window.iterations and "{}..{}".format(*window.iterations)))
+              if value is not None for arg in (flag, str(value))]
     code = subprocess.call([sys.executable, "-m", VIEWER, *shot, *cache, *(["--compare"] if compare else []),
                             "--", *files])
     if code:

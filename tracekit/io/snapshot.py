@@ -30,8 +30,11 @@ def is_snapshot(obj) -> bool:
     return isinstance(obj, list) and all(isinstance(s, dict) and "blocks" in s for s in obj[:5]) and bool(obj)
 
 
-def snapshot_to_trace(obj, path, progress=None) -> Trace:
-    """Convert a snapshot dict (or torch 2.0's bare list of segments) to a Trace."""
+def snapshot_to_trace(obj, path, progress=None, columns_of=None) -> Trace:
+    """Convert a snapshot dict (or torch 2.0's bare list of segments) to a Trace.
+
+    `columns_of(device, interner, present, unknown)`, when given, makes each device's event columns
+    instead of its entry dicts (the streaming reader, stream.py, which has no entry dicts)."""
     bare_list = isinstance(obj, list)
     if bare_list:
         obj = {"segments": obj}
@@ -60,7 +63,10 @@ def snapshot_to_trace(obj, path, progress=None) -> Trace:
     total = sum(len(t) for t in traces) or 1
     done = 0
     for device, entries in enumerate(traces):
-        if entries:
+        if columns_of is not None:
+            col = columns_of(device, it, present, unknown)
+            columns += [col] if col is not None else []
+        elif entries:
             try:
                 columns.append(_events_of(device, entries, it, present, unknown))
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:

@@ -1,0 +1,203 @@
+"""The streaming reader (compiled scanner + numpy columns) opens every file to the same Trace as the
+restricted unpickler, and refuses exactly what it refuses, with the same one line."""
+import glob
+import gzip
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from tracekit.errors import LoadError
+from tracekit.io import load, stream
+
+pytestmark = pytest.mark.skipif(not stream.enabled(), reason="the compiled scanner is not built here")
+
+PICKLES = sorted(glob.glob("samples/*.pickle") + glob.glob("tests/fixtures/real/*.pickle"))
+SMALL = "tests/fixtures/real/snapshot_cpp_frames_attention_fwd_bwd.pickle"
+
+
+def decoded(t):
+    """Everything a Trace says, with string ids replaced by their strings (their numbering may differ)."""
+    s = t.strings.items
+    out = {f"events.{k}": getattr(t.events, k) for k in t.events.__dataclass_fields__}
+    for k in ("user_metadata", "compile_context", "category"):
+        out[f"events.{k}"] = [s[i] for i in out[f"events.{k}"].tolist()]
+    out["frames"] = [(s[a], b, s[c]) for a, b, c in zip(t.frames.filename.tolist(), t.frames.line.tolist(),
+                                                           t.frames.name.tolist())]
+    out["stacks"] = (t.stacks.offsets, t.stacks.frame_ids)
+    for k in t.segments.__dataclass_fields__:
+        v = getattr(t.segments, k)
+        out[f"segments.{k}"] = [s[i] for i in v.tolist()] if k in ("segment_type", "pool_id") else v
+    out.update({f"blocks.{k}": getattr(t.blocks, k) for k in t.blocks.__dataclass_fields__})
+    out["meta"] = {k: v for k, v in t.meta.items() if k != "reader"}
+    out["devices"], out["format"] = t.devices, t.format
+    return out
+
+
+def assert_same(a, b):
+    da, db = decoded(a), decoded(b)
+    assert da.keys() == db.keys()
+    for k in da:
+        x, y = da[k], db[k]
+        if isinstance(x, tuple):
+            assert all(np.array_equal(p, q) and p.dtype == q.dtype for p, q in zip(x, y)), k
+        elif isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), k
+        else:
+            assert x == y, k
+
+
+def both(path, monkeypatch):
+    """(old path's result, streaming result): a Trace or the LoadError's message."""
+    out = []
+    for reader in ("python", "auto"):
+        monkeypatch.setenv("TRACEKIT_READER", reader)
+        try:
+            out.append(load(path, use_cache=False))
+        except LoadError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("path", PICKLES, ids=os.path.basename)
+def test_every_fixture_and_sample_reads_the_same(path, monkeypatch):
+    old, new = both(path, monkeypatch)
+    assert old.meta["reader"] == stream.PYTHON and new.meta["reader"] == stream.COMPILED
+    assert_same(old, new)
+
+
+def test_gzip_compressed(tmp_path, monkeypatch):
+    p = tmp_path / "s.pickle.gz"
+    p.write_bytes(gzip.compress(open(PICKLES[0], "rb").read()))
+    old, new = both(p, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED and new.meta["container"] == "gzip-compressed pickle"
+    assert_same(old, new)
+
+
+def _snapshot(entries, **top):
+    return {"segments": [], "device_traces": [entries], **top}
+
+
+FRAME = {"filename": "a.py", "line": 3, "name": "f"}
+ODD = {
+    "bool addr": [{"action": "alloc", "addr": True, "size": 4}],
+    "addr past 2**63": [{"action": "alloc", "addr": 2**63 + 512, "size": 4}],
+    "negative addr": [{"action": "alloc", "addr": -5, "size": 4}],
+    "float size": [{"action": "alloc", "addr": 1, "size": 4.0}],
+    "huge size": [{"action": "alloc", "addr": 1, "size": 2**60}],
+    "no action": [{"addr": 1, "size": 4}],
+    "int action": [{"action": 3, "addr": 1, "size": 4}],
+    "unknown action": [{"action": "teleport", "addr": 1, "size": 4}],
+    "tuple frames": [{"action": "alloc", "addr": 1, "size": 4, "frames": (FRAME,)}],
+    "frame without line": [{"action": "alloc", "addr": 1, "size": 4, "frames": [{"filename": "a", "name": "f"}]}],
+    "frame line as str": [{"action": "alloc", "addr": 1, "size": 4, "frames": [{**FRAME, "line": "7"}]}],
+    "frame line 2**40": [{"action": "alloc", "addr": 1, "size": 4, "frames": [{**FRAME, "line": 2**40}]},
+                         {"action": "alloc", "addr": 2, "size": 4, "frames": [{**FRAME, "line": 2**40 + 1}]}],
+    "empty frames": [{"action": "alloc", "addr": 1, "size": 4, "frames": []}],
+    "frames None": [{"action": "alloc", "addr": 1, "size": 4, "frames": None}],
+    "oom device_free": [{"action": "oom", "addr": 0, "size": 4, "device_free": 77}],
+    "oom bad device_free": [{"action": "oom", "addr": 0, "size": 4, "device_free": -1}],
+    "time out of range": [{"action": "alloc", "addr": 1, "size": 4, "time_us": 2**62 + 1}],
+    "user_metadata int": [{"action": "alloc", "addr": 1, "size": 4, "user_metadata": 5}],
+    "int key": [{"action": "alloc", "addr": 1, "size": 4, 7: "x"}],
+    "entry not a dict": [{"action": "alloc", "addr": 1, "size": 4}, ["alloc"]],
+    "entries with different keys": [{"action": "alloc", "addr": 1, "size": 4},
+                                    {"size": 4, "action": "free_completed", "addr": 1, "frames": [FRAME]},
+                                    {"action": "alloc", "addr": 2, "size": 8, "frames": [FRAME, FRAME]}],
+    "a key twice": [{"action": "alloc", "addr": 1, "size": 4}],  # made below: SETITEMS sets 'addr' again
+}
+
+
+@pytest.mark.parametrize("name", sorted(ODD))
+def test_unusual_entries_read_or_fail_the_same(name, tmp_path, monkeypatch):
+    p = tmp_path / "odd.pickle"
+    data = pickle.dumps(_snapshot(ODD[name]), protocol=4)
+    if name == "a key twice":  # the entry's SETITEMS gets a second 'addr' (same memoised key string) = 9
+        i = data.index(b"\x8c\x04addr")
+        k = data.index(b"u", i)
+        data = data[:k] + b"h\x09K\x09" + data[k:]
+        assert pickle.loads(data)["device_traces"][0][0]["addr"] == 9
+    p.write_bytes(data)
+    old, new = both(p, monkeypatch)
+    if isinstance(old, str):
+        assert new == old
+    else:
+        assert_same(old, new)
+
+
+def test_shared_objects_and_cycles(tmp_path, monkeypatch):
+    frames = [FRAME, {"filename": "b.py", "line": 9, "name": "g"}]
+    entry = {"action": "alloc", "addr": 1, "size": 4, "frames": frames}
+    meta = {"k": [1, 2]}
+    meta["self"] = meta  # a cycle in metadata
+    cases = {"shared": _snapshot([entry, {**entry, "addr": 2}, {"action": "free_completed", "addr": 1, "size": 4,
+                                                                 "frames": frames}]),
+             "same dict twice": _snapshot([entry, entry]),
+             "cycle": _snapshot([entry], allocator_settings=meta)}
+    for name, obj in cases.items():
+        p = tmp_path / f"{name}.pickle"
+        p.write_bytes(pickle.dumps(obj, protocol=4))
+        old, new = both(p, monkeypatch)
+        if isinstance(old, str):
+            assert new == old, name
+        else:
+            assert_same(old, new)
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4, 5])
+def test_globals_are_refused_with_the_same_line(protocol, tmp_path, monkeypatch):
+    p = tmp_path / "evil.pickle"
+    p.write_bytes(pickle.dumps(_snapshot([{"action": "alloc", "addr": 1, "size": 4, "x": Evil()}]), protocol=protocol))
+    old, new = both(p, monkeypatch)
+    assert isinstance(old, str) and "refused, nothing was executed" in old
+    assert new == old
+    with pytest.raises(stream.Unsupported):
+        stream.Tape(p.read_bytes())
+
+
+def test_mutated_files_fail_or_read_the_same(tmp_path, monkeypatch):
+    data = open(SMALL, "rb").read()
+    rng = random.Random(15)
+    p = tmp_path / "m.pickle"
+    accepted = 0
+    for i in range(150):
+        b = bytearray(data)
+        if i % 3 == 0:
+            b = b[:rng.randrange(1, len(b))]
+        else:
+            for _ in range(rng.randrange(1, 4)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        p.write_bytes(bytes(b))
+        old, new = both(p, monkeypatch)
+        if isinstance(old, str):
+            assert new == old, i
+        else:
+            accepted += 1
+            assert_same(old, new)
+    assert accepted > 10  # some mutations leave a readable file: those were compared field by field
+
+
+def test_without_the_compiled_scanner_the_old_path_reads(monkeypatch):
+    monkeypatch.setattr(stream, "_scan", None)
+    assert load(SMALL, use_cache=False).meta["reader"] == stream.PYTHON
+
+
+@pytest.mark.parametrize("delta", [-1, 1, -100, 100, 10**6, 2**40])
+def test_a_wrong_frame_length_fails_or_reads_the_same(delta, tmp_path, monkeypatch):
+    data = open("samples/gpt_adamw.pickle", "rb").read()
+    assert data[2] == 0x95  # PROTO 4, then the first FRAME and its 8-byte length
+    n = int.from_bytes(data[3:11], "little")
+    p = tmp_path / "f.pickle"
+    p.write_bytes(data[:3] + max(0, n + delta).to_bytes(8, "little") + data[11:])
+    old, new = both(p, monkeypatch)
+    if isinstance(old, str):
+        assert new == old
+    else:
+        assert_same(old, new)

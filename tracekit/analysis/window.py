@@ -1,0 +1,149 @@
+"""A window of a trace: entries `--from`/`--to`, the `--last 10s`, or `--iterations 3..5`.
+
+`select(trace, window)` returns a new Trace holding only each device's entries
+inside the window, renumbered from 0, as if the recording had covered only
+that span. The memory live when the window opens is carried over from a replay
+of the whole trace (meta "initial_allocated" / "initial_reserved"), so peaks
+and timelines inside the window are the whole trace's; when the window ends
+before the trace does, the final segments (the state at the end of the whole
+trace) are dropped, since they do not describe the window's end; the replay
+check against them is "not applicable" for a window.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import TracekitError
+from ..model import NO_TIME, Blocks, Events, Segments, Trace
+from .phases import phases
+from .replay import replay
+
+_UNITS = {"us": 1, "ms": 1_000, "s": 1_000_000, "min": 60_000_000, "h": 3_600_000_000}
+
+
+@dataclass(frozen=True)
+class Window:
+    """Entry range (inclusive, positions in each device's trace), last span in microseconds,
+    and iteration range (inclusive); None means "no bound"."""
+
+    first: int | None = None
+    last: int | None = None
+    last_us: int | None = None
+    iterations: tuple[int, int] | None = None
+
+    def __bool__(self):
+        return any(v is not None for v in (self.first, self.last, self.last_us, self.iterations))
+
+    def describe(self) -> str:
+        parts = []
+        if self.first is not None or self.last is not None:
+            parts.append(f"entries {'' if self.first is None else self.first}..{'' if self.last is None else self.last}")
+        if self.last_us is not None:
+            parts.append(f"the last {self.last_us / 1e6:g} s")
+        if self.iterations is not None:
+            a, b = self.iterations
+            parts.append(f"iteration {a}" if a == b else f"iterations {a}..{b}")
+        return ", ".join(parts)
+
+
+def parse_duration(text: str) -> int:
+    """'10s', '250ms', '2min', '1.5h', '500us' (a bare number is seconds) -> microseconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|ms|s|min|h)?\s*", text or "")
+    if not m:
+        raise ValueError(f"{text!r} is not a duration (expected e.g. 10s, 250ms, 2min)")
+    us = round(float(m.group(1)) * _UNITS[m.group(2) or "s"])
+    if us <= 0:
+        raise ValueError(f"{text!r} is not a positive duration")
+    return us
+
+
+def parse_iterations(text: str) -> tuple[int, int]:
+    """'3..5' -> (3, 5); '4' -> (4, 4)."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:\.\.\s*(\d+))?\s*", text or "")
+    if not m:
+        raise ValueError(f"{text!r} is not an iteration range (expected e.g. 3..5 or 4)")
+    a, b = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
+    if b < a:
+        raise ValueError(f"iteration range {text!r} ends before it starts")
+    return a, b
+
+
+def ranges(trace: Trace, window: Window) -> dict[int, tuple[int, int]]:
+    """Per device, the half-open range [lo, hi) of its entries (positions in its trace) inside the window."""
+    out = {}
+    ev = trace.events
+    tmax = None
+    if window.last_us is not None:
+        t = ev.time_us[ev.time_us != NO_TIME]
+        if not len(t):
+            raise TracekitError(f"{trace.path}: it has no timestamps, so --last cannot pick a window "
+                                "(use --from/--to entry numbers)")
+        tmax = int(t.max())
+    its = phases(trace) if window.iterations is not None else None
+    for d in trace.devices:
+        sl = ev.device_slice(d)
+        n = sl.stop - sl.start
+        lo, hi = 0, n
+        if window.first is not None:
+            lo = max(lo, window.first)
+        if window.last is not None:
+            hi = min(hi, window.last + 1)
+        if tmax is not None:
+            t = ev.time_us[sl]
+            inside = np.flatnonzero((t != NO_TIME) & (t >= tmax - window.last_us))
+            lo = max(lo, int(inside[0]) if len(inside) else n)
+        if its is not None:
+            a, b = window.iterations
+            spans = [(s, e) for i, s, e in its[d].iterations() if a <= i <= b]
+            if its[d].source == "none":
+                raise TracekitError(f"{trace.path}: no iterations are known on {trace.device_label(d)} "
+                                    "(no recorder marks, metadata or optimizer steps), so --iterations cannot "
+                                    "pick a window (use --from/--to or --last)")
+            lo, hi = (max(lo, spans[0][0]), min(hi, spans[-1][1] + 1)) if spans else (n, n)
+        out[d] = (lo, max(lo, hi))
+    return out
+
+
+def select(trace: Trace, window: Window) -> Trace:
+    """The trace cut to `window` (see the module docstring); the trace itself when the window holds it all.
+
+    Raises TracekitError (one line) when no entry of any device is inside the window."""
+    if not window:
+        return trace
+    spans = ranges(trace, window)
+    if all(lo >= hi for lo, hi in spans.values()):
+        raise TracekitError(f"{trace.path}: no entries are inside the window ({window.describe()})")
+    ev = trace.events
+    if all((lo, hi) == (0, len(ev.action[ev.device_slice(d)])) for d, (lo, hi) in spans.items()):
+        return trace  # the window holds the whole trace
+    reps = replay(trace)
+    keep = np.zeros(len(ev), bool)
+    index = ev.index.copy()
+    meta = dict(trace.meta)
+    initial_allocated, initial_reserved = {}, {}
+    to_end = True
+    for d, (lo, hi) in spans.items():
+        sl = ev.device_slice(d)
+        keep[sl.start + lo:sl.start + hi] = True
+        index[sl.start + lo:sl.start + hi] = np.arange(hi - lo)
+        to_end &= hi == sl.stop - sl.start
+        rep = reps[d]
+        initial_allocated[d] = int(rep.allocated[lo - 1]) if lo else int(rep.initial_allocated)
+        if rep.reserved is not None:
+            initial_reserved[d] = int(rep.reserved[lo - 1]) if lo else int(rep.initial_reserved)
+    events = Events(**{k: (index if k == "index" else getattr(ev, k))[keep] for k in Events.__dataclass_fields__})
+    segments, blocks = trace.segments, trace.blocks
+    if not to_end:  # the final segments describe the end of the whole trace, not of the window
+        segments = Segments(**{k: v[:0] for k, v in vars(segments).items()})
+        blocks = Blocks(**{k: v[:0] for k, v in vars(blocks).items()})
+    # the whole trace's replay says what was live when the window opened (the final blocks would only
+    # estimate it, at block rather than requested sizes)
+    meta.update(has_segments=False, initial_allocated=initial_allocated, initial_reserved=initial_reserved)
+    meta["window"] = {"description": window.describe(),
+                      "devices": {d: [lo, hi, ev.device_slice(d).stop - ev.device_slice(d).start]
+                                  for d, (lo, hi) in spans.items()}}
+    devices = sorted(set(np.unique(events.device).tolist()) | set(np.unique(segments.device).tolist()))
+    return replace(trace, devices=devices, events=events, segments=segments, blocks=blocks, meta=meta)
