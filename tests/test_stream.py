@@ -22,7 +22,7 @@ def decoded(t):
     """Everything a Trace says, with string ids replaced by their strings (their numbering may differ)."""
     s = t.strings.items
     out = {f"events.{k}": getattr(t.events, k) for k in t.events.__dataclass_fields__}
-    for k in ("user_metadata", "compile_context", "category"):
+    for k in ("user_metadata", "compile_context", "category", "module"):
         out[f"events.{k}"] = [s[i] for i in out[f"events.{k}"].tolist()]
     out["frames"] = [(s[a], b, s[c]) for a, b, c in zip(t.frames.filename.tolist(), t.frames.line.tolist(),
                                                            t.frames.name.tolist())]
@@ -66,6 +66,22 @@ def test_every_fixture_and_sample_reads_the_same(path, monkeypatch):
     old, new = both(path, monkeypatch)
     assert old.meta["reader"] == stream.PYTHON and new.meta["reader"] == stream.COMPILED
     assert_same(old, new)
+
+
+def test_forward_origins_and_modules_read_the_same(tmp_path, monkeypatch):
+    """Our recorder's per-entry forward_frames and module (issue 11) come through the streaming reader too."""
+    fwd = [{"filename": "train.py", "line": 13, "name": "loss_fn"}]
+    entries = [{"action": "alloc", "addr": 4096, "size": 512, "frames": [FRAME], "module": "model.lm_head"},
+               {"action": "alloc", "addr": 8192, "size": 1024, "frames": [], "forward_frames": fwd,
+                "module": "model.lm_head"},
+               {"action": "free_completed", "addr": 8192, "size": 1024, "forward_frames": fwd}]
+    path = tmp_path / "o.pickle"
+    path.write_bytes(pickle.dumps(_snapshot(entries), protocol=4))
+    old, new = both(path, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED
+    assert_same(old, new)
+    assert new.stack(int(new.events.forward_stack_id[1])) == fwd
+    assert new.strings[int(new.events.module[1])] == "model.lm_head"
 
 
 def test_gzip_compressed(tmp_path, monkeypatch):

@@ -279,14 +279,20 @@ class Tape:
         if ((t != NO_TIME) & ((t >= MAX_TIME) | (t <= -MAX_TIME))).any():
             raise Unsupported("a time out of range")
         col["stack_id"] = self._stacks(field(idx, keys, row, n, "frames", [K_LIST, K_NONE]), n, it)
-        for name in ("user_metadata", "compile_context", "category"):
+        def strings(name):
             r, _, v = field(idx, keys, row, n, name, [K_STR])
             c = np.zeros(n, np.int32)
             if len(r):
                 distinct = np.unique(v)
                 ids = np.array([it.strings.intern(self.strings[s]) for s in distinct.tolist()], np.int32)
                 c[r] = ids[np.searchsorted(distinct, v)]
-            col[name] = c
+            return c
+
+        for name in ("user_metadata", "compile_context", "category"):
+            col[name] = strings(name)
+        # our recorder's forward origin of backward allocations and the running module (snapshot.py's order)
+        col["forward_stack_id"] = self._stacks(field(idx, keys, row, n, "forward_frames", [K_LIST, K_NONE]), n, it)
+        col["module"] = strings("module")
         r, k, v = field(idx, keys, row, n, "device_free", [K_INT, K_NONE, K_FALSE, K_TRUE])
         free = np.zeros(n, np.int64)
         oom = action[r] == OOM
