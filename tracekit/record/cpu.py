@@ -139,6 +139,7 @@ class CpuBackend:
         with self._watch.ours(), quiet_stderr():
             prof.stop()
         self._take(prof.profiler.kineto_results)
+        prof.profiler = None  # the profile object sits in a reference cycle: let its results go now, not at gc
 
     def _take(self, results, since_us=None):
         """Convert a profiler result's allocation events into the ring, then let the result go."""
