@@ -184,20 +184,25 @@ QUICK = ("mlp_adam", "transformer_adamw", "checkpointing")
 # -- recording (with the torch profiler's memory profile of the same run) -------------------------------
 
 class ProfilingCpuBackend(CpuBackend):
-    """The recorder's CPU backend, with shapes recorded so torch's memory profiler can run on the same trace."""
+    """The recorder's CPU backend, with shapes recorded so torch's memory profiler can run on the same trace
+    (one profiler session, kept whole)."""
 
-    def start(self):
+    chunk_seconds = None
+
+    def _new_profile(self):
         from torch.profiler import ProfilerActivity, profile
 
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
-                             record_shapes=True)
-        self._prof.start()
+        self.torch_profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
+                                     record_shapes=True)
+        return self.torch_profile
 
-    def stop(self):
-        if self._prof is not None:
-            self.torch_profile, self._prof = self._prof, None
-            self.torch_profile.stop()
-            self._results = self.torch_profile.profiler.kineto_results
+    def _stop_session(self):
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        with self._watch.ours():
+            prof.stop()
+        self._take(prof.profiler.kineto_results)  # the profile is kept whole for torch's memory profiler
 
 
 @contextmanager

@@ -140,6 +140,7 @@ class CpuBackend:
         with self._watch.ours(), quiet_stderr():
             prof.stop()
         self._take(prof.profiler.kineto_results)
+        prof.profiler = None  # the profile object sits in a reference cycle: let its results go now, not at gc
 
     def _take(self, results, since_us=None):
         """Convert a profiler result's allocation events into the ring, then let the result go."""
@@ -334,6 +335,7 @@ class PreexistingFrees:
         self.spans = sorted((a, s) for a, s, _ in preexisting)
         self._starts = [a for a, _ in self.spans]
         self._addrs = set(self._starts)
+        self._sizes = dict(self.spans)
         self._first_reuse = {}  # addr -> time_us of the first traced alloc overlapping it
         self._traced_free = set()
         self._touched = set()  # pre-existing addresses the trace allocates or frees at
@@ -349,11 +351,14 @@ class PreexistingFrees:
         if addr in self._addrs:
             self._touched.add(addr)
 
-    def freed(self, addr):
+    def freed(self, addr, size, t):
         if addr in self._addrs:
             self._touched.add(addr)
             if addr not in self._first_reuse:
-                self._traced_free.add(addr)
+                if size == self._sizes[addr]:
+                    self._traced_free.add(addr)
+                else:  # not this storage's free: a block allocated there unseen (between two profiler sessions)
+                    self._first_reuse[addr] = t
 
     def touched(self, addr):
         return addr in self._touched
@@ -390,7 +395,7 @@ def add_preexisting_frees(entries, preexisting, freed, metadata=()):
         if e["action"] == "alloc":
             state.allocated(e["addr"], e["size"], e["time_us"])
         elif e["action"] == "free_completed":
-            state.freed(e["addr"])
+            state.freed(e["addr"], e["size"], e["time_us"])
     inserts = state.inserts(freed, metadata)
     if not inserts:
         return entries

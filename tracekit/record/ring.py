@@ -9,7 +9,6 @@ PyTorch's allocator history keeps its newest entries. What must outlive the
 ring is kept beside it, bounded by what is live rather than by how long the
 run was: the blocks live now (the final segments) and the state of the
 storages that existed before recording (`cpu.PreexistingFrees`).
-
 """
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ class Ring:
             else:
                 live.pop(addr, None)
                 self.entries += 3
-                pre.freed(addr)
+                pre.freed(addr, -size, t)
         self._trim()
 
     def _trim(self):
