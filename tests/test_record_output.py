@@ -39,13 +39,14 @@ def test_unwritable_output_is_refused_before_the_script_runs(tmp_path, output, w
     assert not (tmp_path / "ran").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_folder_is_refused(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
+    if os.geteuid() == 0:  # root may write into a 0555 folder; sysfs takes no new file even from root
+        ro = "/sys"
     with pytest.raises(ValueError, match="cannot create a file"):
-        check_writable(ro / "x.pickle")
+        check_writable(os.path.join(ro, "x.pickle"))
 
 
 def test_missing_folders_are_fine_and_nothing_is_left_behind(tmp_path):
