@@ -174,7 +174,10 @@ def test_advice_is_computed_from_the_measured_categories():
     for f in advice.values():
         assert 0 < f["bytes"] <= sum(at_peak.values()) and f["assumes"] and f["index"] is not None
     ck = advice["activation checkpointing"]
-    assert ck["bytes"] == int(0.7 * at_peak["activation"])
+    blocks = report_blocks = load(path).recorder["model"]["repeated_blocks"]
+    assert report_blocks == 2  # TinyGPT's two transformer blocks (a ModuleList), recorded
+    assert ck["bytes"] == int((1 - 1 / blocks - 0.1) * at_peak["activation"])
+    assert f"the model's {blocks} repeated blocks" in ck["assumes"]
 
 
 def test_every_finding_has_the_viewer_fields():

@@ -217,3 +217,15 @@ def test_a_wrong_frame_length_fails_or_reads_the_same(delta, tmp_path, monkeypat
         assert new == old
     else:
         assert_same(old, new)
+
+
+def test_stacks_whose_hashes_collide_are_still_told_apart(monkeypatch):
+    """With a hash that collides for every list, stacks are regrouped by their contents: the same Trace."""
+    path = os.path.join(os.path.dirname(__file__), "..", "samples", "leak_loop.pickle")
+    old, new = both(path, monkeypatch)
+    monkeypatch.setattr(stream, "_mix", lambda x: np.zeros_like(x))
+    monkeypatch.setenv("TRACEKIT_READER", "auto")
+    colliding = load(path, use_cache=False)
+    assert colliding.meta["reader"] == stream.COMPILED
+    assert_same(new, colliding)
+    assert_same(old, colliding)

@@ -374,15 +374,35 @@ class Tape:
             h2 = np.zeros(nl, np.uint64)
             nz = lengths > 0
             if len(occ):
-                h1[nz] = np.add.reduceat(occ * p1[pos], starts[nz])
-                h2[nz] = np.add.reduceat((occ ^ np.uint64(0x5555)) * p2[pos], starts[nz])
+                m = _mix(occ)  # frame keys can share many low zero bits: spread them before multiplying
+                h1[nz] = np.add.reduceat(m * p1[pos], starts[nz])
+                h2[nz] = np.add.reduceat(_mix(m ^ np.uint64(0x5555)) * p2[pos], starts[nz])
             h = h1 ^ (h2 >> np.uint64(7)) ^ (lengths.astype(np.uint64) * np.uint64(0x100000001B3))
         _, first, group = np.unique(h, return_index=True, return_inverse=True)
         group = group.reshape(-1)
-        # exactness: every list equals its group's first list, element by element (else: the old path)
-        if (lengths[first[group]] != lengths).any():
-            raise Unsupported("two different stacks with the same hash")
-        rep_start = starts[first[group]]
-        if len(occ) and not np.array_equal(occ, occ[np.repeat(rep_start, lengths) + pos]):
-            raise Unsupported("two different stacks with the same hash")
+        # exactness: every list equals its group's first list, element by element; the lists of a group
+        # where two differ (a hash collision) are regrouped exactly by their contents
+        bad = lengths[first[group]] != lengths
+        if len(occ):
+            same = occ == occ[np.repeat(starts[first[group]], lengths) + pos]
+            differs = np.zeros(nl, bool)
+            differs[nz] = np.logical_and.reduceat(same, starts[nz]) == 0
+            bad |= differs
+        if bad.any():
+            affected = np.flatnonzero(np.isin(group, np.unique(group[bad])))
+            ids, nxt = {}, int(group.max()) + 1
+            for i in affected.tolist():
+                key = tuple(occ[starts[i]:starts[i] + lengths[i]].tolist())
+                if key not in ids:
+                    ids[key], nxt = nxt, nxt + 1
+                group[i] = ids[key]
         return group
+
+
+def _mix(x):
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
