@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 
 from ..errors import LoadError
 
@@ -40,21 +39,9 @@ def write_summary(path, summary: dict) -> str:
     """Write `summary` beside the recording `path`, atomically; returns the summary's path."""
     out = summary_path(path)
     data = json.dumps({**summary, "fingerprint": fingerprint(path)}, separators=(",", ":")).encode()
-    folder = os.path.dirname(os.path.abspath(out))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(out) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        from .write import umask
+    from .write import write_atomic
 
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(out, data, sync=False)
     return out
 
 

@@ -102,14 +102,24 @@ def write_snapshot(path, snapshot) -> str:
     data = snapshot_bytes(snapshot) if fmt == "pickle" else snapshot_json_bytes(snapshot)
     if gz:
         data = gzip.compress(data, compresslevel=6)
+    return write_atomic(path, data)
+
+
+def write_atomic(path, data: bytes, sync=True) -> str:
+    """Write `data` to `path` atomically: a temp file in the same folder, then os.replace.
+
+    The file gets the permissions open() would give (0666 minus the umask);
+    nothing is left behind on failure. Returns the path written."""
+    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600: give what open() would
         os.replace(tmp, path)
     except BaseException:
