@@ -133,3 +133,100 @@ def test_real_cuda_recording(tmp_path):
         metas = {e.get("user_metadata") for e in restricted_load(f)["device_traces"][0]}
     assert "tracekit:iter=1:phase=backward" in metas
     assert not torch._C._cuda_isHistoryEnabled()
+
+
+def needs_cuda(test):
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+TRAIN = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "samples" / "cuda_train.py")
+
+
+def _losses(record_to=None, **options):
+    """Three fp32 AdamW steps of the toy GPT on CUDA from fixed seeds, recorded to `record_to` if given."""
+    model, optimizer, step = make_training(seed=0, device="cuda", **SMALL)
+    if record_to is None:
+        return [step().item() for _ in range(3)]
+    with tk_record.record(record_to, model=model, optimizer=optimizer, backend="cuda", **options) as rec:
+        out = []
+        for _ in range(3):
+            out.append(step().item())
+            rec.step()
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("options", [{}, {"stacks": "all"}, {"activations": False}])
+def test_real_cuda_numerics_bit_identical(tmp_path, options):
+    plain, again = _losses(), _losses()
+    if plain != again:
+        pytest.skip(f"this GPU is not deterministic from run to run ({plain} vs {again})")
+    recorded = _losses(tmp_path / "n.pickle", **options)
+    assert [x.hex() for x in recorded] == [x.hex() for x in plain]
+    assert (tmp_path / "n.pickle").exists()
+
+
+
+def _report(path):
+    from tracekit.analysis.report import build_report
+
+    return build_report(tracekit.load(path, use_cache=False))
+
+
+@needs_cuda
+def test_real_cuda_peak_equals_the_allocators(tmp_path):
+    model, optimizer, step = make_training(seed=0, device="cuda", **SMALL)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with tk_record.record(tmp_path / "p.pickle", model=model, optimizer=optimizer, backend="cuda") as rec:
+        for _ in range(2):
+            step()
+            rec.step()
+    stats = tracekit.load(tmp_path / "p.pickle", use_cache=False).recorder["devices"][0]["allocator_stats"]
+    assert stats["max_memory_allocated"] == torch.cuda.max_memory_allocated()
+    rep = _report(tmp_path / "p.pickle")
+    dev = rep["devices"][0] if isinstance(rep.get("devices"), list) else next(iter(rep["devices"].values()))
+    assert dev["peak_allocated_block_bytes"] == stats["max_memory_allocated"], (dev, stats)
+
+
+@needs_cuda
+def test_real_cuda_keeps_the_users_history_and_metadata(tmp_path):
+    mem = torch.cuda.memory
+    mem._record_memory_history("all", stacks="python")
+    try:
+        if hasattr(mem, "_set_memory_metadata"):
+            mem._set_memory_metadata("users-own")
+        before = torch.empty(1 << 20, device="cuda")
+        model, optimizer, step = make_training(seed=0, device="cuda", **SMALL)
+        with tk_record.record(tmp_path / "h.pickle", model=model, optimizer=optimizer, backend="cuda") as rec:
+            step()
+            rec.step()
+        assert torch._C._cuda_isHistoryEnabled()
+        after = torch.empty(1 << 20, device="cuda")
+        snap = mem._snapshot()
+        addrs = {e["addr"] for e in snap["device_traces"][0] if e["action"] == "alloc"}
+        assert before.data_ptr() in addrs and after.data_ptr() in addrs
+        if hasattr(mem, "_get_memory_metadata"):
+            assert mem._get_memory_metadata() == "users-own"
+    finally:
+        mem._record_memory_history(None)
+
+
+@needs_cuda
+def test_real_cuda_out_of_memory_post_mortem(tmp_path):
+    """A step that cannot fit under a per-process memory fraction: the file is written, the error re-raised,
+    and the report names the request, the free memory and the live memory by user line."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "oom.pickle"
+    p = subprocess.run([sys.executable, TRAIN, "oom", "--steps", "1", "--record", str(path)],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "OutOfMemoryError" in p.stderr, p.stderr[-2000:]
+    assert path.exists(), p.stderr[-2000:]
+    rep = _report(path)
+    ooms = [f for f in rep["findings"] if f["kind"] == "oom"]
+    assert ooms, rep["findings"]
+    text = str(ooms[0])
+    assert "cuda_train.py" in text, text
+

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 16 on a lent CUDA machine (the device tool): everything in one command, results under $OUT.
+#   bash scripts/gpu_session.sh [samples] [cuda] [bench] [suite]   (default: all four)
+# The machine's python3 has torch with CUDA, numpy, pandas, click and pytest; tracekit runs from this tree.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QT_QPA_PLATFORM=offscreen
+steps=${*:-samples cuda bench suite}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+  python3 setup.py -q build_ext --inplace >/dev/null 2>&1 && echo "compiled scanner built" || echo "no compiled scanner"
+} 2>&1 | tee "$OUT/env.log"
+for step in $steps; do
+  t=$(date +%s)
+  case $step in
+    samples) timeout 300 python3 samples/make_cuda_samples.py "$OUT/rec" 2>&1 | tee "$OUT/samples.log" ;;
+    cuda) timeout 180 python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$OUT/cuda_tests.log" ;;
+    bench) timeout 240 python3 bench/bench_record_cuda.py 2>&1 | tee "$OUT/bench.log" ;;
+    suite) timeout 300 python3 -m pytest -q -p no:cacheprovider -n 12 tests -m "not slow" 2>&1 | tail -60 > "$OUT/suite.log" ;;
+  esac
+  echo "== $step: $(( $(date +%s) - t )) s"
+done
+if [ -d "$OUT/rec" ]; then tar czf "$OUT/rec.tgz" -C "$OUT" rec && rm -rf "$OUT/rec"; fi
+ls -la "$OUT"
