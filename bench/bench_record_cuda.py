@@ -5,7 +5,8 @@
 For each model size, in one process: the training step (TinyGPT + AdamW, fp32) timed plain
 (median of --steps steps, each ended by torch.cuda.synchronize(), after 2 warm-up steps),
 then recorded by `tracekit.record` in each mode, then plain again (the floor is the lower of
-the two plain medians, so drift is not charged to the recorder). Modes: `default`
+the two plain medians, so drift is not charged to the recorder). `torch only` is
+torch.cuda.memory._record_memory_history(stacks="python") alone, no tracekit. Modes: `default`
 (stacks="python", forward origins and module paths on), `no origins` (origins=False), and
 `C++ stacks` (stacks="all"). Prints ms/step, the ratio to the floor, and the time to take
 the snapshot and write the file. Target (issue 16): default <= 1.2x.
@@ -56,6 +57,10 @@ def main():
             timed(step, 2)
             plain = [timed(step, args.steps)]
             rows = []
+            torch.cuda.memory._record_memory_history("all", context="all", stacks="python")  # torch's own cost
+            timed(step, 1)
+            rows.append(("torch only", timed(step, args.steps), 0.0, 0))
+            torch.cuda.memory._record_memory_history(None)
             for mode, options in MODES.items():
                 path = os.path.join(folder, f"{size}.pickle")
                 rec = tk_record.record(path, model=model, optimizer=optimizer, backend="cuda", **options).start()
@@ -71,7 +76,8 @@ def main():
                   f"{plain[1] * 1e3:.2f} ms/step (floor {floor * 1e3:.2f})")
             for mode, recorded, finish, nbytes in rows:
                 print(f"  {mode:11s} {recorded * 1e3:8.2f} ms/step  {recorded / floor:5.2f}x   "
-                      f"snapshot+write {finish:5.2f} s for {args.steps + 1} steps ({nbytes / 1e6:.1f} MB)")
+                      + (f"snapshot+write {finish:5.2f} s for {args.steps + 1} steps ({nbytes / 1e6:.1f} MB)"
+                         if nbytes else "(torch's allocator history with Python stacks alone, no tracekit)"))
             del model, optimizer, step
             torch.cuda.empty_cache()
 

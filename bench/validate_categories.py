@@ -328,6 +328,11 @@ def torch_labels(prof, trace):
 def measure(name, folder, with_torch=True):
     path = os.path.join(folder, f"{name}.pickle")
     prof, rec_seconds = record_workload(name, path, with_torch)
+    return judge(name, path, prof, rec_seconds)
+
+
+def judge(name, path, prof=None, rec_seconds=0.0):
+    """The agreement row of one recording (tags are the truth; (b) and (c) strip tags, then phase marks)."""
     full, no_tags, no_marks = variants(path)
     truth = truth_of(full)
     w_peak, w_time = weights(full)
@@ -421,10 +426,11 @@ def main(argv=None):
     ap.add_argument("--no-torch", action="store_true", help="skip torch.profiler's classifier")
     ap.add_argument("--speed", action="store_true", help="also time categorize + category_series on 1M entries")
     ap.add_argument("--only", nargs="*", choices=list(ALL), help="workload names")
+    ap.add_argument("--files", nargs="+", help="judge these recordings of our recorder (e.g. CUDA samples) instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    names = args.only or (QUICK if args.quick else list(ALL))
-    rows = []
+    names = [] if args.files else args.only or (QUICK if args.quick else list(ALL))
+    rows = [judge(os.path.basename(p).split(".")[0], p) for p in args.files or []]
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             rows.append(measure(name, folder, with_torch=not args.no_torch))

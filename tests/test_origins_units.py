@@ -62,6 +62,29 @@ def test_cuda_join_by_time():
     assert "forward_frames" not in entries[0]
 
 
+def test_cuda_stackless_profiler_takes_the_allocators_stack():
+    """CUDA's profiler records ops without Python stacks (cheaper): a forward op's stack is that of the first
+    allocation the allocator recorded inside it; an op that allocated nothing gives no stack, never a guess."""
+    from torch._C._profiler import _EventType as E
+
+    op = _node(E.TorchOp, "aten::softmax", 1_000, 2_000, sequence_number=7)
+    view = _node(E.TorchOp, "aten::transpose", 3_000, 3_500, sequence_number=8)
+    bwd = _node(E.TorchOp, BACKWARD_RANGE + "SoftmaxBackward0", 10_000, 20_000, sequence_number=7)
+    bwd_view = _node(E.TorchOp, BACKWARD_RANGE + "TransposeBackward0", 21_000, 22_000, sequence_number=8)
+    o = Origins()
+    o.take(SimpleNamespace(experimental_event_tree=lambda: [op, view, bwd, bwd_view]))
+    line13 = [{"filename": "train.py", "line": 13, "name": "loss_fn"}]
+    entries = [
+        {"action": "alloc", "addr": 9, "size": 8, "time_us": 0, "frames": [{"filename": "t.py", "line": 1}]},
+        {"action": "alloc", "addr": 1, "size": 8, "time_us": 1, "frames": line13},  # made by the softmax
+        {"action": "alloc", "addr": 2, "size": 8, "time_us": 15, "frames": []},  # its backward
+        {"action": "alloc", "addr": 3, "size": 8, "time_us": 21, "frames": []},  # backward of the view
+    ]
+    o.annotate({"device_traces": [entries]}, by_time=True)
+    assert entries[2]["forward_frames"] == line13
+    assert "forward_frames" not in entries[3]
+
+
 def test_module_tracker_paths():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
     tracker = ModuleTracker(lambda: [("", model)])
@@ -101,9 +124,13 @@ class _Probe(torch.autograd.Function):
     """Notes the trace clock while its backward runs (inside its evaluate_function range)."""
 
     times = []
+    forward_times = []
 
     @staticmethod
     def forward(ctx, x):
+        from tracekit.record.marks import now_us
+
+        _Probe.forward_times.append(now_us())
         return x * 2
 
     @staticmethod
@@ -116,25 +143,23 @@ class _Probe(torch.autograd.Function):
 
 def test_cuda_path_with_a_real_restricted_profiler():
     """The CUDA wiring (Attached with a CUDA backend) on this machine's CPU: the restricted profiler
-    sees the backward range, and an allocator entry stamped inside it gets the forward line."""
-    import inspect
-
+    sees the forward op and its backward range; an allocator entry stamped inside the backward range gets
+    the stack the allocator recorded for the forward op's own allocation."""
     from tracekit.record.origins import Attached
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     rec = SimpleNamespace(_models=[("", model)], max_entries=None, origins=True)
     att = Attached(rec, SimpleNamespace(name="cuda"))
     _Probe.times.clear()
-    line = inspect.currentframe().f_lineno + 1
+    _Probe.forward_times.clear()
     y = _Probe.apply(model(torch.ones(2, 4)))
     y.sum().backward()
-    (t,) = _Probe.times
-    entries = [{"action": "alloc", "addr": 16, "size": 4, "time_us": t, "frames": []}]
+    (t,), (t_forward,) = _Probe.times, _Probe.forward_times
+    stack = [{"filename": "train.py", "line": 7, "name": "step"}]
+    entries = [{"action": "alloc", "addr": 8, "size": 4, "time_us": t_forward, "frames": stack},
+               {"action": "alloc", "addr": 16, "size": 4, "time_us": t, "frames": []}]
     att.finish({"device_traces": [entries]})
-    from tracekit.analysis.frames import user_first
-
-    first = user_first(entries[0]["forward_frames"])[0]
-    assert first["line"] == line and first["filename"].endswith("test_origins_units.py")
+    assert entries[1]["forward_frames"] == stack
     assert att.profiler._prof is None and not att.modules._handles  # stopped and unhooked
 
 

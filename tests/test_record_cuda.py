@@ -60,6 +60,7 @@ def fake(monkeypatch):
             return [{"index": 0, "type": "cuda", "name": "Fake GPU", "total_memory": 80 * 2**30}]
 
     monkeypatch.setattr(cuda_backend, "history_enabled", lambda: mem.enabled)
+    monkeypatch.setattr(cuda_backend, "cuda_initialized", lambda: True)  # a GPU already in use
     monkeypatch.setattr(recorder_module, "make_backend",
                         lambda name, stacks, max_entries: MockedCuda(stacks=stacks, max_entries=max_entries))
     return mem
@@ -230,3 +231,30 @@ def test_real_cuda_out_of_memory_post_mortem(tmp_path):
     text = str(ooms[0])
     assert "cuda_train.py" in text, text
 
+
+
+def test_cuda_metadata_waits_for_cuda_initialisation(fake, monkeypatch, tmp_path):
+    """`tracekit record` starts before the script initialises CUDA; torch's metadata getter and setter
+    index the allocator's per-device state, which does not exist yet (a segfault on a real GPU)."""
+    state = {"initialized": False, "queued": []}
+
+    def touch(*args):
+        if not state["initialized"]:
+            raise AssertionError("allocator metadata touched before CUDA was initialised")
+
+    monkeypatch.setattr(fake, "_get_memory_metadata", lambda: touch() or fake.metadata)
+    original_set = fake._set_memory_metadata
+    monkeypatch.setattr(fake, "_set_memory_metadata", lambda s: touch() or original_set(s))
+    monkeypatch.setattr(cuda_backend, "cuda_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(cuda_backend, "_on_cuda_init", state["queued"].append)
+    model, optimizer, step = make_training(seed=0, **SMALL)
+    rec = tk_record.record(tmp_path / "c.pickle", model=model, optimizer=optimizer).start()
+    assert fake.metadata_log == [] and len(state["queued"]) == 1  # waits, once
+    state["initialized"] = True
+    state["queued"].pop()()  # torch runs the queued call when CUDA initialises
+    assert fake.metadata_log == ["tracekit:iter=0"]
+    step()
+    rec.step()
+    rec.close()
+    assert "tracekit:iter=0:phase=forward" in fake.metadata_log
+    assert fake.metadata == ""  # nothing was there before CUDA: the allocator gets an empty string back

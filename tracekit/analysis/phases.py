@@ -170,6 +170,7 @@ class DevicePhases:
     phase: np.ndarray  # int8 per entry: index into PHASES
     iteration: np.ndarray  # int32 per entry (-1: before the first known iteration)
     source: str  # "metadata", "recorder", "inferred" or "none"
+    stamped: np.ndarray | None = None  # metadata source: bool per entry, True where our string is on it
 
     @property
     def n(self):
@@ -224,8 +225,14 @@ def phases(trace: Trace) -> dict[int, DevicePhases]:
 def device_phases(trace: Trace, device: int) -> DevicePhases:
     sl = trace.events.device_slice(device)
     got = _from_metadata(trace, sl)
+    timed = _from_recorder(trace, sl)
+    if got is not None and timed is not None:
+        # The CUDA allocator keeps the metadata string per thread: what autograd's own threads allocate in
+        # backward carries none, so those entries take the recorder's time intervals instead.
+        blank = ~got.stamped
+        got.phase[blank], got.iteration[blank] = timed.phase[blank], timed.iteration[blank]
     if got is None:
-        got = _from_recorder(trace, sl)
+        got = timed
     if got is None:
         got = _inferred(trace, sl)
     return got
@@ -255,16 +262,17 @@ def _from_metadata(trace, sl):
     ids = np.unique(um)
     phase_of = np.zeros(len(trace.strings), np.int8)
     iter_of = np.full(len(trace.strings), -1, np.int32)
+    stamped = np.zeros(len(trace.strings), bool)  # the string is ours
     found = False
     for i in ids.tolist():
         m = _RE_METADATA.fullmatch(trace.strings[i])
         if m:
-            found = True
+            found = stamped[i] = True
             iter_of[i] = int(m.group(1))
             phase_of[i] = PHASES.index(m.group(2)) if m.group(2) in PHASES else NONE
     if not found:
         return None
-    return DevicePhases(phase=phase_of[um], iteration=iter_of[um], source="metadata")
+    return DevicePhases(phase=phase_of[um], iteration=iter_of[um], source="metadata", stamped=stamped[um])
 
 
 def _from_recorder(trace, sl):

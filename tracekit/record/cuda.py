@@ -23,6 +23,8 @@ class CudaBackend:
         self._started = False
         self._was_enabled = False
         self._old_metadata = ""
+        self._metadata = None  # the string to stamp on new entries
+        self._waiting = False  # set_metadata is waiting for CUDA to be initialised
 
     @staticmethod
     def _memory():
@@ -34,10 +36,14 @@ class CudaBackend:
         return tensor.device.index if tensor.device.type == "cuda" else None
 
     def start(self, preexisting=()):
-        """Start the allocator's history (its segments already hold every live block: `preexisting` unused)."""
+        """Start the allocator's history (its segments already hold every live block: `preexisting` unused).
+
+        Before CUDA is initialised (`tracekit record` starts ahead of the script) the allocator has no
+        per-device state yet, and torch's metadata getter and setter index it anyway (a segfault), so
+        the metadata waits for initialisation (`torch.cuda._lazy_call`)."""
         mem = self._memory()
         self._was_enabled = history_enabled()
-        self._old_metadata = _get_metadata(mem)
+        self._old_metadata = _get_metadata(mem) if cuda_initialized() else ""
         kwargs = {
             "context": "all",
             "stacks": self.stacks,
@@ -54,9 +60,24 @@ class CudaBackend:
         self._started = True
 
     def set_metadata(self, time_us, metadata):
+        self._metadata = metadata
         mem = self._memory()
-        if hasattr(mem, "_set_memory_metadata"):
+        if not hasattr(mem, "_set_memory_metadata"):
+            return
+        if cuda_initialized():
             mem._set_memory_metadata(metadata)
+        elif not self._waiting:
+            self._waiting = True
+            _on_cuda_init(self._initialized)
+
+    def _initialized(self):
+        """CUDA has just been initialised: stamp what is current (if we still record)."""
+        self._waiting = False
+        try:  # an error here would fail CUDA's initialisation, and the user's step with it
+            if self._started and self._metadata is not None:
+                self._memory()._set_memory_metadata(self._metadata)
+        except Exception:
+            pass
 
     def stop(self):
         """Take the snapshot, then restore the previous recording state."""
@@ -74,7 +95,7 @@ class CudaBackend:
         self._started = False
         mem = self._memory()
         try:
-            if hasattr(mem, "_set_memory_metadata"):
+            if hasattr(mem, "_set_memory_metadata") and cuda_initialized():
                 mem._set_memory_metadata(self._old_metadata)
         finally:
             if not self._was_enabled:
@@ -121,6 +142,25 @@ def allocator_stats() -> dict:
     except Exception:  # noqa: BLE001 - figures for checking only; never fail a recording over them
         pass
     return out
+
+
+def cuda_initialized() -> bool:
+    import torch
+
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def _on_cuda_init(fn):
+    """Run `fn` once CUDA is initialised (at once if it already is)."""
+    import torch
+
+    try:
+        torch.cuda._lazy_call(fn)
+    except Exception:  # a torch without the hook: entries stay unstamped until the next phase change
+        pass
 
 
 def history_enabled() -> bool:

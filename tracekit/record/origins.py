@@ -13,8 +13,9 @@ CPU: the profiler's tree says exactly which allocation sits in which range
 (`Origins.take`, keyed by time and address). CUDA: the allocator history and
 the profiler are separate, so an allocation is joined to the backward range
 whose time span holds it (`Origins.annotate` with ranges); `CudaProfiler`
-runs a profiler restricted to what this needs (ops with Python stacks, no
-memory events, no shapes).
+runs a profiler restricted to what this needs (ops only: no Python stacks, no
+memory events, no shapes), and a forward op's stack is that of the first
+allocation the allocator recorded inside it.
 
 Set TRACEKIT_ORIGINS=0 (or ``record(..., origins=False)``) to record without it.
 """
@@ -43,6 +44,7 @@ class Origins:
         self.forward = {}  # sequence number -> (frames key, module path) of the forward op that made the node
         self.by_alloc = {}  # (time_us, addr) -> (forward frames key or None, module path)
         self.ranges = []  # (start_ns, end_ns, sequence number): backward ranges, for joining by time
+        self.spans = {}  # sequence number -> (start_ns, end_ns) of its forward op (CUDA: stacks come from the allocator)
 
     def take(self, results):
         """Walk one profiler session's event tree (a kineto result)."""
@@ -51,7 +53,7 @@ class Origins:
         py_tags = (_EventType.PyCall, _EventType.PyCCall)
         torch_op, allocation = _EventType.TorchOp, _EventType.Allocation
         path_at = self.modules.path_at if self.modules is not None else (lambda t: "")
-        forward, by_alloc = self.forward, self.by_alloc
+        forward, by_alloc, spans = self.forward, self.by_alloc, self.spans
         todo = [(root, (), None) for root in reversed(results.experimental_event_tree())]
         last_ns = 0
         while todo:
@@ -65,7 +67,9 @@ class Origins:
                     seq = n
                     self.ranges.append((node.start_time_ns, node.end_time_ns, n))
                 elif seq is None and n >= 0:  # the last op with a number is the one that made its node
-                    forward[n] = (_frames_key(pyframes, (), _EventType.PyCall), path_at(node.start_time_ns))
+                    forward[n] = (_frames_key(pyframes, (), _EventType.PyCall) if pyframes else None,
+                                  path_at(node.start_time_ns))
+                    spans[n] = (node.start_time_ns, node.end_time_ns)
             elif tag == allocation:
                 ef = node.extra_fields
                 t = node.start_time_ns
@@ -86,7 +90,7 @@ class Origins:
     def _trim(self, last_ns):
         if self.modules is not None and last_ns:
             self.modules.forget_before(last_ns)
-        for d, cap in ((self.by_alloc, self.max_allocs), (self.forward, MAX_FORWARD)):
+        for d, cap in ((self.by_alloc, self.max_allocs), (self.forward, MAX_FORWARD), (self.spans, MAX_FORWARD)):
             if len(d) > cap:
                 for k in list(d)[:len(d) - cap]:
                     del d[k]
@@ -110,13 +114,16 @@ class Origins:
         ranges = sorted(self.ranges) if by_time else []
         starts = [r[0] for r in ranges]
         for entries in snapshot.get("device_traces") or []:
+            stacked = _StackedAllocations(entries) if by_time else None
             for e in entries:
                 if e.get("action") not in ("alloc", "segment_alloc"):
                     continue
                 origin = self.by_alloc.get((e.get("time_us"), e.get("addr")))
+                seq = None
                 if origin is None and by_time and e.get("action") == "alloc" and e.get("time_us") is not None:
                     t_ns = e["time_us"] * 1000
-                    origin = self._by_time(t_ns, ranges, starts) if ranges else None
+                    seq = self._by_time(t_ns, ranges, starts) if ranges else None
+                    origin = self.forward.get(seq) if seq is not None else None
                     if origin is None and self.modules is not None:  # a forward allocation: its module
                         module = self.modules.path_at(t_ns)
                         origin = (None, module) if module else None
@@ -125,23 +132,44 @@ class Origins:
                 key, module = origin
                 if key:
                     e["forward_frames"] = frames_of(key)
+                elif seq is not None and seq in self.spans:  # a profiler without stacks (CUDA)
+                    frames = stacked.within(*self.spans[seq])
+                    if frames:
+                        e["forward_frames"] = frames
                 if module:
                     e["module"] = module
 
     def _by_time(self, t_ns, ranges, starts):
-        """The origin of the innermost backward range holding t_ns (ranges sorted by start)."""
+        """The sequence number of the innermost backward range holding t_ns (ranges sorted by start)."""
         i = bisect.bisect_right(starts, t_ns) - 1
         # ranges nest: walk back to the latest-starting one that still holds t_ns
         for j in range(i, max(i - 64, -1), -1):
             s, end, seq = ranges[j]
             if s <= t_ns <= end + 999:  # entries are stamped in whole µs
-                return self.forward.get(seq)
+                return seq
+        return None
+
+
+class _StackedAllocations:
+    """The allocator's own Python stacks, by time: the stack of a forward op is that of the first
+    allocation made inside it (CUDA, where our profiler records ops without stacks: far cheaper)."""
+
+    def __init__(self, entries):
+        rows = [(e["time_us"], e["frames"]) for e in entries
+                if e.get("action") == "alloc" and e.get("frames") and e.get("time_us") is not None]
+        self.times = [t for t, _ in rows]
+        self.frames = [f for _, f in rows]
+
+    def within(self, start_ns, end_ns):
+        i = bisect.bisect_left(self.times, start_ns // 1000)
+        if i < len(self.times) and self.times[i] * 1000 <= end_ns + 999:
+            return self.frames[i]
         return None
 
 
 class CudaProfiler:
-    """A profiler restricted to what origins need beside the CUDA allocator history: CPU ops with
-    Python stacks (no memory events, no shapes, no CUDA activity), for the whole recording.
+    """A profiler restricted to what origins need beside the CUDA allocator history: CPU ops (no Python
+    stacks, no memory events, no shapes, no CUDA activity), for the whole recording.
 
     One profiler runs per process: while the user's own runs (coexist.py), ours is stopped and
     what theirs saw is taken instead; it starts again when theirs stops.
@@ -166,7 +194,8 @@ class CudaProfiler:
 
         from .cpu import quiet_stderr
 
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=False, with_stack=True,
+        # No stacks: the allocator records each allocation's Python stack already (_StackedAllocations).
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=False, with_stack=False,
                        record_shapes=False)
         with self._watch.ours(), quiet_stderr():
             prof.start()
