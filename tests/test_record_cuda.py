@@ -233,28 +233,58 @@ def test_real_cuda_out_of_memory_post_mortem(tmp_path):
 
 
 
-def test_cuda_metadata_waits_for_cuda_initialisation(fake, monkeypatch, tmp_path):
-    """`tracekit record` starts before the script initialises CUDA; torch's metadata getter and setter
-    index the allocator's per-device state, which does not exist yet (a segfault on a real GPU)."""
+def test_cuda_history_waits_for_cuda_initialisation(fake, monkeypatch, tmp_path):
+    """`tracekit record` starts before the script initialises CUDA; torch's history probe and metadata calls
+    index the allocator's per-device state, which does not exist yet (a segfault on a real GPU): the history
+    starts when torch initialises CUDA, and we never initialise it ourselves."""
     state = {"initialized": False, "queued": []}
 
     def touch(*args):
         if not state["initialized"]:
-            raise AssertionError("allocator metadata touched before CUDA was initialised")
+            raise AssertionError("the allocator was touched before CUDA was initialised")
 
-    monkeypatch.setattr(fake, "_get_memory_metadata", lambda: touch() or fake.metadata)
-    original_set = fake._set_memory_metadata
-    monkeypatch.setattr(fake, "_set_memory_metadata", lambda s: touch() or original_set(s))
+    for name in ("_get_memory_metadata", "_set_memory_metadata", "_record_memory_history", "_snapshot"):
+        original = getattr(fake, name)
+        monkeypatch.setattr(fake, name, lambda *a, _f=original, **k: touch() or _f(*a, **k))
+    monkeypatch.setattr(cuda_backend, "history_enabled", lambda: touch() or fake.enabled)
     monkeypatch.setattr(cuda_backend, "cuda_initialized", lambda: state["initialized"])
     monkeypatch.setattr(cuda_backend, "_on_cuda_init", state["queued"].append)
     model, optimizer, step = make_training(seed=0, **SMALL)
     rec = tk_record.record(tmp_path / "c.pickle", model=model, optimizer=optimizer).start()
-    assert fake.metadata_log == [] and len(state["queued"]) == 1  # waits, once
+    assert fake.calls == [] and len(state["queued"]) == 1  # waits
     state["initialized"] = True
-    state["queued"].pop()()  # torch runs the queued call when CUDA initialises
-    assert fake.metadata_log == ["tracekit:iter=0"]
+    state["queued"].pop()()  # torch runs the queued call as CUDA initialises
+    assert fake.calls[0][0] == "all" and fake.metadata_log == ["tracekit:iter=0"]
     step()
     rec.step()
     rec.close()
     assert "tracekit:iter=0:phase=forward" in fake.metadata_log
-    assert fake.metadata == ""  # nothing was there before CUDA: the allocator gets an empty string back
+    assert fake.metadata == "theirs" and fake.calls[-1][0] is None  # restored
+
+
+def test_cuda_never_initialised_writes_an_empty_recording(fake, monkeypatch, tmp_path):
+    monkeypatch.setattr(cuda_backend, "cuda_initialized", lambda: False)
+    monkeypatch.setattr(cuda_backend, "_on_cuda_init", lambda fn: None)
+    model, optimizer, step = make_training(seed=0, **SMALL)
+    with pytest.warns(RuntimeWarning, match="no trace entries"):
+        with tk_record.record(tmp_path / "e.pickle", model=model, optimizer=optimizer) as rec:
+            step()
+            rec.step()
+    assert fake.calls == [] and (tmp_path / "e.pickle").exists()
+
+
+@needs_cuda
+def test_real_cuda_cli_records_a_fresh_process(tmp_path):
+    """`tracekit record -- python script.py`: the recorder starts before the script initialises CUDA."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "cli.pickle"
+    p = subprocess.run([sys.executable, "-m", "tracekit.cli", "record", "-o", str(path), "--",
+                        sys.executable, TRAIN, "gpt", "--steps", "2"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    trace = tracekit.load(path, use_cache=False)
+    assert [(ph["iteration"], ph["phase"]) for ph in trace.recorder["phases"]][:3] == [
+        (0, "forward"), (0, "backward"), (0, "optimizer")]
+    rep = _report(path)["devices"][0]
+    assert rep["replay_invariant"]["ok"] and rep["peak_phase"] in ("forward", "backward", "optimizer")

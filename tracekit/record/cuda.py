@@ -24,7 +24,7 @@ class CudaBackend:
         self._was_enabled = False
         self._old_metadata = ""
         self._metadata = None  # the string to stamp on new entries
-        self._waiting = False  # set_metadata is waiting for CUDA to be initialised
+        self._history_on = False  # started, and CUDA initialised: the allocator records
 
     @staticmethod
     def _memory():
@@ -39,11 +39,19 @@ class CudaBackend:
         """Start the allocator's history (its segments already hold every live block: `preexisting` unused).
 
         Before CUDA is initialised (`tracekit record` starts ahead of the script) the allocator has no
-        per-device state yet, and torch's metadata getter and setter index it anyway (a segfault), so
-        the metadata waits for initialisation (`torch.cuda._lazy_call`)."""
+        per-device state, and torch's history probe and metadata calls index it anyway (a segfault on a
+        real GPU), so the history starts when CUDA is initialised (`torch.cuda._lazy_call`), before the
+        first allocation. We never initialise CUDA ourselves: under torchrun the script picks its device."""
+        self._started = True
+        if cuda_initialized():
+            self._begin()
+        else:
+            _on_cuda_init(self._begin_at_init)
+
+    def _begin(self):
         mem = self._memory()
         self._was_enabled = history_enabled()
-        self._old_metadata = _get_metadata(mem) if cuda_initialized() else ""
+        self._old_metadata = _get_metadata(mem)
         kwargs = {
             "context": "all",
             "stacks": self.stacks,
@@ -57,35 +65,37 @@ class CudaBackend:
         except TypeError:  # a torch whose signature we could not read and that lacks clear_history
             kwargs.pop("clear_history", None)
             mem._record_memory_history("all", **kwargs)
-        self._started = True
+        self._history_on = True
+        if self._metadata is not None and hasattr(mem, "_set_memory_metadata"):
+            mem._set_memory_metadata(self._metadata)
+
+    def _begin_at_init(self):
+        """Called by torch as CUDA initialises: an error here would fail the user's first CUDA call."""
+        try:
+            if self._started and not self._history_on:
+                self._begin()
+        except Exception as e:
+            import warnings
+
+            warnings.warn(f"tracekit: could not start CUDA's memory history ({e!r}); training runs without it",
+                          RuntimeWarning)
 
     def set_metadata(self, time_us, metadata):
         self._metadata = metadata
         mem = self._memory()
-        if not hasattr(mem, "_set_memory_metadata"):
-            return
-        if cuda_initialized():
+        if self._history_on and hasattr(mem, "_set_memory_metadata"):
             mem._set_memory_metadata(metadata)
-        elif not self._waiting:
-            self._waiting = True
-            _on_cuda_init(self._initialized)
-
-    def _initialized(self):
-        """CUDA has just been initialised: stamp what is current (if we still record)."""
-        self._waiting = False
-        try:  # an error here would fail CUDA's initialisation, and the user's step with it
-            if self._started and self._metadata is not None:
-                self._memory()._set_memory_metadata(self._metadata)
-        except Exception:
-            pass
 
     def stop(self):
         """Take the snapshot, then restore the previous recording state."""
         if not self._started:
             return
         try:
-            self._snapshot = self._memory()._snapshot()
-            self._stats = allocator_stats()
+            if self._history_on:
+                self._snapshot = self._memory()._snapshot()
+                self._stats = allocator_stats()
+            else:  # CUDA was never used while we recorded
+                self._snapshot = {"segments": [], "device_traces": []}
         finally:
             self.restore()
 
@@ -93,9 +103,12 @@ class CudaBackend:
         if not self._started:
             return
         self._started = False
+        if not self._history_on:
+            return
+        self._history_on = False
         mem = self._memory()
         try:
-            if hasattr(mem, "_set_memory_metadata") and cuda_initialized():
+            if hasattr(mem, "_set_memory_metadata"):
                 mem._set_memory_metadata(self._old_metadata)
         finally:
             if not self._was_enabled:
@@ -112,6 +125,8 @@ class CudaBackend:
         import torch
 
         out = []
+        if not cuda_initialized():  # the script never used CUDA: asking would initialise it now
+            return out
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             out.append({"index": i, "type": "cuda", "name": props.name, "total_memory": int(props.total_memory),
@@ -159,14 +174,19 @@ def _on_cuda_init(fn):
 
     try:
         torch.cuda._lazy_call(fn)
-    except Exception:  # a torch without the hook: entries stay unstamped until the next phase change
-        pass
+    except Exception as e:  # a torch without the hook
+        import warnings
+
+        warnings.warn(f"tracekit: cannot wait for CUDA's initialisation ({e!r}); CUDA is not recorded",
+                      RuntimeWarning)
 
 
 def history_enabled() -> bool:
     import torch
 
     probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if not cuda_initialized():  # the probe indexes per-device state that does not exist yet (a segfault)
+        return False
     try:
         return bool(probe()) if probe is not None else False
     except Exception:
