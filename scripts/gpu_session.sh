@@ -17,7 +17,7 @@ for step in $steps; do
     samples) timeout 300 python3 samples/make_cuda_samples.py "$OUT/rec" ${SAMPLES:-} 2>&1 | tee "$OUT/samples.log" ;;
     cuda) timeout 180 python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$OUT/cuda_tests.log" ;;
     bench) timeout 240 python3 bench/bench_record_cuda.py 2>&1 | tee "$OUT/bench.log" ;;
-    suite) { timeout 420 python3 -m pytest -q -p no:cacheprovider -n 12 tests --ignore=tests/test_cache.py -m "not slow"; timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py; } 2>&1 | tail -80 > "$OUT/suite.log" ;;
+    suite) { timeout 420 python3 -m pytest -q -rfs -p no:cacheprovider -n 12 tests --ignore=tests/test_cache.py -m "not slow"; timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cache.py; } 2>&1 > "$OUT/suite.log" ;;
   esac
   echo "== $step: $(( $(date +%s) - t )) s"
 done

@@ -13,6 +13,15 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 
 @pytest.fixture(autouse=True)
+def _cpu_recordings_unless_cuda(request, monkeypatch):
+    """Tests record CPU training; on a GPU machine "auto" would pick CUDA for scripts (tests marked cuda excepted)."""
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv("TRACEKIT_BACKEND", "cpu")
+    else:
+        monkeypatch.delenv("TRACEKIT_BACKEND", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
     """Never read or write the user's real cache from tests."""
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tracekit-cache"))

@@ -30,7 +30,7 @@ from ..record.signals import Forwarder
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="Iterations to record; then the file is written and the script goes on unrecorded. Default: all.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
-              help="auto: CUDA allocator history if CUDA is available, else the CPU profiler.")
+              help="auto: $TRACEKIT_BACKEND if set, else CUDA allocator history if CUDA is available, else the CPU profiler.")
 @click.option("--no-activations", is_flag=True, help="Do not tag tensors saved for backward (no saved-tensor hooks).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def command(output, max_entries, stacks, warmup, steps, backend, no_activations, command):

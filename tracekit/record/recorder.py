@@ -105,7 +105,8 @@ class Recorder:
         try:
             import torch  # noqa: F401
 
-            self._backend = make_backend(self.backend_name, self.stacks, self.max_entries)
+            self._backend = make_backend(resolve_backend(self.backend_name, self.model), self.stacks,
+                                         self.max_entries)
             self._tags = Tags(self._backend.device_of)
             self._marks = Marks(on_change=self._metadata_changed)
             if self.model is not None:
@@ -301,6 +302,9 @@ class Recorder:
             snapshot["tracekit"] = self._tracekit_key(end_us)
             if not any(snapshot.get("device_traces") or []):
                 why = "; ".join(sorted({g["reason"] for g in snapshot["tracekit"]["gaps"]})) or "no allocations"
+                if self._backend.name == "cuda" and why == "no allocations":
+                    why = ("the CUDA allocator saw no allocations; if this trains on the CPU, record with "
+                           "--backend cpu or TRACEKIT_BACKEND=cpu")
                 warnings.warn(f"tracekit: the recording in {self.path} holds no trace entries ({why})",
                               RuntimeWarning)
             try:
@@ -354,7 +358,7 @@ class Recorder:
             "signal": self.signal,
             "gaps": list(getattr(self._backend, "gaps", [])),
             "settings": {
-                "backend": self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
+                "backend": self._backend.name if self._backend is not None else self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
                 "activations": self.activations, "warmup": self.warmup, "steps": self.steps,
                 "path": self.path, "pid": os.getpid(), "rank": rank(),
                 "start_us": self._start_us, "end_us": end_us,
@@ -392,6 +396,23 @@ class Recorder:
                 cleanup()
             except Exception:
                 pass
+
+
+def resolve_backend(name, model=None):
+    """"auto" made concrete: $TRACEKIT_BACKEND if set; else where the model's parameters are (CPU
+    training on a GPU machine records the CPU); else CUDA when it is available."""
+    if name != "auto":
+        return name
+    env = os.environ.get("TRACEKIT_BACKEND", "").strip().lower()
+    if env in ("cpu", "cuda"):
+        return env
+    try:
+        first = next(iter(model.parameters()), None) if model is not None else None
+    except Exception:
+        first = None
+    if first is not None:
+        return "cuda" if first.device.type == "cuda" else "cpu"
+    return "auto"
 
 
 def make_backend(name, stacks, max_entries):
