@@ -48,6 +48,7 @@ class Hooks:
 
         global _compiling
         _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
+        _node_names_keep_suffix()  # asked now, outside any backward
         self._thread = threading.get_ident()
         if self.model is not None:
             self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
@@ -242,10 +243,30 @@ def inplace_message(saved, version):
     t = saved.tensor
     what = f"[{t.type()} {list(t.shape)}]"
     if saved.fn is not None:
-        what += f", which is output {saved.output_nr} of {re.sub(r'Backward[0-9]*$', '', saved.fn)},"
+        fn = saved.fn if _node_names_keep_suffix() else re.sub(r"Backward[0-9]*$", "", saved.fn)
+        what += f", which is output {saved.output_nr} of {fn},"
     return (
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"{what} is at version {version}; expected version {saved.version} instead. Hint: enable anomaly "
         "detection to find the operation that failed to compute its gradient, with "
         "torch.autograd.set_detect_anomaly(True, check_nan=False)."
     )
+
+
+@functools.cache
+def _node_names_keep_suffix() -> bool:
+    """Whether this torch names the node "SigmoidBackward0" (2.11) or "Sigmoid" (2.13) in that message:
+    asked of autograd itself, once, at install, with saved-tensor hooks off so that it makes its own check."""
+    import torch
+
+    try:
+        with torch.autograd.graph.disable_saved_tensors_hooks("tracekit: probing autograd's message"):
+            a = torch.ones(1, requires_grad=True)
+            b = a.sigmoid()
+            b.add_(1)
+            b.sum().backward()
+    except RuntimeError as e:
+        return "SigmoidBackward" in str(e)
+    except Exception:
+        pass
+    return False
