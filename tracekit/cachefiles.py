@@ -53,10 +53,9 @@ def key_for(path, stat=None) -> str | None:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             fp = _fingerprint(f, st)
-            if fp:
-                known = _remembered(fp)
-                if known:
-                    return known
+            known = _remembered(fp) if fp else None
+            if known:
+                return known
             f.seek(0)
             h = hashlib.sha256(f"tracekit-cache {VERSION} {st.st_size}\n".encode())
             while chunk := f.read(4 * 2**20):
@@ -65,6 +64,17 @@ def key_for(path, stat=None) -> str | None:
             if fp and os.fstat(f.fileno()).st_ctime_ns == st.st_ctime_ns:  # not written to while hashed
                 _remember(fp, key)
             return key
+    except (OSError, ValueError):
+        return None
+
+
+def known_key(path) -> str | None:
+    """The key of a file whose cached entry is there and whose fingerprint is remembered, else None;
+    never reads more than the file's ends."""
+    try:
+        with open_regular(path) as f:
+            fp = _fingerprint(f, os.fstat(f.fileno()))
+            return _remembered(fp) if fp else None
     except (OSError, ValueError):
         return None
 
