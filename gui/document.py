@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import tracekit
+from tracekit import analysis_cache
 from tracekit.analysis.categories import categorize
 from tracekit.analysis.live import has_timeline, live_by_site
 from tracekit.analysis.sites import allocation_sites, allocation_where, site_frames, site_info
@@ -48,19 +49,27 @@ class Document:
             if progress:
                 progress(fraction, message)
 
-        trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache)
+        whole = trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache)
+        stored = analysis_cache.restore(whole, path) if use_cache else None
         if window:
-            trace = select(trace, window)
+            trace = select(whole, window)
+            stored = analysis_cache.restore(trace, path, window) if use_cache else None
         tell(0.7, "replaying allocations")
         replays = replay(trace)
         tell(0.75, "classifying memory")
         categories = categorize(trace)
         tell(0.85, "finding peaks, spikes and leaks")
-        report = build_report(trace)
+        report = stored["report"] if stored and isinstance(stored.get("report"), dict) else build_report(trace)
         doc = cls(str(path), trace, replays, report, categories, phases(trace))
         tell(0.95, "preparing tables")
         for d in trace.devices:
             doc.where_table(d)
+            category_series(trace, d, max_points=2)  # the timeline's step functions, kept below
+        if use_cache and stored is None:
+            tell(0.97, "keeping the analysis for the next open")
+            if window:
+                analysis_cache.store(whole, path)
+            analysis_cache.store(trace, path, window, extra={"report": report})
         return doc
 
     # ---- devices and report ----------------------------------------------

@@ -63,6 +63,7 @@ DTYPES = {
     "bl": {"device": _I32, "segment": _I32, "addr": _U64, "size": _I64, "requested_size": _I64,
            "state": _I8, "stack_id": _I32},
 }
+_BESIDE = (".json", ".tkm")  # results stored beside a trace: file_report.py, analysis_cache.py
 COLUMNS = {f"{p}_{n}": dtype for p, fields in DTYPES.items() for n, dtype in fields.items()}
 
 
@@ -247,14 +248,13 @@ def check_consistent(t: Trace) -> None:
 
 
 def entries() -> list:
-    """(path, bytes) of every cached trace (its stored results counted with it)."""
+    """(path, bytes) of every cached trace (what is stored beside it, `key-*`, counted with it)."""
     d = cache_dir()
     sizes = {}
     for name in os.listdir(d) if os.path.isdir(d) else ():
-        key = name[:40]
-        if name.endswith(SUFFIX) or (name.endswith(".json") and name[40:41] == "-"):
+        if name.endswith(SUFFIX) or (name[40:41] == "-" and name.endswith(_BESIDE)):
             try:
-                sizes[key] = sizes.get(key, 0) + os.lstat(os.path.join(d, name)).st_size
+                sizes[name[:40]] = sizes.get(name[:40], 0) + os.lstat(os.path.join(d, name)).st_size
             except OSError:
                 pass
     return [(_file(k), n) for k, n in sizes.items() if os.path.isfile(_file(k))]
@@ -277,7 +277,7 @@ def evict(limit: int) -> None:
         _unlink(fn)
         total -= size
     for name in os.listdir(d):
-        stale_result = name.endswith(".json") and name[40:41] == "-" and not os.path.exists(_file(name[:40]))
+        stale_result = name.endswith(_BESIDE) and name[40:41] == "-" and not os.path.exists(_file(name[:40]))
         if stale_result or name.endswith(".npz"):  # .npz: entries of tracekit before VERSION 6
             _unlink(os.path.join(d, name))
     fps = os.path.join(d, "fp")
@@ -292,7 +292,7 @@ def clear() -> int:
     d = cache_dir()
     if os.path.isdir(d):
         for name in os.listdir(d):
-            if name.endswith((SUFFIX, ".npz", ".tmp", ".json")) and _unlink(os.path.join(d, name)):
+            if name.endswith((SUFFIX, ".npz", ".tmp") + _BESIDE) and _unlink(os.path.join(d, name)):
                 n += name.endswith((SUFFIX, ".npz"))
         fps = os.path.join(d, "fp")
         for name in os.listdir(fps) if os.path.isdir(fps) else ():
