@@ -25,7 +25,7 @@ miss); each column's first and last 64 KiB must match the CRC-32 written with
 it (the whole column's CRC is checked once, when written, before the entry is
 renamed into place); every id must point inside its table. Anything odd is a
 miss, and the entry is deleted. No pickle is ever read. The least recently
-used entries go once the folder passes $TRACEKIT_CACHE_MAX_MB (default 1024;
+used entries go once the folder passes $TRACEKIT_CACHE_MAX_MB (default 4096;
 a non-negative number, else a one-line error).
 """
 from __future__ import annotations
@@ -68,8 +68,9 @@ COLUMNS = {f"{p}_{n}": dtype for p, fields in DTYPES.items() for n, dtype in fie
 
 
 def max_bytes() -> int:
-    """The cache's size limit: $TRACEKIT_CACHE_MAX_MB (a number >= 0), default 1 GiB."""
-    return int(env_number("TRACEKIT_CACHE_MAX_MB", 1024.0, minimum=0.0) * 2**20)
+    """The cache's size limit: $TRACEKIT_CACHE_MAX_MB (a number >= 0), default 4 GiB (a 10M-entry file with its analysis
+    takes about 1.5 GiB)."""
+    return int(env_number("TRACEKIT_CACHE_MAX_MB", 4096.0, minimum=0.0) * 2**20)
 
 
 # -- the entry's layout -------------------------------------------------------------------------------
