@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Viewer benchmark: time from `view` to a drawn window, and frame times while panning.
 
-Usage: .venv/bin/python bench/bench_view.py [FILE] [--entries N]
+Usage: .venv/bin/python bench/bench_view.py [FILE] [--entries N] [--cache-dir DIR]
 
 Without FILE it makes /tmp/tracekit-bench-1M.pickle (1M entries) by tiling
 the real newest-format snapshot with ../shared/bench/tile_snapshot.py. Runs
 offscreen. Prints figures; it is not a pass/fail test.
+
+--cache-dir DIR keeps the cache there (default: a new temporary folder), so a 10M-entry file is read
+whole once across runs; then "cold" is cold only on the first run.
 
 - open (cold): a fresh process runs `tracekit view FILE --screenshot` with an
   empty cache: Python start, imports, unpickle, analysis, window, first paint.
@@ -19,6 +22,7 @@ offscreen. Prints figures; it is not a pass/fail test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -83,13 +87,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", nargs="?")
     ap.add_argument("--entries", type=int, default=1_000_000)
+    ap.add_argument("--cache-dir", default=None, help="keep the cache here (default: a new temporary folder)")
     args = ap.parse_args()
     path = Path(args.file) if args.file else Path(tempfile.gettempdir()) / "tracekit-bench-1M.pickle"
     if not args.file:
         make_big(path, args.entries)
     print(f"file: {path} ({path.stat().st_size / 2**20:.0f} MiB)")
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with (contextlib.nullcontext(args.cache_dir) if args.cache_dir else tempfile.TemporaryDirectory()) as tmp:
         settings = os.path.join(tmp, "settings.ini")
         cold = timed_cli(path, tmp, settings)
         warm = timed_cli(path, tmp, settings)

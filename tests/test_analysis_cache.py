@@ -124,3 +124,44 @@ def test_unstorable_memo_entries_are_left_out(tmp_path, cache_dir):
     analysis_cache.restore(again, p)
     assert ("tracekit.x", "f", ()) not in again._memo
     assert again._memo[("tracekit.y", "g", ())].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_analyses_of_older_code_are_dropped_when_a_new_one_is_stored(tmp_path, cache_dir, monkeypatch):
+    p = tmp_path / "f.pickle"
+    shutil.copy(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle"), p)
+    t = tracekit.load(p)
+    build_report(t)
+    assert analysis_cache.store(t, p, code=" viewer=1")
+    assert analysis_cache.store(t, p, Window(first=2), code=" viewer=1")
+    assert len(list(cache_dir.glob("*.tkm"))) == 2  # two windows, both kept
+    assert analysis_cache.store(t, p, code=" viewer=2")
+    assert len(list(cache_dir.glob("*.tkm"))) == 1  # the viewer changed: its older entries cannot be read
+    assert analysis_cache.restore(tracekit.load(p), p, code=" viewer=2") == {}
+    monkeypatch.setattr(file_report, "_STAMP", "other tracekit")
+    assert analysis_cache.store(t, p)
+    assert len(list(cache_dir.glob("*.tkm"))) == 1
+
+
+@pytest.mark.parametrize("window", [None, Window(iterations=(1, 2))])
+def test_a_warm_viewer_document_is_the_cold_one(tmp_path, cache_dir, window):
+    pytest.importorskip("PySide6")
+    from tracekit_gui.document import Document
+
+    p = tmp_path / "f.pickle"
+    shutil.copy(SAMPLES / "leak_loop.pickle", p)
+
+    def seen(doc):
+        d = doc.default_device()
+        s = doc.series(d, max_points=3000)
+        return [json.dumps(doc.report, sort_keys=True), doc.xs(d)[0].tolist(), doc.phase_spans(d),
+                doc.iteration_starts(d), {k: v.tolist() for k, v in s.by_category.items()},
+                doc.table_order(d, "size", doc.replays[d].allocations.size).tolist(), doc.where_table(d)[1].tolist(),
+                doc.labels(d)[0].tolist()]
+
+    truth = seen(Document.open(p, use_cache=False, window=window))
+    cold = Document.open(p, window=window)
+    assert seen(cold) == truth and list(cache_dir.glob("*.tkm"))
+    warm = Document.open(p, window=window)
+    assert (("series", 2048), warm.default_device()) in warm._kept  # restored (a warm open computes no series)
+    assert {k[1] for k in warm.trace._memo} >= {"replay", "_categorize", "phases"}
+    assert seen(warm) == truth

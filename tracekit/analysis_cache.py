@@ -30,17 +30,18 @@ class Unstorable(Exception):
     """A value this store does not write (it is computed again when needed)."""
 
 
-def _name(window) -> str:
-    return f"analysis code={code_stamp()} window={window!r}"
+def _name(window, code="") -> str:
+    return f"analysis code={code_stamp()}{code} window={window!r}"
 
 
-def _file(key, window) -> str:
-    return os.path.join(cachefiles.cache_dir(), f"{key}-{hashlib.sha256(_name(window).encode()).hexdigest()[:16]}"
-                                                 f"{SUFFIX}")
+def _file(key, window, code="") -> str:
+    digest = hashlib.sha256(_name(window, code).encode()).hexdigest()[:16]
+    return os.path.join(cachefiles.cache_dir(), f"{key}-{digest}{SUFFIX}")
 
 
-def store(trace: Trace, path, window=None, extra=None) -> bool:
-    """Write `trace`'s memo (and `extra`, plain data such as the report) for `path` cut to `window`.
+def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
+    """Write `trace`'s memo (and `extra`, plain data such as the report) for `path` cut to `window`;
+    `code` names the code that made `extra` when it is not tracekit's (file_report.code_stamp(folder)).
     Only while the trace's own entry is cached; failures are ignored (the cache is an optimisation)."""
     key = cachefiles.known_key(path) or cachefiles.key_for(path)
     if not key or not os.path.isfile(cachefiles._file(key)):
@@ -59,8 +60,9 @@ def store(trace: Trace, path, window=None, extra=None) -> bool:
     try:
         fd, tmp = tempfile.mkstemp(dir=cachefiles.cache_dir(), suffix=".tmp")
         os.close(fd)
-        cache.pack(tmp, arrays, {"name": _name(window), "memo": entries, "extra": extra_enc})
-        os.replace(tmp, _file(key, window))
+        cache.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc})
+        os.replace(tmp, _file(key, window, code))
+        _drop_older(key, code)
         tmp = None
         cache.evict(cache.max_bytes())
         return True
@@ -71,18 +73,18 @@ def store(trace: Trace, path, window=None, extra=None) -> bool:
             cachefiles._unlink(tmp)
 
 
-def restore(trace: Trace, path, window=None):
+def restore(trace: Trace, path, window=None, code=""):
     """Put the stored memo back on `trace` (freshly loaded from `path`, cut to `window`) and return the
     stored `extra`; None (nothing changed) when there is none or it is odd (then it is deleted)."""
     key = cachefiles.known_key(path)
     if not key:
         return None
-    fn = _file(key, window)
+    fn = _file(key, window, code)
     if not os.path.isfile(fn):
         return None
     try:
         head, arrays = cache.unpack(fn)
-        if head.get("name") != _name(window) or not isinstance(head.get("memo"), list):
+        if head.get("name") != _name(window, code) or not isinstance(head.get("memo"), list):
             raise cache.Odd("another entry")
         memo = {}
         for k, v in head["memo"]:
@@ -99,6 +101,21 @@ def restore(trace: Trace, path, window=None):
         mine.setdefault(k, v)
     cachefiles._touch(cachefiles._file(key))
     return extra
+
+
+def _drop_older(key, code) -> None:
+    """Delete this trace's stored analyses made by other versions of the code (they can never be read)."""
+    d = cachefiles.cache_dir()
+    current = [f'"analysis code={code_stamp()} window='.encode(), f'"analysis code={code_stamp()}{code} window='.encode()]
+    for name in os.listdir(d):
+        if name.startswith(key + "-") and name.endswith(SUFFIX):
+            try:
+                with cachefiles.open_regular(os.path.join(d, name)) as f:
+                    head = f.read(4096)
+            except OSError:
+                continue
+            if not any(c in head for c in current):
+                cachefiles._unlink(os.path.join(d, name))
 
 
 # -- values <-> JSON + arrays: every dict in the JSON is a tag ----------------------------------------

@@ -14,23 +14,29 @@ import os
 from . import cachefiles as cache
 
 _STAMP = None
+_STAMPS = {}
 
 
-def code_stamp() -> str:
-    """A hash of the name, size and mtime of every module of the installed tracekit package."""
+def code_stamp(root=None) -> str:
+    """A hash of the name, size and mtime of every module of the installed tracekit package (or of the
+    package folder `root`, for code outside tracekit whose results are stored too: the viewer's)."""
     global _STAMP
-    if _STAMP is None:
+    if root is None and _STAMP is not None:
+        return _STAMP
+    folder0 = root or os.path.dirname(os.path.abspath(__file__))
+    if folder0 not in _STAMPS:
         h = hashlib.sha256(str(cache.VERSION).encode())
-        root = os.path.dirname(os.path.abspath(__file__))
-        for folder, dirs, files in os.walk(root):
+        for folder, dirs, files in os.walk(folder0):
             dirs.sort()
             for name in sorted(files):
                 if name.endswith((".py", ".so", ".pyd", ".toml", ".json")):
                     st = os.stat(os.path.join(folder, name))
-                    h.update(f"{os.path.relpath(os.path.join(folder, name), root)} {st.st_size} {st.st_mtime_ns}\n"
+                    h.update(f"{os.path.relpath(os.path.join(folder, name), folder0)} {st.st_size} {st.st_mtime_ns}\n"
                              .encode())
-        _STAMP = h.hexdigest()[:16]
-    return _STAMP
+        _STAMPS[folder0] = h.hexdigest()[:16]
+    if root is None:
+        _STAMP = _STAMPS[folder0]
+    return _STAMPS[folder0]
 
 
 def result_name(window=None, rules=None, estimate=None) -> str | None:

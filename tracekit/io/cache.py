@@ -92,7 +92,7 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
         raw = memoryview(a).cast("B") if a.size else memoryview(b"")
         offset = -(-end // ALIGN) * ALIGN
         table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
-                       (sums or {}).get(name, _sample(raw)), a.ndim]
+                       (sums or {}).get(name, _sample(raw)), a.ndim, _stats(a)]
         parts.append((offset, raw, zlib.crc32(raw)))
         end = offset + len(raw)
     body = json.dumps({**head, "columns": table, "data": end}).encode()
@@ -110,6 +110,14 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
             for offset, raw, crc in parts:
                 if zlib.crc32(mm[start + offset:start + offset + len(raw)]) != crc:
                     raise Odd("a column differs once written")
+
+
+def _stats(a):
+    """[min, max, nondecreasing] of a 1-d integer column (None for others): taken when written, so that a
+    read checks ids against table sizes without reading the columns."""
+    if a.ndim != 1 or not len(a) or a.dtype.kind not in "iub":
+        return None
+    return [int(a.min()), int(a.max()), bool((a[1:] >= a[:-1]).all())]
 
 
 def _start(head_len) -> int:
@@ -137,12 +145,16 @@ def unpack(fn) -> tuple[dict, dict]:
         if type(head.get("data")) is not int or start + head["data"] != size:
             raise Odd("truncated or grown")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    columns = {}
+    columns, head["stats"] = {}, {}
     for name, spec in head.pop("columns").items():
-        if not (isinstance(spec, list) and len(spec) == 5 and isinstance(spec[0], str)
-                and all(type(v) is int and v >= 0 for v in spec[1:])):
+        if not (isinstance(spec, list) and len(spec) == 6 and isinstance(spec[0], str)
+                and all(type(v) is int and v >= 0 for v in spec[1:5])):
             raise Odd(f"{name}: bad spec")
-        dstr, count, off, sample, ndim = spec
+        dstr, count, off, sample, ndim, stats = spec
+        if stats is not None and not (isinstance(stats, list) and len(stats) == 3 and type(stats[0]) is int
+                                      and type(stats[1]) is int and type(stats[2]) is bool):
+            raise Odd(f"{name}: bad stats")
+        head["stats"][name] = stats
         dtype = np.dtype(dstr)
         if dtype.hasobject or ndim != 1 or start + off + count * dtype.itemsize > size:
             raise Odd(f"{name}: {dstr} x {count} at {off}")
@@ -204,7 +216,7 @@ def read(key, path) -> Trace | None:
                       blocks=tables["bl"], meta=decode(head.get("meta")))
         if not isinstance(trace.meta, dict):
             raise Odd("bad meta")
-        check_consistent(trace)
+        check_consistent(trace, head["stats"])
     except Exception:  # whatever is wrong with it, it is a miss: delete it so the next open rewrites it
         _unlink(fn)
         return None
@@ -214,38 +226,60 @@ def read(key, path) -> Trace | None:
 
 # -- checks and housekeeping --------------------------------------------------------------------------
 
-def check_consistent(t: Trace) -> None:
-    """Raise Odd unless every table has consistent lengths and every id points inside its table."""
-    def within(a, lo, hi, what):
-        if len(a) and (int(a.min()) < lo or int(a.max()) >= hi):
+def check_consistent(t: Trace, stats=None) -> None:
+    """Raise Odd unless every table has consistent lengths and every id points inside its table.
+    `stats` ({column name: [min, max, nondecreasing]}, from the entry's head) spares reading the columns."""
+    stats = stats or {}
+    columns = {f"{p}_{n}": getattr(getattr(t, attr), n) for p, (attr, table) in _TABLES.items()
+               for n in table.__dataclass_fields__}
+
+    def stat(name):
+        s = stats.get(name)
+        a = columns[name]
+        if s is None and len(a):
+            s = _stats(a)
+        if len(a) and (s is None or s[0] > s[1]):
+            raise Odd(f"{name}: no stats")
+        return s
+
+    def within(name, lo, hi, what):
+        s = stat(name)
+        if s and (s[0] < lo or s[1] >= hi):
             raise Odd(what)
 
-    def same_length(obj, what):
+    for obj, what in ((t.events, "events"), (t.frames, "frames"), (t.segments, "segments"), (t.blocks, "blocks")):
         if len({len(v) for v in vars(obj).values()}) > 1:
             raise Odd(f"{what} columns differ in length")
-
-    for obj, what in ((t.events, "events"), (t.frames, "frames"), (t.segments, "segments"), (t.blocks, "blocks")):
-        same_length(obj, what)
     ns, nf, nst = len(t.strings), len(t.frames), len(t.stacks)
     off = t.stacks.offsets
     if not len(off) or off[0] != 0 or off[-1] != len(t.stacks.frame_ids) or (np.diff(off) < 0).any():
         raise Odd("stack offsets")
-    within(t.stacks.frame_ids, 0, nf, "frame ids")
-    for col in (t.frames.filename, t.frames.name, t.events.user_metadata, t.events.compile_context,
-                t.events.category, t.events.module, t.segments.segment_type, t.segments.pool_id):
-        within(col, 0, ns, "string ids")
-    for col in (t.events.stack_id, t.events.forward_stack_id, t.segments.stack_id, t.blocks.stack_id):
-        within(col, -1, nst, "stack ids")
-    within(t.events.action, 0, len(ACTIONS), "actions")
-    within(t.blocks.state, 0, len(BLOCK_STATES), "block states")
-    within(t.blocks.segment, 0, len(t.segments), "block segments")
-    for col in (t.events.size, t.segments.total_size, t.blocks.size, t.blocks.requested_size):
-        within(col, 0, 2**50 + 1, "sizes")
-    if len(t.events.device) and (np.diff(t.events.device) < 0).any():
+    within("st_frame_ids", 0, nf, "frame ids")
+    for name in ("fr_filename", "fr_name", "ev_user_metadata", "ev_compile_context", "ev_category", "ev_module",
+                 "sg_segment_type", "sg_pool_id"):
+        within(name, 0, ns, "string ids")
+    for name in ("ev_stack_id", "ev_forward_stack_id", "sg_stack_id", "bl_stack_id"):
+        within(name, -1, nst, "stack ids")
+    within("ev_action", 0, len(ACTIONS), "actions")
+    within("bl_state", 0, len(BLOCK_STATES), "block states")
+    within("bl_segment", 0, len(t.segments), "block segments")
+    for name in ("ev_size", "sg_total_size", "bl_size", "bl_requested_size"):
+        within(name, 0, 2**50 + 1, "sizes")
+    device = t.events.device
+    if len(device) and not stat("ev_device")[2]:
         raise Odd("events not sorted by device")
-    present = set(np.unique(t.events.device).tolist()) | set(np.unique(t.segments.device).tolist())
+    present = set(_distinct_sorted(device)) | set(np.unique(t.segments.device).tolist())
     if sorted(present) != t.devices:
         raise Odd("devices")
+
+
+def _distinct_sorted(a) -> list:
+    """The distinct values of a sorted array, reading one element per value (and a binary search)."""
+    out, i = [], 0
+    while i < len(a):
+        out.append(int(a[i]))
+        i = int(np.searchsorted(a, a[i], side="right"))
+    return out
 
 
 def entries() -> list:
