@@ -70,6 +70,7 @@ class Document:
         if stored:
             doc._xs.update(stored.get("xs") or {})
             doc._kept.update(stored.get("kept") or {})
+            doc._where.update(stored.get("where") or {})
         tell(0.95, "preparing tables")
         for d in trace.devices:
             doc.where_table(d)
@@ -79,11 +80,12 @@ class Document:
                 for points in (1024, 2048, 4096, 8192):
                     doc.series(d, max_points=points)
                 doc.table_order(d, "size", replays[d].allocations.size)
+                doc.has_timeline(d)
             tell(0.97, "keeping the analysis for the next open")
             if window:
                 analysis_cache.store(whole, path)
-            analysis_cache.store(trace, path, window, extra={"report": report, "xs": doc._xs, "kept": doc._kept},
-                                 code=_CODE)
+            extra = {"report": report, "xs": doc._xs, "kept": doc._kept, "where": doc._where}
+            analysis_cache.store(trace, path, window, extra=extra, code=_CODE)
         return doc
 
     # ---- devices and report ----------------------------------------------
@@ -203,7 +205,7 @@ class Document:
 
     def has_timeline(self, device) -> bool:
         """False for a bare snapshot: nothing is allocated or freed in its trace, so nothing moves in time."""
-        return has_timeline(self.trace, device)
+        return self.kept("has_timeline", device, lambda: bool(has_timeline(self.trace, device)))
 
     def live_by_site(self, device) -> list[dict]:
         """What is live at the end, by category and allocation site (see tracekit.analysis.live)."""

@@ -5,8 +5,8 @@ analysed a file, `store` writes that memo (replay, categories, phases, sites, th
 functions) and the report to one entry under the file's key, the window and tracekit's code
 (file_report.code_stamp), in the columns' layout (io/cache.py: arrays memory-mapped on read, CRCs).
 `restore` puts it back on a freshly loaded trace, so the same calls find their results instead of
-computing them. Values are dataclasses defined in tracekit, numpy arrays, slices and plain data; a memo entry
-holding anything else is left out (and computed again when asked for).
+computing them. Values are dataclasses defined in tracekit, numpy arrays (object arrays of strings too),
+slices and plain data; a memo entry holding anything else is left out (computed again when asked for).
 """
 from __future__ import annotations
 
@@ -125,7 +125,9 @@ def _enc(v, arrays, seen):
         return v
     if isinstance(v, np.ndarray):
         if v.dtype.hasobject:
-            raise Unstorable("object array")
+            if v.ndim != 1 or not all(type(s) is str for s in v.tolist()):
+                raise Unstorable("object array")
+            return {"~S": v.tolist()}  # strings (site names)
         name = seen.get(id(v))
         if name is None:
             name = seen[id(v)] = f"a{len(arrays)}"
@@ -154,6 +156,10 @@ def _dec(v, arrays):
         return v
     if "~a" in v:
         return arrays[v["~a"]].reshape(v["shape"])
+    if "~S" in v:
+        out = np.empty(len(v["~S"]), dtype=object)
+        out[:] = v["~S"]
+        return out
     if "~n" in v:
         return np.dtype(v["~n"]).type(v["v"])
     if "~l" in v:
