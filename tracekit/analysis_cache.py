@@ -106,7 +106,7 @@ def restore(trace: Trace, path, window=None, code=""):
 def _drop_older(key, code) -> None:
     """Delete this trace's stored analyses made by other versions of the code (they can never be read)."""
     d = cachefiles.cache_dir()
-    current = [f'"analysis code={code_stamp()} window='.encode(), f'"analysis code={code_stamp()}{code} window='.encode()]
+    current = [f'"analysis code={code_stamp()}{c} window='.encode() for c in ("", code)]
     for name in os.listdir(d):
         if name.startswith(key + "-") and name.endswith(SUFFIX):
             try:
@@ -147,7 +147,8 @@ def _enc(v, arrays, seen):
         cls = type(v)
         if not cls.__module__.startswith("tracekit.") or not hasattr(v, "__dict__"):
             raise Unstorable(cls.__name__)
-        return {"~c": f"{cls.__module__}:{cls.__qualname__}", "f": {k: _enc(x, arrays, seen) for k, x in vars(v).items()}}
+        fields = {k: _enc(x, arrays, seen) for k, x in vars(v).items()}
+        return {"~c": f"{cls.__module__}:{cls.__qualname__}", "f": fields}
     raise Unstorable(type(v).__name__)
 
 

@@ -48,7 +48,8 @@ def open_regular(path):
 
 def key_for(path, stat=None) -> str | None:
     """Identity of the file's current content (a hash of all of it), or None if it cannot be read.
-    Remembered under the file's fingerprint (see io/cache.py), so a warm open hashes 128 KiB."""
+    Remembered under the file's fingerprint (see io/cache.py), so a warm open hashes 128 KiB.
+    `stat` is not used (the open file's own fstat is: it cannot change between stat and read)."""
     try:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
