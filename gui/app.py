@@ -137,7 +137,26 @@ class MainWindow(QMainWindow):
     def open_dialog(self):
         paths, _ = QFileDialog.getOpenFileNames(self, "Open memory files", self._last_dir(), FILE_FILTER)
         for p in paths:
-            self.open_file(p)
+            self.open_picking_window(p)
+
+    def open_picking_window(self, path):
+        """Open `path`; a big one first gets a quick first pass and the window picker (gui/window_picker.py).
+        Returns the tab's loading view, or None when the picker was cancelled."""
+        from tracekit.survey import survey
+
+        from .window_picker import is_big, pick_window
+
+        QApplication.setOverrideCursor(Qt.WaitCursor)
+        try:
+            facts = survey(path)
+        except OSError:
+            facts = None  # open_file says what is wrong with it
+        finally:
+            QApplication.restoreOverrideCursor()
+        if facts is None or not is_big(facts):
+            return self.open_file(path)
+        accepted, window = pick_window(facts, self)
+        return self.open_file(path, window=window) if accepted else None
 
     def compare_dialog(self):
         paths, _ = QFileDialog.getOpenFileNames(self, "Compare two recordings (A before, B after)", self._last_dir(),

@@ -7,11 +7,14 @@ the file has no times). It computes no analysis of its own.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 import tracekit
+from tracekit import analysis_cache
+from tracekit.file_report import code_stamp
 from tracekit.analysis.categories import categorize
 from tracekit.analysis.live import has_timeline, live_by_site
 from tracekit.analysis.sites import allocation_sites, allocation_where, site_frames, site_info
@@ -22,6 +25,8 @@ from tracekit.analysis.timeline import categories_at, category_series, time_orig
 from tracekit.analysis.window import select
 from tracekit.errors import Cancelled
 from tracekit.model import NO_TIME
+
+_CODE = " viewer=" + code_stamp(os.path.dirname(os.path.abspath(__file__)))  # what the stored extras depend on
 
 
 
@@ -35,6 +40,7 @@ class Document:
     phases: dict  # device -> DevicePhases
     _xs: dict = field(default_factory=dict)
     _where: dict = field(default_factory=dict)
+    _kept: dict = field(default_factory=dict)  # (what, device) -> spans, series, table orders (kept())
 
     # ---- building ---------------------------------------------------------
 
@@ -48,19 +54,38 @@ class Document:
             if progress:
                 progress(fraction, message)
 
-        trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache)
+        whole = trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache)
+        stored = analysis_cache.restore(whole, path) if use_cache else None
         if window:
-            trace = select(trace, window)
+            trace = select(whole, window)
+        if use_cache:
+            stored = analysis_cache.restore(trace, path, window, code=_CODE)
         tell(0.7, "replaying allocations")
         replays = replay(trace)
         tell(0.75, "classifying memory")
         categories = categorize(trace)
         tell(0.85, "finding peaks, spikes and leaks")
-        report = build_report(trace)
+        report = stored["report"] if stored and isinstance(stored.get("report"), dict) else build_report(trace)
         doc = cls(str(path), trace, replays, report, categories, phases(trace))
+        if stored:
+            doc._xs.update(stored.get("xs") or {})
+            doc._kept.update(stored.get("kept") or {})
+            doc._where.update(stored.get("where") or {})
         tell(0.95, "preparing tables")
         for d in trace.devices:
             doc.where_table(d)
+            doc.phase_spans(d), doc.iteration_starts(d)
+        if use_cache and stored is None:
+            for d in trace.devices:  # what the first paint asks for, to be kept with the analysis
+                for points in (1024, 2048, 4096, 8192):
+                    doc.series(d, max_points=points)
+                doc.table_order(d, "size", replays[d].allocations.size)
+                doc.has_timeline(d)
+            tell(0.97, "keeping the analysis for the next open")
+            if window:
+                analysis_cache.store(whole, path)
+            extra = {"report": report, "xs": doc._xs, "kept": doc._kept, "where": doc._where}
+            analysis_cache.store(trace, path, window, extra=extra, code=_CODE)
         return doc
 
     # ---- devices and report ----------------------------------------------
@@ -107,8 +132,10 @@ class Document:
 
     def phase_spans(self, device) -> list[tuple]:
         """(phase, iteration, x0, x1) of each run of a training phase, on this device's x axis."""
-        return [(PHASES[code], it, self.x_of(device, first), self._x_after(device, last))
-                for it, code, first, last in self.phases[device].intervals()]
+        if ("spans", device) not in self._kept:
+            self._kept["spans", device] = [(PHASES[code], it, self.x_of(device, first), self._x_after(device, last))
+                                           for it, code, first, last in self.phases[device].intervals()]
+        return self._kept["spans", device]
 
     def phase_at(self, device, index) -> str:
         """"forward, iteration 3" at a trace entry ("" when unknown)."""
@@ -121,7 +148,10 @@ class Document:
 
     def iteration_starts(self, device) -> list[tuple]:
         """(iteration, x) where each iteration begins."""
-        return [(it, self.x_of(device, first)) for it, first, _ in self.phases[device].iterations()]
+        if ("starts", device) not in self._kept:
+            self._kept["starts", device] = [(it, self.x_of(device, first))
+                                            for it, first, _ in self.phases[device].iterations()]
+        return self._kept["starts", device]
 
     def x_of(self, device, index) -> float:
         x = self.xs(device)[0]
@@ -153,12 +183,29 @@ class Document:
         return list(self.categories[device].names)
 
     def series(self, device, start=None, end=None, max_points=None):
-        """Memory by category over entries [start, end), at most max_points points (min/max envelope)."""
+        """Memory by category over entries [start, end), at most max_points points (min/max envelope).
+        Over the whole trace, `max_points` is rounded down to a power of two (at least 1024) and the
+        result kept (and stored with the analysis), so the first paint of a warm file computes nothing."""
+        n = self.replays[device].n
+        if max_points and (start or 0) <= 0 and (end is None or end >= n):
+            points = max(1024, 1 << (int(max_points).bit_length() - 1))
+            return self.kept(("series", points), device,
+                             lambda: category_series(self.trace, device, max_points=points))
         return category_series(self.trace, device, max_points=max_points, start=start, end=end)
+
+    def kept(self, what, device, compute):
+        """compute(), kept under (what, device) for this document (and stored with its analysis)."""
+        if (what, device) not in self._kept:
+            self._kept[what, device] = compute()
+        return self._kept[what, device]
+
+    def table_order(self, device, column, key):
+        """Rows of all allocations sorted by `key` (stable, ascending), kept per `column`."""
+        return self.kept(("order", column), device, lambda: np.argsort(key, kind="stable"))
 
     def has_timeline(self, device) -> bool:
         """False for a bare snapshot: nothing is allocated or freed in its trace, so nothing moves in time."""
-        return has_timeline(self.trace, device)
+        return self.kept("has_timeline", device, lambda: bool(has_timeline(self.trace, device)))
 
     def live_by_site(self, device) -> list[dict]:
         """What is live at the end, by category and allocation site (see tracekit.analysis.live)."""

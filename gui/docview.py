@@ -1,6 +1,7 @@
 """One tab: a loaded file's timeline, breakdown, findings, allocations and inspector."""
 from __future__ import annotations
 
+import html
 import os
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -178,8 +179,13 @@ class DocumentView(QWidget):
             peak_at += f", {doc.x_of(device, rep.peak_index):.3f} s"
         reserved = f" · peak reserved <b>{fmt_bytes(rep.peak_reserved)}</b>" if rep.peak_reserved is not None else ""
         self.summary.setText(f"<b>{doc.label(device)}</b> · peak allocated <b>{fmt_bytes(rep.peak_allocated)}</b> ({peak_at}){reserved}"
-                             f" · {rep.n:,} entries · {len(rep.allocations):,} allocations")
+                             f" · {rep.n:,} entries · {len(rep.allocations):,} allocations{self._window_text()}")
         self.status.emit(self.status_text())
+
+    def _window_text(self) -> str:
+        """" · window: the last 10 s" when the file was opened cut to a window."""
+        cut = self.doc.trace.meta.get("window")
+        return f" · window: {html.escape(cut['description'])}" if cut else ""
 
     def status_text(self, extra=""):
         name = os.path.basename(self.doc.path)

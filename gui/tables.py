@@ -74,8 +74,10 @@ class AllocationsModel(QAbstractTableModel):
         if self.filter_live_at is not None:
             mask &= self.al.live_at(self.filter_live_at)
         rows = np.flatnonzero(mask)
-        key = self._sort_key()[rows]
-        order = np.argsort(key, kind="stable")
+        if self.sort_column == SIZE and len(rows) == len(mask):  # the default view: kept by the document
+            order = self.doc.table_order(self.device, "size", self.al.size)
+        else:
+            order = np.argsort(self._sort_key()[rows], kind="stable")
         if self.sort_order == Qt.DescendingOrder:
             order = order[::-1]
         if reset:

@@ -1,4 +1,5 @@
 """The columnar cache never serves stale or wrong data, never blocks, never breaks an open (issue 9, item 9)."""
+import hashlib
 import io
 import json
 import os
@@ -6,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from tracekit.analysis.replay import replay
 from tracekit.errors import TracekitError
 from tracekit.io import cache
 
-from .conftest import ROOT, fixture
+from .conftest import ROOT, SAMPLES, fixture
 from .synth import MiB, Sim
 
 
@@ -99,80 +101,101 @@ def test_a_renamed_copy_shares_the_entry(tmp_path, cache_dir):
     assert tracekit.load(b).path == str(b)
 
 
-def _npz(path, **arrays):
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    path.write_bytes(buf.getvalue())
-
-
-def _sealed(arrays):
-    """`arrays` with the digest recomputed, as a tamperer who read our code would: the structural checks
-    must catch what the digest then cannot."""
-    if "head" not in arrays:
-        return arrays
-    try:
-        head = json.loads(bytes(arrays["head"]).decode())
-        head["digest"] = cache._digest({k: v for k, v in arrays.items() if k != "head"})
-    except (ValueError, TypeError):
-        return arrays
-    return {**arrays, "head": np.frombuffer(json.dumps(head).encode(), np.uint8)}
-
-
 def _tampered(entry):
-    """Valid .npz files that are not what `write` makes, and worse."""
-    with np.load(entry, allow_pickle=False) as z:
-        good = {k: z[k] for k in z.files}
-    head = json.loads(bytes(good["head"]).decode())
+    """Entries in the cache's own layout (or not) that are not what `write` makes, and worse. Written
+    by cache.pack, so their CRCs pass (as a tamperer who read our code would write them): the
+    structural checks must catch what the CRCs then cannot. Yields (name, arrays, head, sums),
+    (name, raw bytes) or (name, "object" | "npz")."""
+    head, good = cache.unpack(entry)
+    good = {k: np.array(v) for k, v in good.items()}
 
     def with_(**changes):
-        return {**good, **changes}
+        return {**good, **changes}, head, None
 
     def head_with(**changes):
-        return with_(head=np.frombuffer(json.dumps({**head, **changes}).encode(), np.uint8))
+        return good, {**head, **changes}, None
 
     n = len(good["ev_size"])
-    yield "empty npz", {}
-    yield "extra member", with_(extra=np.zeros(3))
-    yield "missing member", {k: v for k, v in good.items() if k != "ev_size"}
-    yield "wrong dtype", with_(ev_size=good["ev_size"].astype(np.float64))
-    yield "2-d column", with_(ev_size=np.stack([good["ev_size"]] * 2))
-    yield "short column", with_(ev_size=good["ev_size"][: n // 2])
-    yield "stack id out of range", with_(ev_stack_id=np.full(n, 10**6, np.int32))
-    yield "string id out of range", with_(fr_name=np.full(len(good["fr_name"]), 10**6, np.int32))
-    yield "frame id out of range", with_(st_frame_ids=np.full(len(good["st_frame_ids"]), -5, np.int32))
-    yield "bad offsets", with_(st_offsets=good["st_offsets"][::-1].copy())
-    yield "action code out of range", with_(ev_action=np.full(n, 99, np.int8))
-    yield "negative sizes", with_(ev_size=-good["ev_size"])
-    yield "unsorted devices", with_(ev_device=np.arange(n, 0, -1).astype(np.int32))
-    yield "other key", head_with(key="0" * 40)
-    yield "head not JSON", with_(head=np.frombuffer(b"\xff{", np.uint8))
-    yield "head a list", with_(head=np.frombuffer(b"[1]", np.uint8))
-    yield "strings not strings", head_with(strings=["", 5])
-    yield "devices disagree", head_with(devices=[0, 7])
-    yield "unknown meta tag", head_with(meta={"~": "object", "v": 1})
-    yield "meta not a dict", head_with(meta=[1, 2])
-    yield "object array", "object"
-    yield "sizes changed, digest not", {**good, "ev_size": good["ev_size"] // 2}
+    yield "empty entry", {}, head, None
+    yield "extra member", *with_(extra=np.zeros(3))
+    yield "missing member", {k: v for k, v in good.items() if k != "ev_size"}, head, None
+    yield "wrong dtype", *with_(ev_size=good["ev_size"].astype(np.float64))
+    yield "2-d column", *with_(ev_size=np.stack([good["ev_size"]] * 2))
+    yield "short column", *with_(ev_size=good["ev_size"][: n // 2])
+    yield "stack id out of range", *with_(ev_stack_id=np.full(n, 10**6, np.int32))
+    yield "string id out of range", *with_(fr_name=np.full(len(good["fr_name"]), 10**6, np.int32))
+    yield "frame id out of range", *with_(st_frame_ids=np.full(len(good["st_frame_ids"]), -5, np.int32))
+    yield "bad offsets", *with_(st_offsets=good["st_offsets"][::-1].copy())
+    yield "action code out of range", *with_(ev_action=np.full(n, 99, np.int8))
+    yield "negative sizes", *with_(ev_size=-good["ev_size"])
+    yield "unsorted devices", *with_(ev_device=np.arange(n, 0, -1).astype(np.int32))
+    yield "other key", *head_with(key="0" * 40)
+    yield "head not JSON", b"TKCACHE6" + (2).to_bytes(8, "little") + zlib.crc32(b"\xff{").to_bytes(4, "little") + b"\xff{"
+    yield "head a list", b"TKCACHE6" + (3).to_bytes(8, "little") + zlib.crc32(b"[1]").to_bytes(4, "little") + b"[1]"
+    yield "strings not strings", *head_with(strings=["", 5])
+    yield "devices disagree", *head_with(devices=[0, 7])
+    yield "unknown meta tag", *head_with(meta={"~": "object", "v": 1})
+    yield "meta not a dict", *head_with(meta=[1, 2])
+    yield "object column", "object"
+    yield "sizes changed, CRC not", {**good, "ev_size": good["ev_size"] // 2}, head, \
+        {k: cache._sample(memoryview(np.ascontiguousarray(v)).cast("B")) for k, v in good.items()}
+    yield "previous version's .npz", "npz"
 
 
-@pytest.mark.parametrize("case", range(22))
+def _write_tampered(target, case):
+    if case[1] == "object":  # a head that names an object column: never unpickled, a miss
+        cache.pack(target, {"ev_size": np.zeros(3, np.int64)}, {})
+        data = bytearray(open(target, "rb").read())
+        n = int.from_bytes(data[8:16], "little")
+        body = bytes(data[20:20 + n]).replace(b'"<i8"', b'"|O8"')
+        data[20:20 + n] = body
+        data[16:20] = zlib.crc32(body).to_bytes(4, "little")
+        target.write_bytes(bytes(data))
+    elif case[1] == "npz":
+        buf = io.BytesIO()
+        np.savez(buf, head=np.array([{"a": 1}], dtype=object), allow_pickle=True)
+        target.write_bytes(buf.getvalue())
+    elif isinstance(case[1], bytes):
+        target.write_bytes(case[1])
+    else:
+        _, arrays, head, sums = case
+        cache.pack(target, arrays, {k: v for k, v in head.items() if k not in ("data",)}, sums=sums)
+
+
+@pytest.mark.parametrize("case", range(23))
 def test_odd_cache_entries_are_misses_and_deleted(tmp_path, cache_dir, case):
     path = fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle")
     truth = tracekit.load(path, use_cache=False)
     tracekit.load(path)
     entry = _entry(path)
-    name, arrays = list(_tampered(entry))[case]
-    target = tmp_path / "t.npz"
-    if arrays == "object":
-        buf = io.BytesIO()
-        np.savez(buf, head=np.array([{"a": 1}], dtype=object), allow_pickle=True)
-        target.write_bytes(buf.getvalue())
-    else:
-        _npz(target, **(arrays if name.endswith("digest not") else _sealed(arrays)))
+    tampered = list(_tampered(entry))[case]
+    target = tmp_path / "t.tkc"
+    _write_tampered(target, tampered)
     os.replace(target, entry)
+    assert cache.read(cache.key_for(str(path), os.stat(path)), str(path)) is None, tampered[0]
+    assert not os.path.exists(entry), tampered[0]  # deleted
+    os.replace(_rewrite(tmp_path, tampered), entry)
     got = tracekit.load(path)  # a miss: read again from the file, and the entry rewritten
-    assert _peak(got) == _peak(truth) and len(got.events) == len(truth.events), name
-    assert cache.read(cache.key_for(str(path), os.stat(path)), str(path)) is not None, name
+    assert _peak(got) == _peak(truth) and len(got.events) == len(truth.events), tampered[0]
+    assert cache.read(cache.key_for(str(path), os.stat(path)), str(path)) is not None, tampered[0]
+
+
+def _rewrite(tmp_path, case):
+    target = tmp_path / "again.tkc"
+    _write_tampered(target, case)
+    return target
+
+
+def test_the_untampered_round_trip_is_a_hit(tmp_path, cache_dir):
+    """The helpers above change only what each case names: unchanged, the rewritten entry is read."""
+    path = fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle")
+    tracekit.load(path)
+    entry = _entry(path)
+    head, good = cache.unpack(entry)
+    target = tmp_path / "t.tkc"
+    _write_tampered(target, ("same", {k: np.array(v) for k, v in good.items()}, head, None))
+    os.replace(target, entry)
+    assert cache.read(cache.key_for(str(path), os.stat(path)), str(path)) is not None
 
 
 @pytest.mark.parametrize("junk", [b"", b"PK\x03\x04 not really a zip", os.urandom(5000)])
@@ -242,7 +265,7 @@ def test_bad_cache_size_setting_is_one_line(value):
 def test_cache_size_zero_keeps_nothing(cache_dir, monkeypatch):
     monkeypatch.setenv("TRACEKIT_CACHE_MAX_MB", "0")
     tracekit.load(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle"))
-    assert not list(cache_dir.glob("*.npz"))
+    assert not list(cache_dir.glob("*.tkc"))
 
 
 def test_settings_are_checked_even_when_the_cache_is_skipped(monkeypatch):
@@ -274,3 +297,150 @@ def test_metadata_codec_is_exact():
     for v in values:
         back = cache.decode(json.loads(json.dumps(cache.encode(v))))
         assert back == v and type(back) is (int if isinstance(v, np.integer) else type(v)), v
+
+
+# -- the fingerprint that spares a warm open from hashing the whole file --------------------------------
+
+@pytest.fixture
+def not_racy(monkeypatch):
+    """Files written a moment ago may be fingerprinted (tests cannot wait for the clock)."""
+    from tracekit import cachefiles
+
+    monkeypatch.setattr(cachefiles, "RACY_S", 0.0)
+
+
+def _hashed_bytes(monkeypatch):
+    """A list that counts the bytes key_for hashes from here on."""
+    from tracekit import cachefiles
+
+    seen = []
+    real = cachefiles.hashlib.sha256
+
+    class Counting:
+        def __init__(self, data=b""):
+            self.h = real(data)
+
+        def update(self, b):
+            seen.append(len(b))
+            self.h.update(b)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(cachefiles.hashlib, "sha256", Counting)
+    return seen
+
+
+def test_a_warm_key_reads_only_the_ends_of_the_file(tmp_path, cache_dir, not_racy, monkeypatch):
+    data = fixture("snapshot_newest_format_windows_paths.pickle").read_bytes()
+    assert len(data) > 4 * cache.SAMPLE
+    p = tmp_path / "big.pickle"
+    p.write_bytes(data)
+    key = cache.key_for(str(p))
+    tracekit.load(p)
+    seen = _hashed_bytes(monkeypatch)
+    assert cache.key_for(str(p)) == key == hashlib.sha256(f"tracekit-cache {cache.VERSION} {len(data)}\n".encode()
+                                                           + data).hexdigest()[:40]
+    assert sum(seen) <= 2 * cache.SAMPLE  # the two ends, not the whole file
+    os.unlink(_entry(p))  # a remembered key whose entry went is not trusted: the file is hashed again
+    assert cache.key_for(str(p)) == key and sum(seen) > len(data)
+
+
+def test_same_size_edit_with_mtime_restored_after_a_fingerprinted_open(tmp_path, cache_dir, not_racy):
+    sim = Sim()
+    for i in range(800):
+        sim.free(sim.alloc(3 * MiB if i == 400 else MiB))
+    data = pickle.dumps(sim.snapshot(), protocol=4)
+    p = tmp_path / "s.pickle"
+    p.write_bytes(data)
+    assert _peak(tracekit.load(p)) == 3 * MiB
+    assert _peak(tracekit.load(p)) == 3 * MiB  # from the cache, by the remembered key
+    assert list((cache_dir / "fp").iterdir())
+    st = os.stat(p)
+    pos = [i for i in range(len(data)) if data.startswith(b"J" + (3 * MiB).to_bytes(4, "little"), i)][-3]
+    assert cache.SAMPLE < pos < len(data) - cache.SAMPLE  # outside both sampled ends
+    with open(p, "r+b") as f:
+        f.seek(pos + 1)
+        f.write((5 * MiB).to_bytes(4, "little"))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(p).st_size, os.stat(p).st_mtime_ns, os.stat(p).st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    assert _peak(tracekit.load(p)) == 5 * MiB
+
+
+def test_a_file_just_written_is_not_fingerprinted(tmp_path, cache_dir):
+    p = tmp_path / "s.pickle"
+    p.write_bytes(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle").read_bytes())
+    tracekit.load(p)
+    tracekit.load(p)
+    assert not (cache_dir / "fp").exists() or not list((cache_dir / "fp").iterdir())
+
+
+def test_a_damaged_fingerprint_file_is_ignored(tmp_path, cache_dir, not_racy):
+    p = tmp_path / "s.pickle"
+    p.write_bytes(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle").read_bytes())
+    key = cache.key_for(str(p))
+    tracekit.load(p)
+    (fp,) = (cache_dir / "fp").iterdir()
+    for junk in (b"", b"../../etc/passwd", b"z" * 40, os.urandom(64)):
+        fp.write_bytes(junk)
+        assert cache.key_for(str(p)) == key
+
+
+# -- the report stored beside the trace ----------------------------------------------------------------
+
+def _report(*args, cache_dir):
+    from click.testing import CliRunner
+
+    from tracekit.cli import cli
+
+    r = CliRunner(env={"TRACEKIT_CACHE_DIR": str(cache_dir)}).invoke(cli, ["report", *map(str, args)])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+@pytest.mark.parametrize("name, options", [
+    ("snapshot_cpp_frames_adamw_full_step.pickle", []),
+    ("snapshot_cpp_frames_adamw_full_step.pickle", ["--last", "10ms"]),
+    ("snapshot_newest_format_windows_paths.pickle", ["--from", "100", "--to", "900"]),
+    ("snapshot_legacy_torch20_oom_observer.pickle", []),
+    (str(SAMPLES / "leak_loop.pickle"), ["--iterations", "1..2"]),
+])
+def test_the_cached_report_is_the_computed_one(cache_dir, name, options):
+    path = fixture(name) if "/" not in name else name
+    fresh_json = _report("--json", "--no-cache", path, *options, cache_dir=cache_dir)
+    fresh_text = _report("--no-cache", path, *options, cache_dir=cache_dir)
+    assert not cache_dir.exists()
+    assert _report("--json", path, *options, cache_dir=cache_dir) == fresh_json  # computed, then stored
+    assert len(list(cache_dir.glob("*-*.json"))) == 1
+    assert _report("--json", path, *options, cache_dir=cache_dir) == fresh_json  # from the store
+    assert _report(path, *options, cache_dir=cache_dir) == fresh_text
+    if options:
+        assert '"window"' in fresh_json
+
+
+def test_the_stored_report_is_what_is_served(tmp_path, cache_dir):
+    """A stored report is used (its content is printed, with this file's name), and only under its name:
+    other options, other code, or an edited file compute a new one."""
+    from tracekit import cachefiles, file_report
+
+    p = tmp_path / "a.pickle"
+    p.write_bytes(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle").read_bytes())
+    first = json.loads(_report("--json", p, cache_dir=cache_dir))
+    (stored,) = cache_dir.glob("*-*.json")
+    doc = json.loads(stored.read_text())
+    doc["value"]["findings"] = ["marker"]
+    stored.write_text(json.dumps(doc))
+    q = tmp_path / "b.pickle"
+    os.rename(p, q)
+    served = json.loads(_report("--json", q, cache_dir=cache_dir))
+    assert served["findings"] == ["marker"] and served["file"] == str(q)
+    assert json.loads(_report("--json", q, "--from", "3", cache_dir=cache_dir))["findings"] != ["marker"]
+    file_report._STAMP, stamp = "other code", file_report.code_stamp()
+    try:
+        assert json.loads(_report("--json", q, cache_dir=cache_dir))["findings"] == first["findings"]
+    finally:
+        file_report._STAMP = stamp
+    with open(q, "ab") as f:
+        f.write(b"\n")  # bytes after the pickle's STOP: the same trace, another file
+    assert json.loads(_report("--json", q, cache_dir=cache_dir))["findings"] == first["findings"]
+    assert cachefiles.result("0" * 40, "x") is None

@@ -324,7 +324,7 @@ def test_cli_view_honours_the_cache_settings(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "tracekit.cli", "view", str(SAMPLES[0]), *extra, "--screenshot",
                                str(tmp_path / "x.png")], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        assert len(list(cache.glob("*.npz")) if cache.exists() else []) == cached
+        assert len(list(cache.glob("*.tkc")) if cache.exists() else []) == cached
 
 
 def test_cli_screenshot_error_is_clear(tmp_path):

@@ -231,13 +231,13 @@ def test_cache_keeps_to_its_size_limit(tmp_path, monkeypatch):
         p.write_bytes(pickle.dumps(sim.snapshot(), protocol=4))
         paths.append(p)
     tracekit.load(paths[0])
-    one = sum(f.stat().st_size for f in cache_dir.glob("*.npz"))
+    one = sum(f.stat().st_size for f in cache_dir.glob("*.tkc"))
     monkeypatch.setenv("TRACEKIT_CACHE_MAX_MB", str(2.5 * one / 2**20))  # room for two files
     for p in paths[1:]:
         time.sleep(0.01)
         tracekit.load(p)
     from tracekit.io import cache
 
-    kept = {f.stem for f in cache_dir.glob("*.npz")}
+    kept = {f.stem for f in cache_dir.glob("*.tkc")}
     keys = [cache.key_for(str(p), os.stat(p)) for p in paths]
     assert kept == set(keys[1:])  # the least recently used one went

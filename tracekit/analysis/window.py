@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..errors import TracekitError
-from ..model import NO_TIME, Blocks, Events, Segments, Trace
-from .phases import phases
-from .replay import replay
+
+if TYPE_CHECKING:  # numpy, the model and the analysis are imported when a window is cut, so that parsing
+    from ..model import Trace  # one (and a report served from the cache) stays light
 
 _UNITS = {"us": 1, "ms": 1_000, "s": 1_000_000, "min": 60_000_000, "h": 3_600_000_000}
 
@@ -73,6 +72,11 @@ def parse_iterations(text: str) -> tuple[int, int]:
 
 def ranges(trace: Trace, window: Window) -> dict[int, tuple[int, int]]:
     """Per device, the half-open range [lo, hi) of its entries (positions in its trace) inside the window."""
+    import numpy as np
+
+    from ..model import NO_TIME
+    from .phases import phases
+
     out = {}
     ev = trace.events
     tmax = None
@@ -111,6 +115,11 @@ def select(trace: Trace, window: Window) -> Trace:
     """The trace cut to `window` (see the module docstring); the trace itself when the window holds it all.
 
     Raises TracekitError (one line) when no entry of any device is inside the window."""
+    import numpy as np
+
+    from ..model import Blocks, Events, Segments
+    from .replay import replay
+
     if not window:
         return trace
     spans = ranges(trace, window)

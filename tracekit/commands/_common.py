@@ -5,9 +5,6 @@ import json
 
 import click
 
-from ..io import load
-from ..io.progress import StderrProgress
-
 file_argument = click.argument("file", type=click.Path(dir_okay=True, path_type=str))
 no_cache_option = click.option("--no-cache", is_flag=True, help="Do not read or write the columnar cache.")
 rules_option = click.option("--rules", type=click.Path(exists=True, dir_okay=False),
@@ -15,10 +12,13 @@ rules_option = click.option("--rules", type=click.Path(exists=True, dir_okay=Fal
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 
 
-def _parsed(parse):
+def _parsed(name):
+    """A click callback that parses with tracekit.analysis.window's `name` (imported when used)."""
     def convert(ctx, param, value):
+        from ..analysis import window
+
         try:
-            return None if value is None else parse(value)
+            return None if value is None else getattr(window, name)(value)
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
     return convert
@@ -26,11 +26,9 @@ def _parsed(parse):
 
 def window_options(f):
     """--from/--to/--last/--iterations: look at a window of the trace (tracekit.analysis.window)."""
-    from ..analysis.window import parse_duration, parse_iterations
-
-    f = click.option("--iterations", "window_iterations", metavar="A..B", callback=_parsed(parse_iterations),
+    f = click.option("--iterations", "window_iterations", metavar="A..B", callback=_parsed("parse_iterations"),
                      help="Only iterations A to B (e.g. 3..5, or 4).")(f)
-    f = click.option("--last", "window_last", metavar="SPAN", callback=_parsed(parse_duration),
+    f = click.option("--last", "window_last", metavar="SPAN", callback=_parsed("parse_duration"),
                      help="Only the last SPAN of the recording (e.g. 10s, 250ms, 2min).")(f)
     f = click.option("--to", "window_to", type=click.IntRange(min=0), metavar="N",
                      help="Only entries up to N (inclusive; numbered from 0 in each device's trace).")(f)
@@ -58,6 +56,9 @@ def window_line(trace) -> str:
 
 def open_trace(path, no_cache=False, window=None):
     """Load a file, drawing progress on stderr if it takes more than a second; cut to `window` if given."""
+    from ..io import load
+    from ..io.progress import StderrProgress
+
     progress = StderrProgress(f"opening {path}")
     try:
         trace = load(path, progress=progress, use_cache=not no_cache)

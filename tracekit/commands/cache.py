@@ -1,6 +1,4 @@
 """`tracekit cache`: where the columnar cache of opened files lives, how big it is; --clear empties it."""
-import os
-
 import click
 
 from ..analysis.units import fmt_bytes
@@ -15,6 +13,6 @@ def command(clear):
     if clear:
         click.echo(f"removed {cache.clear()} cached files from {folder}")
         return
-    files = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".npz")] if os.path.isdir(folder) else []
-    total = sum(os.path.getsize(f) for f in files)
+    files = cache.entries()
+    total = sum(size for _, size in files)
     click.echo(f"{folder}: {len(files)} cached files, {fmt_bytes(total)} (set TRACEKIT_CACHE_DIR to move it)")

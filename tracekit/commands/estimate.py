@@ -151,11 +151,13 @@ def report_options(f):
 
 def report_spec(kw) -> dict:
     """What analysis.report.build_report(estimate=...) takes, from report's options."""
-    from ..analysis.estimate.presets import load_shape
-
     config = kw.pop("estimate_config", None)
     overrides = overrides_from(kw)
-    return {"shape": load_shape(config) if config else None, "overrides": overrides}
+    if not config:
+        return {"shape": None, "overrides": overrides}
+    from ..analysis.estimate.presets import load_shape
+
+    return {"shape": load_shape(config), "overrides": overrides}
 
 
 @click.command("estimate")

@@ -2,8 +2,6 @@
 files: one row per rank and the imbalance between ranks."""
 import click
 
-from ..analysis.report import build_report
-from ..render import trace_report_text
 from ._common import (echo_json, json_option, no_cache_option, open_trace, rules_option, window_line, window_of,
                       window_options)
 from .estimate import report_options, report_spec
@@ -37,16 +35,18 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
         if any(v not in (None, False, ()) for v in estimate_knobs.values()):
             raise click.UsageError("--estimate-config and its knobs apply to one FILE, not to several ranks")
         return _ranks(files, as_json, rules, no_cache, jobs, no_summaries)
+    from ..file_report import file_report
+
     spec = report_spec(estimate_knobs)
-    trace = open_trace(files[0], no_cache, window)
-    report = build_report(trace, rules=rules, estimate=spec)
-    cut = trace.meta.get("window")
+    report, trace = file_report(files[0], open_trace, not no_cache, window, rules, spec, want_trace=not as_json)
     if as_json:
-        echo_json({**report, "window": cut} if cut else report)
+        echo_json(report)
     else:
-        if cut:
+        from ..render import trace_report_text
+
+        if trace.meta.get("window"):
             click.echo(window_line(trace))
-        click.echo(trace_report_text(trace, report))
+        click.echo(trace_report_text(trace, {k: v for k, v in report.items() if k != "window"}))
 
 
 def _ranks(files, as_json, rules, no_cache, jobs, no_summaries):

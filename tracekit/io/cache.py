@@ -1,36 +1,54 @@
 """A compact columnar cache of opened files, so the second open is fast.
 
-One uncompressed .npz per file under the user cache folder
-($TRACEKIT_CACHE_DIR, else $XDG_CACHE_HOME/tracekit, ~/.cache/tracekit,
-~/Library/Caches/tracekit or %LOCALAPPDATA%/tracekit/Cache). The key is a
-SHA-256 of the file's whole content (about 0.1 s per 100 MiB), so no edit —
-same size, restored mtime, anywhere in the file — can meet a stale entry, and
-a copy or rename of a file still finds it. Metadata is stored in a tagged
-JSON that keeps tuples, sets, bytes and non-string keys exactly.
+One file per opened file under the user cache folder ($TRACEKIT_CACHE_DIR,
+else $XDG_CACHE_HOME/tracekit, ~/.cache/tracekit, ~/Library/Caches/tracekit
+or %LOCALAPPDATA%/tracekit/Cache): a small JSON head, then each column as raw
+bytes at a 64-byte aligned offset, which a read maps into memory (copy on
+write) instead of reading or decompressing it. Results computed from a trace
+(the report) are stored beside it under the same key (`result`, `store_result`).
+
+The key is a SHA-256 of the file's whole content, so no edit can meet a stale
+entry and a copy or rename of a file still finds it. Hashing a large file on
+every open would cost more than the rest of a warm open, so the key is
+remembered under a fingerprint of the file: device, inode, size, mtime and
+*ctime* (in ns) plus its first and last 64 KiB. Any write to a file, and any
+utime() that puts its mtime back, moves its ctime to the present (no user can
+set it), so a same-size edit with the mtime restored gets a new fingerprint,
+hence a full hash. A fingerprint is not remembered while the file's times are
+within 2 s of now (an edit inside one tick of a coarse clock would keep them),
+nor on Windows, whose st_ctime is the creation time: there every open hashes.
 
 Reading is defensive: the entry must be a regular file (a FIFO never blocks
-us), it is opened with allow_pickle=False (a tampered cache cannot run code),
-every array must have its expected name, dtype and shape and match the
-SHA-256 written with it, and ids must point inside their tables. Anything odd is a miss, and the entry is deleted. The
-least recently used files go once the folder passes $TRACEKIT_CACHE_MAX_MB
-(default 1024; a non-negative number, else a one-line error).
+us); its head must pass its CRC and name exactly the expected columns, dtypes
+and lengths; the file must be exactly as long as the head says (truncated =
+miss); each column's first and last 64 KiB must match the CRC-32 written with
+it (the whole column's CRC is checked once, when written, before the entry is
+renamed into place); every id must point inside its table. Anything odd is a
+miss, and the entry is deleted. No pickle is ever read. The least recently
+used entries go once the folder passes $TRACEKIT_CACHE_MAX_MB (default 4096;
+a non-negative number, else a one-line error).
 """
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
+import mmap
 import os
 import stat as _stat
-import sys
+import struct
 import tempfile
+import zlib
 
 import numpy as np
 
+from ..cachefiles import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _unlink, cache_dir,  # noqa: F401
+                          key_for, open_regular, result, store_result)
 from ..model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 from .limits import env_number
 
-VERSION = 5  # bump whenever Trace or meta layout changes (4: memory-timeline device label, 5: origins)
+MAGIC = b"TKCACHE6"
+_PRE = struct.Struct("<8sQI")  # magic, head length, head CRC-32
+ALIGN = 64
 _TABLES = {"ev": ("events", Events), "fr": ("frames", Frames), "st": ("stacks", Stacks),
            "sg": ("segments", Segments), "bl": ("blocks", Blocks)}
 _I32, _I64, _U64, _I8 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int8)
@@ -45,55 +63,109 @@ DTYPES = {
     "bl": {"device": _I32, "segment": _I32, "addr": _U64, "size": _I64, "requested_size": _I64,
            "state": _I8, "stack_id": _I32},
 }
-
-
-class Odd(Exception):
-    """A cache entry that is not exactly what `write` makes."""
-
-
-def cache_dir() -> str:
-    if os.environ.get("TRACEKIT_CACHE_DIR"):
-        return os.environ["TRACEKIT_CACHE_DIR"]
-    if sys.platform == "darwin":
-        return os.path.expanduser("~/Library/Caches/tracekit")
-    if sys.platform == "win32":
-        return os.path.join(os.environ.get("LOCALAPPDATA", os.path.expanduser("~")), "tracekit", "Cache")
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tracekit")
+_BESIDE = (".json", ".tkm")  # results stored beside a trace: file_report.py, analysis_cache.py
+COLUMNS = {f"{p}_{n}": dtype for p, fields in DTYPES.items() for n, dtype in fields.items()}
 
 
 def max_bytes() -> int:
-    """The cache's size limit: $TRACEKIT_CACHE_MAX_MB (a number >= 0), default 1 GiB."""
-    return int(env_number("TRACEKIT_CACHE_MAX_MB", 1024.0, minimum=0.0) * 2**20)
+    """The cache's size limit: $TRACEKIT_CACHE_MAX_MB (a number >= 0), default 4 GiB (a 10M-entry file with its analysis
+    takes about 1.5 GiB)."""
+    return int(env_number("TRACEKIT_CACHE_MAX_MB", 4096.0, minimum=0.0) * 2**20)
 
 
-def open_regular(path):
-    """Open a file for reading without ever blocking: a FIFO, device or socket raises OSError."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(path, flags)
-    try:
-        if not _stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IsADirectoryError(f"{os.fsdecode(path)} is not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+# -- the entry's layout -------------------------------------------------------------------------------
+
+def _sample(buf: memoryview) -> int:
+    """CRC-32 of a column's first and last SAMPLE bytes (all of it when short)."""
+    if len(buf) <= 2 * SAMPLE:
+        return zlib.crc32(buf)
+    return zlib.crc32(buf[-SAMPLE:], zlib.crc32(buf[:SAMPLE]))
 
 
-def key_for(path, stat) -> str | None:
-    """Identity of the file's current content (a hash of all of it), or None if it cannot be read."""
-    try:
-        h = hashlib.sha256(f"tracekit-cache {VERSION} {stat.st_size}\n".encode())
-        with open_regular(path) as f:
-            while chunk := f.read(4 * 2**20):
-                h.update(chunk)
-        return h.hexdigest()[:40]
-    except (OSError, ValueError):
+def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
+    """Write `arrays` (1-d numpy arrays) and `head` (JSON-ready) to `fn` in the entry layout, then
+    read the written file back and check every column's full CRC-32 (raises Odd if one differs).
+    `sums` overrides the stored sample CRCs (tests use it to make a damaged entry)."""
+    table, parts, end = {}, [], 0
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        raw = memoryview(a).cast("B") if a.size else memoryview(b"")
+        offset = -(-end // ALIGN) * ALIGN
+        table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
+                       (sums or {}).get(name, _sample(raw)), a.ndim, _stats(a)]
+        parts.append((offset, raw, zlib.crc32(raw)))
+        end = offset + len(raw)
+    body = json.dumps({**head, "columns": table, "data": end}).encode()
+    start = _start(len(body))
+    with open(fn, "wb") as f:
+        f.write(_PRE.pack(MAGIC, len(body), zlib.crc32(body)) + body)
+        for offset, raw, _ in parts:
+            f.seek(start + offset)
+            f.write(raw)
+        f.truncate(start + end)
+    with open(fn, "rb") as f:
+        if os.fstat(f.fileno()).st_size != start + end:
+            raise Odd("short write")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            for offset, raw, crc in parts:
+                if zlib.crc32(mm[start + offset:start + offset + len(raw)]) != crc:
+                    raise Odd("a column differs once written")
+
+
+def _stats(a):
+    """[min, max, nondecreasing] of a 1-d integer column (None for others): taken when written, so that a
+    read checks ids against table sizes without reading the columns."""
+    if a.ndim != 1 or not len(a) or a.dtype.kind not in "iub":
         return None
+    return [int(a.min()), int(a.max()), bool((a[1:] >= a[:-1]).all())]
 
 
-def _file(key) -> str:
-    return os.path.join(cache_dir(), f"{key}.npz")
+def _start(head_len) -> int:
+    """Where the columns begin: after the prefix and the head, aligned."""
+    return -(-(_PRE.size + head_len) // ALIGN) * ALIGN
 
+
+def unpack(fn) -> tuple[dict, dict]:
+    """(head, columns) of the entry at `fn`: the columns are writable copy-on-write maps of the file.
+    Raises Odd (or OSError) unless the file is exactly what `pack` wrote."""
+    with open_regular(fn) as f:
+        pre = f.read(_PRE.size)
+        if len(pre) != _PRE.size:
+            raise Odd("short")
+        magic, n, crc = _PRE.unpack(pre)
+        if magic != MAGIC or n > 2**31:
+            raise Odd("not an entry of this version")
+        body = f.read(n)
+        if len(body) != n or zlib.crc32(body) != crc:
+            raise Odd("head damaged")
+        head = json.loads(body.decode())
+        if not isinstance(head, dict) or not isinstance(head.get("columns"), dict):
+            raise Odd("bad head")
+        start, size = _start(n), os.fstat(f.fileno()).st_size
+        if type(head.get("data")) is not int or start + head["data"] != size:
+            raise Odd("truncated or grown")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    columns, head["stats"] = {}, {}
+    for name, spec in head.pop("columns").items():
+        if not (isinstance(spec, list) and len(spec) == 6 and isinstance(spec[0], str)
+                and all(type(v) is int and v >= 0 for v in spec[1:5])):
+            raise Odd(f"{name}: bad spec")
+        dstr, count, off, sample, ndim, stats = spec
+        if stats is not None and not (isinstance(stats, list) and len(stats) == 3 and type(stats[0]) is int
+                                      and type(stats[1]) is int and type(stats[2]) is bool):
+            raise Odd(f"{name}: bad stats")
+        head["stats"][name] = stats
+        dtype = np.dtype(dstr)
+        if dtype.hasobject or ndim != 1 or start + off + count * dtype.itemsize > size:
+            raise Odd(f"{name}: {dstr} x {count} at {off}")
+        a = np.frombuffer(mm, dtype=dtype, count=count, offset=start + off)
+        if _sample(memoryview(a).cast("B") if count else memoryview(b"")) != sample:
+            raise Odd(f"{name}: damaged")
+        columns[name] = a
+    return head, columns
+
+
+# -- traces -------------------------------------------------------------------------------------------
 
 def write(key, trace: Trace) -> None:
     """Store a trace; failures are ignored (the cache is an optimisation)."""
@@ -105,21 +177,17 @@ def write(key, trace: Trace) -> None:
             for name in table.__dataclass_fields__:
                 arrays[f"{prefix}_{name}"] = np.ascontiguousarray(getattr(obj, name), dtype=DTYPES[prefix][name])
         head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
-                "strings": trace.strings.items, "meta": encode(trace.meta), "digest": _digest(arrays)}
-        arrays["head"] = np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)
+                "strings": trace.strings.items, "meta": encode(trace.meta)}
         os.makedirs(cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+        os.close(fd)
+        pack(tmp, arrays, head)
         os.replace(tmp, _file(key))
         tmp = None
         evict(max_bytes())
-    except (OSError, TypeError, ValueError, RecursionError, MemoryError):
+    except (OSError, TypeError, ValueError, RecursionError, MemoryError, Odd):
         if tmp:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink(tmp)
 
 
 def read(key, path) -> Trace | None:
@@ -132,127 +200,139 @@ def read(key, path) -> Trace | None:
     try:
         if not _stat.S_ISREG(st.st_mode):
             raise Odd("not a regular file")
-        with open_regular(fn) as f, np.load(f, allow_pickle=False) as z:
-            names = set(z.files)
-            expected = {"head"} | {f"{p}_{n}" for p, fields in DTYPES.items() for n in fields}
-            if names != expected:
-                raise Odd("unexpected members")
-            head = json.loads(bytes(_array(z, "head", np.dtype(np.uint8))).decode())
-            if not isinstance(head, dict) or head.get("key") != key:
-                raise Odd("another key")
-            arrays = {f"{p}_{n}": _array(z, f"{p}_{n}", dtype) for p, fields in DTYPES.items()
-                      for n, dtype in fields.items()}
-        if head.get("digest") != _digest(arrays):
-            raise Odd("the arrays are not the ones written")
+        head, arrays = unpack(fn)
+        if head.get("key") != key:
+            raise Odd("another key")
+        if set(arrays) != set(COLUMNS) or any(arrays[n].dtype != d for n, d in COLUMNS.items()):
+            raise Odd("unexpected columns")
         tables = {p: table(**{n: arrays[f"{p}_{n}"] for n in table.__dataclass_fields__})
                   for p, (_, table) in _TABLES.items()}
-        strings, devices, fmt = head["strings"], head["devices"], head["format"]
+        strings, devices, fmt = head.get("strings"), head.get("devices"), head.get("format")
         if not (isinstance(strings, list) and strings[:1] == [""] and all(type(s) is str for s in strings)
                 and isinstance(devices, list) and all(type(d) is int for d in devices) and type(fmt) is str):
             raise Odd("bad head")
         trace = Trace(path=str(path), format=fmt, devices=devices, strings=Strings(strings),
                       frames=tables["fr"], stacks=tables["st"], events=tables["ev"], segments=tables["sg"],
-                      blocks=tables["bl"], meta=decode(head["meta"]))
+                      blocks=tables["bl"], meta=decode(head.get("meta")))
         if not isinstance(trace.meta, dict):
             raise Odd("bad meta")
-        check_consistent(trace)
+        check_consistent(trace, head["stats"])
     except Exception:  # whatever is wrong with it, it is a miss: delete it so the next open rewrites it
         _unlink(fn)
         return None
-    try:
-        os.utime(fn)  # "recently used" for eviction, whatever the filesystem's atime policy
-    except OSError:
-        pass
+    _touch(fn)
     return trace
 
 
-def _digest(arrays) -> str:
-    """SHA-256 of the arrays' names, dtypes, shapes and bytes: a changed or damaged entry never passes."""
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name} {a.dtype.str} {a.shape}\n".encode())
-        h.update(memoryview(a).cast("B"))
-    return h.hexdigest()
+# -- checks and housekeeping --------------------------------------------------------------------------
 
+def check_consistent(t: Trace, stats=None) -> None:
+    """Raise Odd unless every table has consistent lengths and every id points inside its table.
+    `stats` ({column name: [min, max, nondecreasing]}, from the entry's head) spares reading the columns."""
+    stats = stats or {}
+    columns = {f"{p}_{n}": getattr(getattr(t, attr), n) for p, (attr, table) in _TABLES.items()
+               for n in table.__dataclass_fields__}
 
-def _array(z, name, dtype):
-    a = z[name]
-    if a.dtype != dtype or a.ndim != 1:
-        raise Odd(f"{name} is {a.dtype}{a.shape}")
-    return a
+    def stat(name):
+        s = stats.get(name)
+        a = columns[name]
+        if s is None and len(a):
+            s = _stats(a)
+        if len(a) and (s is None or s[0] > s[1]):
+            raise Odd(f"{name}: no stats")
+        return s
 
-
-def check_consistent(t: Trace) -> None:
-    """Raise Odd unless every table has consistent lengths and every id points inside its table."""
-    def within(a, lo, hi, what):
-        if len(a) and (int(a.min()) < lo or int(a.max()) >= hi):
+    def within(name, lo, hi, what):
+        s = stat(name)
+        if s and (s[0] < lo or s[1] >= hi):
             raise Odd(what)
 
-    def same_length(obj, what):
+    for obj, what in ((t.events, "events"), (t.frames, "frames"), (t.segments, "segments"), (t.blocks, "blocks")):
         if len({len(v) for v in vars(obj).values()}) > 1:
             raise Odd(f"{what} columns differ in length")
-
-    for obj, what in ((t.events, "events"), (t.frames, "frames"), (t.segments, "segments"), (t.blocks, "blocks")):
-        same_length(obj, what)
     ns, nf, nst = len(t.strings), len(t.frames), len(t.stacks)
     off = t.stacks.offsets
     if not len(off) or off[0] != 0 or off[-1] != len(t.stacks.frame_ids) or (np.diff(off) < 0).any():
         raise Odd("stack offsets")
-    within(t.stacks.frame_ids, 0, nf, "frame ids")
-    for col in (t.frames.filename, t.frames.name, t.events.user_metadata, t.events.compile_context,
-                t.events.category, t.events.module, t.segments.segment_type, t.segments.pool_id):
-        within(col, 0, ns, "string ids")
-    for col in (t.events.stack_id, t.events.forward_stack_id, t.segments.stack_id, t.blocks.stack_id):
-        within(col, -1, nst, "stack ids")
-    within(t.events.action, 0, len(ACTIONS), "actions")
-    within(t.blocks.state, 0, len(BLOCK_STATES), "block states")
-    within(t.blocks.segment, 0, len(t.segments), "block segments")
-    for col in (t.events.size, t.segments.total_size, t.blocks.size, t.blocks.requested_size):
-        within(col, 0, 2**50 + 1, "sizes")
-    if len(t.events.device) and (np.diff(t.events.device) < 0).any():
+    within("st_frame_ids", 0, nf, "frame ids")
+    for name in ("fr_filename", "fr_name", "ev_user_metadata", "ev_compile_context", "ev_category", "ev_module",
+                 "sg_segment_type", "sg_pool_id"):
+        within(name, 0, ns, "string ids")
+    for name in ("ev_stack_id", "ev_forward_stack_id", "sg_stack_id", "bl_stack_id"):
+        within(name, -1, nst, "stack ids")
+    within("ev_action", 0, len(ACTIONS), "actions")
+    within("bl_state", 0, len(BLOCK_STATES), "block states")
+    within("bl_segment", 0, len(t.segments), "block segments")
+    for name in ("ev_size", "sg_total_size", "bl_size", "bl_requested_size"):
+        within(name, 0, 2**50 + 1, "sizes")
+    device = t.events.device
+    if len(device) and not stat("ev_device")[2]:
         raise Odd("events not sorted by device")
-    present = set(np.unique(t.events.device).tolist()) | set(np.unique(t.segments.device).tolist())
+    present = set(_distinct_sorted(device)) | set(np.unique(t.segments.device).tolist())
     if sorted(present) != t.devices:
         raise Odd("devices")
 
 
+def _distinct_sorted(a) -> list:
+    """The distinct values of a sorted array, reading one element per value (and a binary search)."""
+    out, i = [], 0
+    while i < len(a):
+        out.append(int(a[i]))
+        i = int(np.searchsorted(a, a[i], side="right"))
+    return out
+
+
+def entries() -> list:
+    """(path, bytes) of every cached trace (what is stored beside it, `key-*`, counted with it)."""
+    d = cache_dir()
+    sizes = {}
+    for name in os.listdir(d) if os.path.isdir(d) else ():
+        if name.endswith(SUFFIX) or (name[40:41] == "-" and name.endswith(_BESIDE)):
+            try:
+                sizes[name[:40]] = sizes.get(name[:40], 0) + os.lstat(os.path.join(d, name)).st_size
+            except OSError:
+                pass
+    return [(_file(k), n) for k, n in sizes.items() if os.path.isfile(_file(k))]
+
+
 def evict(limit: int) -> None:
-    """Delete the least recently used cached files until the folder holds at most `limit` bytes."""
+    """Delete the least recently used cached traces (with their results) until the folder holds at most
+    `limit` bytes; then results and fingerprints whose trace is gone."""
     d = cache_dir()
     files = []
-    for name in os.listdir(d):
-        if name.endswith(".npz"):
-            try:
-                st = os.lstat(os.path.join(d, name))
-            except OSError:
-                continue
-            files.append((st.st_mtime, st.st_size, name))
+    for fn, size in entries():
+        try:
+            files.append((os.lstat(fn).st_mtime, size, fn))
+        except OSError:
+            continue
     total = sum(size for _, size, _ in files)
-    for _, size, name in sorted(files):
+    for _, size, fn in sorted(files):
         if total <= limit:
             break
-        _unlink(os.path.join(d, name))
+        _unlink(fn)
         total -= size
+    for name in os.listdir(d):
+        stale_result = name.endswith(_BESIDE) and name[40:41] == "-" and not os.path.exists(_file(name[:40]))
+        if stale_result or name.endswith(".npz"):  # .npz: entries of tracekit before VERSION 6
+            _unlink(os.path.join(d, name))
+    fps = os.path.join(d, "fp")
+    for name in os.listdir(fps) if os.path.isdir(fps) else ():
+        if not _remembered(name):
+            _unlink(os.path.join(fps, name))
 
 
 def clear() -> int:
-    """Delete every cached file; returns how many were removed."""
+    """Delete every cached trace, result and fingerprint; returns how many traces were removed."""
     n = 0
     d = cache_dir()
     if os.path.isdir(d):
         for name in os.listdir(d):
-            if name.endswith((".npz", ".tmp")) and _unlink(os.path.join(d, name)):
-                n += 1
+            if name.endswith((SUFFIX, ".npz", ".tmp") + _BESIDE) and _unlink(os.path.join(d, name)):
+                n += name.endswith((SUFFIX, ".npz"))
+        fps = os.path.join(d, "fp")
+        for name in os.listdir(fps) if os.path.isdir(fps) else ():
+            _unlink(os.path.join(fps, name))
     return n
-
-
-def _unlink(fn) -> bool:
-    try:
-        os.unlink(fn)
-        return True
-    except OSError:
-        return False
 
 
 # -- metadata, exactly -------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def check_settings(use_cache=True) -> None:
     """Validate every TRACEKIT_* setting that opening a file reads, before any work is done."""
     max_expansion(), max_depth(), memory_override()
     if use_cache:
-        env_number("TRACEKIT_CACHE_MAX_MB", 1024.0, minimum=0.0)
+        env_number("TRACEKIT_CACHE_MAX_MB", 4096.0, minimum=0.0)
 
 
 def available_memory() -> int | None:

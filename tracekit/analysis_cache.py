@@ -1,0 +1,188 @@
+"""Analysis results kept in the cache beside a trace's columns, so a warm open skips the analysis.
+
+The analyses memoise their results on the trace they analyse (analysis/memo.py). Once the viewer has
+analysed a file, `store` writes that memo (replay, categories, phases, sites, the timeline's step
+functions) and the report to one entry under the file's key, the window and tracekit's code
+(file_report.code_stamp), in the columns' layout (io/cache.py: arrays memory-mapped on read, CRCs).
+`restore` puts it back on a freshly loaded trace, so the same calls find their results instead of
+computing them. Values are dataclasses defined in tracekit, numpy arrays (object arrays of strings too),
+slices and plain data; a memo entry holding anything else is left out (computed again when asked for).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import os
+import tempfile
+
+import numpy as np
+
+from . import cachefiles
+from .file_report import code_stamp
+from .io import cache
+from .model import Trace
+
+SUFFIX = ".tkm"
+
+
+class Unstorable(Exception):
+    """A value this store does not write (it is computed again when needed)."""
+
+
+def _name(window, code="") -> str:
+    return f"analysis code={code_stamp()}{code} window={window!r}"
+
+
+def _file(key, window, code="") -> str:
+    digest = hashlib.sha256(_name(window, code).encode()).hexdigest()[:16]
+    return os.path.join(cachefiles.cache_dir(), f"{key}-{digest}{SUFFIX}")
+
+
+def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
+    """Write `trace`'s memo (and `extra`, plain data such as the report) for `path` cut to `window`;
+    `code` names the code that made `extra` when it is not tracekit's (file_report.code_stamp(folder)).
+    Only while the trace's own entry is cached; failures are ignored (the cache is an optimisation)."""
+    key = cachefiles.known_key(path) or cachefiles.key_for(path)
+    if not key or not os.path.isfile(cachefiles._file(key)):
+        return False
+    arrays, seen, entries = {}, {}, []
+    for k, v in list(trace.__dict__.get("_memo", {}).items()):
+        try:
+            entries.append([cache.encode(k), _enc(v, arrays, seen)])
+        except (Unstorable, TypeError):
+            continue
+    try:
+        extra_enc = _enc(extra or {}, arrays, seen)
+    except (Unstorable, TypeError):
+        return False
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=cachefiles.cache_dir(), suffix=".tmp")
+        os.close(fd)
+        cache.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc})
+        os.replace(tmp, _file(key, window, code))
+        _drop_older(key, code)
+        tmp = None
+        cache.evict(cache.max_bytes())
+        return True
+    except (OSError, ValueError, TypeError, cache.Odd, MemoryError):
+        return False
+    finally:
+        if tmp:
+            cachefiles._unlink(tmp)
+
+
+def restore(trace: Trace, path, window=None, code=""):
+    """Put the stored memo back on `trace` (freshly loaded from `path`, cut to `window`) and return the
+    stored `extra`; None (nothing changed) when there is none or it is odd (then it is deleted)."""
+    key = cachefiles.known_key(path)
+    if not key:
+        return None
+    fn = _file(key, window, code)
+    if not os.path.isfile(fn):
+        return None
+    try:
+        head, arrays = cache.unpack(fn)
+        if head.get("name") != _name(window, code) or not isinstance(head.get("memo"), list):
+            raise cache.Odd("another entry")
+        memo = {}
+        for k, v in head["memo"]:
+            k = cache.decode(k)
+            if not (isinstance(k, tuple) and len(k) == 3 and str(k[0]).startswith("tracekit.")):
+                raise cache.Odd("not a memo key")
+            memo[k] = _dec(v, arrays)
+        extra = _dec(head.get("extra"), arrays)
+    except Exception:  # whatever is wrong with it, it is a miss
+        cachefiles._unlink(fn)
+        return None
+    mine = trace.__dict__.setdefault("_memo", {})
+    for k, v in memo.items():
+        mine.setdefault(k, v)
+    cachefiles._touch(cachefiles._file(key))
+    return extra
+
+
+def _drop_older(key, code) -> None:
+    """Delete this trace's stored analyses made by other versions of the code (they can never be read)."""
+    d = cachefiles.cache_dir()
+    current = [f'"analysis code={code_stamp()}{c} window='.encode() for c in ("", code)]
+    for name in os.listdir(d):
+        if name.startswith(key + "-") and name.endswith(SUFFIX):
+            try:
+                with cachefiles.open_regular(os.path.join(d, name)) as f:
+                    head = f.read(4096)
+            except OSError:
+                continue
+            if not any(c in head for c in current):
+                cachefiles._unlink(os.path.join(d, name))
+
+
+# -- values <-> JSON + arrays: every dict in the JSON is a tag ----------------------------------------
+
+def _enc(v, arrays, seen):
+    if v is None or type(v) in (str, int, float, bool):
+        return v
+    if isinstance(v, np.ndarray):
+        if v.dtype.hasobject:
+            if v.ndim != 1 or not all(type(s) is str for s in v.tolist()):
+                raise Unstorable("object array")
+            return {"~S": v.tolist()}  # strings (site names)
+        name = seen.get(id(v))
+        if name is None:
+            name = seen[id(v)] = f"a{len(arrays)}"
+            arrays[name] = np.ascontiguousarray(v).reshape(-1)
+        return {"~a": name, "shape": list(v.shape)}
+    if isinstance(v, np.generic):
+        return {"~n": v.dtype.str, "v": v.item()}
+    if type(v) is slice:
+        return {"~s": [_enc(x, arrays, seen) for x in (v.start, v.stop, v.step)]}
+    if type(v) in (list, tuple):
+        return {"~l" if type(v) is list else "~t": [_enc(x, arrays, seen) for x in v]}
+    if type(v) in (dict, set, frozenset) or type(v) is bytes:
+        if type(v) is dict:
+            return {"~d": [[_enc(k, arrays, seen), _enc(x, arrays, seen)] for k, x in v.items()]}
+        return {"~p": cache.encode(v)}
+    if dataclasses.is_dataclass(v) and not isinstance(v, (type, Trace)):
+        cls = type(v)
+        if not cls.__module__.startswith("tracekit.") or not hasattr(v, "__dict__"):
+            raise Unstorable(cls.__name__)
+        fields = {k: _enc(x, arrays, seen) for k, x in vars(v).items()}
+        return {"~c": f"{cls.__module__}:{cls.__qualname__}", "f": fields}
+    raise Unstorable(type(v).__name__)
+
+
+def _dec(v, arrays):
+    if not isinstance(v, (dict, list)):
+        return v
+    if "~a" in v:
+        return arrays[v["~a"]].reshape(v["shape"])
+    if "~S" in v:
+        out = np.empty(len(v["~S"]), dtype=object)
+        out[:] = v["~S"]
+        return out
+    if "~n" in v:
+        return np.dtype(v["~n"]).type(v["v"])
+    if "~l" in v:
+        return [_dec(x, arrays) for x in v["~l"]]
+    if "~s" in v:
+        return slice(*(_dec(x, arrays) for x in v["~s"]))
+    if "~t" in v:
+        return tuple(_dec(x, arrays) for x in v["~t"])
+    if "~d" in v:
+        return {_dec(k, arrays): _dec(x, arrays) for k, x in v["~d"]}
+    if "~p" in v:
+        return cache.decode(v["~p"])
+    if "~c" in v:
+        module, qualname = v["~c"].split(":")
+        if not module.startswith("tracekit."):
+            raise cache.Odd(module)
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise cache.Odd(qualname)
+        obj = object.__new__(cls)
+        obj.__dict__.update({k: _dec(x, arrays) for k, x in v["f"].items()})
+        return obj
+    raise cache.Odd("unknown tag")

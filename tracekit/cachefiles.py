@@ -1,0 +1,181 @@
+"""The cache folder's files and their names, without numpy: where the folder is, the key of a file's
+content (remembered under the file's fingerprint, see io/cache.py), and JSON results stored beside a
+cached trace. Light on purpose: a `report --json` served from the cache imports only this."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat as _stat
+import sys
+import tempfile
+import time
+
+VERSION = 6  # bump whenever Trace, meta or the entry layout changes (5: origins, 6: memory-mapped columns)
+SUFFIX = ".tkc"
+SAMPLE = 64 * 1024  # bytes read at each end of a file for its fingerprint (and of a cached column)
+RACY_S = 2.0  # a file whose times are this close to now is hashed every time (a clock tick may hide an edit)
+
+
+class Odd(Exception):
+    """A cache file that is not exactly what tracekit writes."""
+
+
+def cache_dir() -> str:
+    if os.environ.get("TRACEKIT_CACHE_DIR"):
+        return os.environ["TRACEKIT_CACHE_DIR"]
+    if sys.platform == "darwin":
+        return os.path.expanduser("~/Library/Caches/tracekit")
+    if sys.platform == "win32":
+        return os.path.join(os.environ.get("LOCALAPPDATA", os.path.expanduser("~")), "tracekit", "Cache")
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tracekit")
+
+
+def open_regular(path):
+    """Open a file for reading without ever blocking: a FIFO, device or socket raises OSError."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(f"{os.fsdecode(path)} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+
+def key_for(path, stat=None) -> str | None:
+    """Identity of the file's current content (a hash of all of it), or None if it cannot be read.
+    Remembered under the file's fingerprint (see io/cache.py), so a warm open hashes 128 KiB.
+    `stat` is not used (the open file's own fstat is: it cannot change between stat and read)."""
+    try:
+        with open_regular(path) as f:
+            st = os.fstat(f.fileno())
+            fp = _fingerprint(f, st)
+            known = _remembered(fp) if fp else None
+            if known:
+                return known
+            f.seek(0)
+            h = hashlib.sha256(f"tracekit-cache {VERSION} {st.st_size}\n".encode())
+            while chunk := f.read(4 * 2**20):
+                h.update(chunk)
+            key = h.hexdigest()[:40]
+            if fp and os.fstat(f.fileno()).st_ctime_ns == st.st_ctime_ns:  # not written to while hashed
+                _remember(fp, key)
+            return key
+    except (OSError, ValueError):
+        return None
+
+
+def known_key(path) -> str | None:
+    """The key of a file whose cached entry is there and whose fingerprint is remembered, else None;
+    never reads more than the file's ends."""
+    try:
+        with open_regular(path) as f:
+            fp = _fingerprint(f, os.fstat(f.fileno()))
+            return _remembered(fp) if fp else None
+    except (OSError, ValueError):
+        return None
+
+
+def _fingerprint(f, st) -> str | None:
+    """A hash of what identifies this version of an open file without reading it all; None where the
+    times cannot vouch for it (Windows' ctime is the creation time; times within a clock tick of now)."""
+    if sys.platform == "win32" or time.time() - max(st.st_mtime, st.st_ctime) < RACY_S:
+        return None
+    h = hashlib.sha256(f"{VERSION} {st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}\n"
+                       .encode())
+    h.update(f.read(SAMPLE))
+    if st.st_size > SAMPLE:
+        f.seek(max(SAMPLE, st.st_size - SAMPLE))
+        h.update(f.read(SAMPLE))
+    return h.hexdigest()[:40]
+
+
+def _fp_file(fp) -> str:
+    return os.path.join(cache_dir(), "fp", fp)
+
+
+def _remembered(fp) -> str | None:
+    """The content key remembered for a fingerprint, if its entry is still there."""
+    try:
+        with open_regular(_fp_file(fp)) as f:
+            key = f.read(64).decode("ascii")
+    except (OSError, ValueError):
+        return None
+    if len(key) == 40 and all(c in "0123456789abcdef" for c in key) and os.path.isfile(_file(key)):
+        return key
+    return None
+
+
+def _remember(fp, key) -> None:
+    try:
+        os.makedirs(os.path.dirname(_fp_file(fp)), exist_ok=True)
+        _atomic(_fp_file(fp), key.encode())
+    except OSError:
+        pass
+
+
+def _atomic(fn, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(fn), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, fn)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _file(key) -> str:
+    return os.path.join(cache_dir(), f"{key}{SUFFIX}")
+
+
+# -- results computed from a trace --------------------------------------------------------------------
+
+def _result_file(key, name) -> str:
+    return os.path.join(cache_dir(), f"{key}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.json")
+
+
+def result(key, name):
+    """A result stored with `store_result(key, name, value)` while the trace's entry exists, else None."""
+    fn = _result_file(key, name)
+    try:
+        with open_regular(fn) as f:
+            doc = json.loads(f.read().decode())
+        if not (isinstance(doc, dict) and doc.get("name") == name and "value" in doc and os.path.isfile(_file(key))):
+            raise Odd("not ours")
+    except FileNotFoundError:
+        return None
+    except Exception:
+        _unlink(fn)
+        return None
+    _touch(_file(key))
+    return doc["value"]
+
+
+def store_result(key, name, value) -> None:
+    """Keep a JSON-ready `value` computed from the trace `key` names (with everything else it depends on
+    in `name`); it goes when the trace's entry goes. Failures are ignored."""
+    try:
+        if os.path.isfile(_file(key)):
+            _atomic(_result_file(key, name), json.dumps({"name": name, "value": value}).encode())
+    except (OSError, TypeError, ValueError):
+        pass
+
+
+def _touch(fn) -> None:
+    try:
+        os.utime(fn)  # "recently used" for eviction, whatever the filesystem's atime policy
+    except OSError:
+        pass
+
+
+def _unlink(fn) -> bool:
+    try:
+        os.unlink(fn)
+        return True
+    except OSError:
+        return False
