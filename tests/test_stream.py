@@ -219,13 +219,35 @@ def test_a_wrong_frame_length_fails_or_reads_the_same(delta, tmp_path, monkeypat
         assert_same(old, new)
 
 
-def test_stacks_whose_hashes_collide_are_still_told_apart(monkeypatch):
-    """With a hash that collides for every list, stacks are regrouped by their contents: the same Trace."""
-    path = os.path.join(os.path.dirname(__file__), "..", "samples", "leak_loop.pickle")
-    old, new = both(path, monkeypatch)
-    monkeypatch.setattr(stream, "_mix", lambda x: np.zeros_like(x))
-    monkeypatch.setenv("TRACEKIT_READER", "auto")
-    colliding = load(path, use_cache=False)
-    assert colliding.meta["reader"] == stream.COMPILED
-    assert_same(new, colliding)
-    assert_same(old, colliding)
+def test_many_frames_and_stacks_and_shared_ones_read_the_same(tmp_path, monkeypatch):
+    """Thousands of distinct frames and stacks (the scanner's hash tables grow several times), frame dicts
+    and frame lists shared with the segments' blocks and between entries, and a second device."""
+    rng = random.Random(7)
+    frames = [{"filename": f"f{i % 37}.py", "line": i, "name": f"fn{i % 11}"} for i in range(3000)]
+    lists = [[frames[rng.randrange(3000)] for _ in range(rng.randrange(1, 9))] for _ in range(2500)]
+    blocks = [{"address": 4096 * i, "size": 512, "requested_size": 512, "state": "active_allocated",
+               "frames": lists[i]} for i in range(50)]
+    seg = {"device": 0, "address": 0, "total_size": 4096 * 50, "stream": 0, "segment_type": "large",
+           "blocks": blocks}
+    entries = [[{"action": "alloc", "addr": 10**6 + i, "size": 8, "frames": lists[rng.randrange(2500)] if i % 3
+                 else [dict(f) for f in lists[i % 2500]], "time_us": i} for i in range(d * 100, 6000)]
+               for d in range(2)]
+    p = tmp_path / "many.pickle"
+    p.write_bytes(pickle.dumps({"segments": [seg], "device_traces": entries}, protocol=4))
+    old, new = both(p, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED
+    assert_same(old, new)
+    assert len(new.stacks.offsets) > 2000 and len(new.frames.line) > 2000
+
+
+def test_entries_before_segments_read_the_same(tmp_path, monkeypatch):
+    """A file whose device traces come first (frames first met in an entry, then in a block): either path
+    reads it, to the same Trace."""
+    fr = [FRAME]
+    obj = {"device_traces": [[{"action": "alloc", "addr": 4096, "size": 512, "frames": fr}]],
+           "segments": [{"device": 0, "address": 4096, "total_size": 512, "blocks": [
+               {"address": 4096, "size": 512, "state": "active_allocated", "frames": fr}]}]}
+    p = tmp_path / "order.pickle"
+    p.write_bytes(pickle.dumps(obj, protocol=4))
+    old, new = both(p, monkeypatch)
+    assert_same(old, new)
