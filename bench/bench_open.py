@@ -12,7 +12,7 @@ each in a fresh process, the median of --repeat runs of:
   window       tracekit report --json --last 1s from the cache (issue 15's window selection)
 
 and prints wall time and peak memory (max RSS) as ratios to the floor.
-Targets: first ≤ 1.6× time and ≤ 1.5× memory; second ≤ 0.2× time.
+Targets (issue 15): first ≤ 0.5× time and ≤ 0.3× memory; second ≤ 0.05× time.
 
 Usage: python bench/bench_open.py [--entries 1000000] [--repeat 3]
 """

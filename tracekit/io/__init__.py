@@ -37,6 +37,7 @@ def load(path, progress=None, use_cache=True) -> Trace:
     """
     path = os.fsdecode(os.fspath(path))  # bytes names become str (undecodable bytes as surrogates)
     check_settings(use_cache)
+    _stream.return_large_frees()
     st = _stat(path)
     key = _cache.key_for(path, st) if use_cache else None
     if key:

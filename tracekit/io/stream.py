@@ -56,6 +56,28 @@ def enabled() -> bool:
     return _scan is not None and choice == "auto"
 
 
+def return_large_frees():
+    """Have glibc give large freed blocks (>= 1 MiB) back to the system at once, for the rest of this process.
+
+    By default glibc raises that threshold as large blocks are freed, so the many large temporary
+    arrays of loading and analysing a big trace stay in the heap and add up in the peak memory
+    (about 5% on a 1M-entry report; about 0.3 s slower there). Skipped when $MALLOC_MMAP_THRESHOLD_
+    is set, or off glibc."""
+    global _tuned
+    if _tuned or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return
+    _tuned = True
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+_tuned = False
+
+
 def read(path, raw, zipped, size, snapshot_to_trace):
     """The Trace of a pickled snapshot in the open file `raw`, or raise Unsupported."""
     stream = CappedReader(gzip.GzipFile(fileobj=raw, mode="rb"), *decompressed_cap(size)) if zipped else raw
