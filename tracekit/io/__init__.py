@@ -37,7 +37,6 @@ def load(path, progress=None, use_cache=True) -> Trace:
     """
     path = os.fsdecode(os.fspath(path))  # bytes names become str (undecodable bytes as surrogates)
     check_settings(use_cache)
-    _stream.return_large_frees()
     st = _stat(path)
     key = _cache.key_for(path, st) if use_cache else None
     if key:
@@ -59,6 +58,7 @@ def load(path, progress=None, use_cache=True) -> Trace:
 
 
 def _read_and_convert(path, st, progress) -> Trace:
+    _stream.return_large_frees()  # a cold open of a large file: keep the peak down from here on
     trace = _streamed(path, st, progress)
     if trace is not None:
         return trace
