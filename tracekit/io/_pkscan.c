@@ -465,18 +465,12 @@ static int append_item(S *s, Value c, Value v) {
 
 /* -- where a new container stands: the context of the snapshot's layout -------------------------------- */
 
-/* The kind of the container that will receive an item pushed now at stack position n by APPEND(S),
- * or -1. */
-static int list_parent(S *s, Py_ssize_t n) {
+/* The stack position of the list of kind `a` or `b` that will receive an item pushed now at stack
+ * position n by APPEND (the list just below it) or APPENDS (the list below the last MARK), or -1. */
+static Py_ssize_t list_parent(S *s, Py_ssize_t n, int a, int b) {
     Py_ssize_t m = top_mark(s);
-    if (m >= 1) {
-        int k = at(s, m - 1)->kind;
-        if (k == K_OLIST || k == K_DLIST || k == K_FLIST) return (int)(m - 1);
-    }
-    if (n >= 1 && m <= n - 1) {
-        int k = at(s, n - 1)->kind;
-        if (k == K_OLIST || k == K_DLIST || k == K_FLIST) return (int)(n - 1);
-    }
+    if (n >= 1 && m <= n - 1 && (at(s, n - 1)->kind == a || at(s, n - 1)->kind == b)) return n - 1;
+    if (m >= 1 && (at(s, m - 1)->kind == a || at(s, m - 1)->kind == b)) return m - 1;
     return -1;
 }
 
@@ -491,8 +485,7 @@ static Py_ssize_t dict_parent(S *s, Py_ssize_t n) {
 }
 
 static int new_dict(S *s) {
-    Py_ssize_t n = s->stack.n;
-    int p = list_parent(s, n);
+    Py_ssize_t n = s->stack.n, p = list_parent(s, n, K_DLIST, K_FLIST);
     if (p >= 0 && at(s, p)->kind == K_DLIST) return new_entry(s);
     if (p >= 0 && at(s, p)->kind == K_FLIST) {
         if (s->pframes.n >= LIMIT) return refuse(s, "too many open frames");
@@ -518,8 +511,7 @@ static int new_list(S *s) {
         s->open_lists++;
         return push(s, K_FLIST, s->plists.n - 1);
     }
-    int p = list_parent(s, n);
-    if (p >= 0 && at(s, p)->kind == K_OLIST) {
+    if (list_parent(s, n, K_OLIST, K_OLIST) >= 0) {
         if (s->dlists.n >= LIMIT) return refuse(s, "too many device traces");
         DList dl = {0, 0, 0};
         if (APPEND(s->dlists, DList, dl)) return -1;
