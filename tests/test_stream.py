@@ -1,6 +1,7 @@
 """The streaming reader (compiled scanner + numpy columns) opens every file to the same Trace as the
 restricted unpickler, and refuses exactly what it refuses, with the same one line."""
 import glob
+import json
 import gzip
 import os
 import pickle
@@ -276,3 +277,99 @@ def test_several_devices_one_empty_read_the_same(tmp_path, monkeypatch):
     assert new.meta["reader"] == stream.COMPILED
     assert_same(old, new)
     assert new.devices == [0, 2]
+
+
+# -- JSON snapshots (memory_viz's format): the same scanner, driven by JSON's tokens --------------------
+
+def _json_of(path):
+    from tracekit.io.unpickle import restricted_load
+
+    with open(path, "rb") as f:
+        return json.dumps(restricted_load(f))
+
+
+@pytest.mark.parametrize("path", PICKLES, ids=os.path.basename)
+def test_every_fixture_and_sample_as_json_reads_the_same(path, tmp_path, monkeypatch):
+    p = tmp_path / "s.json"
+    p.write_text(_json_of(path))
+    old, new = both(p, monkeypatch)
+    assert old.meta["reader"] == stream.PYTHON and new.meta["reader"] == stream.COMPILED
+    assert new.meta["container"] == "JSON"
+    assert_same(old, new)
+
+
+JSON_ODD = {
+    "escapes and unicode": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, '
+                           '"frames": [{"filename": "C:\\\\dir\\\\a.py", "line": 3, "name": "f\\u00e9\\ud83d\\ude00"}, '
+                           '{"filename": "C:\\\\dir\\\\a.py", "line": 3, "name": "\\ud800 lone"}], '
+                           '"user_metadata": "caf\u00e9 \\"q\\""}]]}',
+    "byte-order mark": '\ufeff{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4}]]}',
+    "a key twice": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, "addr": 9}]]}',
+    "floats and literals": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, '
+                           '"x": [1.5, -2e-3, 1E400, true, false, null, -0]}]], "allocator_settings": {"a": 0.25}}',
+    "float size": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4.0}]]}',
+    "NaN": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, "x": NaN}]]}',
+    "integer past 2**64": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, '
+                          '"x": 123456789012345678901234567890}]]}',
+    "leading zero": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 01, "size": 4}]]}',
+    "trailing comma": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4,}]]}',
+    "extra data": '{"segments": [], "device_traces": []} {}',
+    "truncated": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "si',
+    "control character": '{"segments": [], "device_traces": [[{"action": "al\tloc", "addr": 1, "size": 4}]]}',
+    "deep": '{"segments": [], "device_traces": [], "x": ' + "[" * 20000 + "]" * 20000 + "}",
+    "many entries": json.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": i, "size": 8, "frames": [FRAME] * (i % 4), "time_us": i} for i in range(5000)]]}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JSON_ODD))
+def test_unusual_json_reads_or_fails_the_same(name, tmp_path, monkeypatch):
+    p = tmp_path / "odd.json"
+    p.write_bytes(JSON_ODD[name].encode("utf-8", "surrogatepass"))
+    old, new = both(p, monkeypatch)
+    if isinstance(old, str):
+        assert new == old
+    else:
+        assert_same(old, new)
+        if name in ("escapes and unicode", "many entries", "byte-order mark"):
+            assert new.meta["reader"] == stream.COMPILED
+
+
+def test_invalid_utf8_in_json_fails_the_same(tmp_path, monkeypatch):
+    p = tmp_path / "bad.json"
+    p.write_bytes(b'{"segments": [], "device_traces": [[{"action": "al\xffloc", "addr": 1, "size": 4}]]}')
+    old, new = both(p, monkeypatch)
+    assert isinstance(old, str) and new == old
+
+
+def test_mutated_json_fails_or_reads_the_same(tmp_path, monkeypatch):
+    data = _json_of(SMALL).encode()
+    rng = random.Random(16)
+    p = tmp_path / "m.json"
+    accepted = 0
+    for i in range(120):
+        b = bytearray(data)
+        if i % 3 == 0:
+            b = b[:rng.randrange(1, len(b))]
+        else:
+            for _ in range(rng.randrange(1, 4)):
+                b[rng.randrange(len(b))] = rng.choice(b'{}[]:,"0123456789.e-tfn \\x')
+        p.write_bytes(bytes(b))
+        old, new = both(p, monkeypatch)
+        if isinstance(old, str):
+            assert new == old, i
+        else:
+            accepted += 1
+            assert_same(old, new)
+    assert accepted > 10
+
+
+def test_gzip_json_and_profiler_json_are_left_to_the_python_path_when_not_snapshots(tmp_path, monkeypatch):
+    p = tmp_path / "s.json.gz"
+    p.write_bytes(gzip.compress(_json_of(SMALL).encode()))
+    old, new = both(p, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED and new.meta["container"] == "gzip-compressed JSON"
+    assert_same(old, new)
+    kineto = "tests/fixtures/real/kineto_trace_memory_v100_rank1.json.gz"
+    monkeypatch.setenv("TRACEKIT_READER", "auto")
+    assert load(kineto, use_cache=False).meta["reader"] == stream.PYTHON

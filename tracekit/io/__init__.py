@@ -90,12 +90,12 @@ def _streamed(path, st, progress):
         if progress:
             progress(0.0, "reading (streaming)")
         try:
-            trace = _stream.read(path, raw, zipped, st.st_size, snapshot_to_trace)
+            trace, kind = _stream.read(path, raw, zipped, st.st_size, snapshot_to_trace)
         except (Cancelled, MemoryError):
             raise
         except Exception:  # Unsupported, a corrupt gzip stream, a limit: the old path says what is wrong
             return None
-    trace.meta.update(container=("gzip-compressed " if zipped else "") + "pickle", file_bytes=st.st_size,
+    trace.meta.update(container=("gzip-compressed " if zipped else "") + kind, file_bytes=st.st_size,
                       reader=_stream.COMPILED)
     return trace
 

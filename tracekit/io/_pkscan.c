@@ -66,7 +66,8 @@ typedef struct {
     Buf stack, marks, memo;
     /* tape of everything else */
     Buf nkind, nfirst, nlast, ncount, eparent, ekey, ekind, eval;
-    PyObject *strings, *index, *keys;
+    int json;
+    PyObject *strings, *index, *keys, *escaped;  /* escaped: JSON string with escapes -> its id */
     Buf field_of, present;  /* per string id: field code; seen as an entry key */
     /* entries */
     Buf action, addr, size, stream, time, frames, fwd, um, cc, cat, mod, df_row, df_kind, df_val;
@@ -131,32 +132,33 @@ static int edge(S *s, int64_t parent, int32_t key, Value v) {
     return 0;
 }
 
-static int string(S *s, const char *p, Py_ssize_t n) {
-    PyObject *u = PyUnicode_DecodeUTF8(p, n, "surrogatepass");
-    if (!u) return -1;
+/* The id of a str (a new reference is taken when it is new), or -1. */
+static Py_ssize_t intern_str(S *s, PyObject *u) {
     PyObject *id = PyDict_GetItemWithError(s->index, u);
-    Py_ssize_t i;
-    if (id) {
-        i = PyLong_AsSsize_t(id);
-    } else if (PyErr_Occurred()) {
-        Py_DECREF(u);
+    if (id) return PyLong_AsSsize_t(id);
+    if (PyErr_Occurred()) return -1;
+    Py_ssize_t i = PyList_GET_SIZE(s->strings);
+    if (i >= LIMIT) return refuse(s, "too many strings");
+    PyObject *num = PyLong_FromSsize_t(i);
+    if (!num || PyDict_SetItem(s->index, u, num) || PyList_Append(s->strings, u)) {
+        Py_XDECREF(num);
         return -1;
-    } else {
-        i = PyList_GET_SIZE(s->strings);
-        if (i >= LIMIT) { Py_DECREF(u); return refuse(s, "too many strings"); }
-        PyObject *num = PyLong_FromSsize_t(i);
-        if (!num || PyDict_SetItem(s->index, u, num) || PyList_Append(s->strings, u)) {
-            Py_XDECREF(num); Py_DECREF(u);
-            return -1;
-        }
-        Py_DECREF(num);
-        uint8_t f = F_NONE;
-        for (int k = 1; k < N_FIELDS; k++)
-            if (PyUnicode_CompareWithASCIIString(u, FIELD_NAMES[k]) == 0) f = (uint8_t)k;
-        if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0)) { Py_DECREF(u); return -1; }
     }
+    Py_DECREF(num);
+    uint8_t f = F_NONE;
+    for (int k = 1; k < N_FIELDS; k++)
+        if (PyUnicode_CompareWithASCIIString(u, FIELD_NAMES[k]) == 0) f = (uint8_t)k;
+    if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0)) return -1;
+    return i;
+}
+
+/* Push the string of UTF-8 bytes p[0:n] (strictly decoded for JSON, as json.loads' caller does). */
+static int string(S *s, const char *p, Py_ssize_t n) {
+    PyObject *u = PyUnicode_DecodeUTF8(p, n, s->json ? "strict" : "surrogatepass");
+    if (!u) return -1;
+    Py_ssize_t i = intern_str(s, u);
     Py_DECREF(u);
-    return push(s, K_STR, i);
+    return i < 0 ? -1 : push(s, K_STR, i);
 }
 
 static int field(S *s, Value k) { return k.kind == K_STR ? AT(s->field_of, uint8_t, k.val) : F_NONE; }
@@ -568,29 +570,113 @@ static PyObject *take(Buf *b) {
     s.err = "stack underflow"; goto fail; } } while (0)
 #define TRY(x) do { if ((x) < 0) goto fail_or_error; } while (0)
 
+static void release(S *s) {
+    Buf *all[] = {&s->stack, &s->marks, &s->memo, &s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent,
+                  &s->ekey, &s->ekind, &s->eval, &s->field_of, &s->present, &s->action, &s->addr, &s->size,
+                  &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat, &s->mod, &s->df_row,
+                  &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
+                  &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
+                  &s->node_mark};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
+    PyMem_RawFree(s->buf);
+    s->buf = NULL;
+    Py_CLEAR(s->strings); Py_CLEAR(s->index); Py_CLEAR(s->keys); Py_CLEAR(s->escaped);
+}
+
+static int setup(S *s, PyObject *args) {
+    memset(s, 0, sizeof *s);
+    long long no_time;
+    if (!PyArg_ParseTuple(args, "OL", &s->read, &no_time)) return -1;
+    s->no_time = no_time;
+    s->root = -1;
+    s->stack.size = sizeof(Value); s->marks.size = sizeof(Py_ssize_t); s->memo.size = 4;
+    s->nkind.size = 1; s->nfirst.size = 4; s->nlast.size = 4; s->ncount.size = 4;
+    s->eparent.size = 4; s->ekey.size = 4; s->ekind.size = 1; s->eval.size = 8;
+    s->field_of.size = s->present.size = 1;
+    s->action.size = s->frames.size = s->fwd.size = s->um.size = s->cc.size = s->cat.size = s->mod.size = 4;
+    s->addr.size = s->size.size = s->stream.size = s->time.size = 8;
+    s->df_row.size = 4; s->df_kind.size = 1; s->df_val.size = 8;
+    s->dlists.size = sizeof(DList); s->order.size = 4;
+    s->pframes.size = sizeof(PFrame); s->plists.size = sizeof(PList); s->pfids.size = 4;
+    s->f_name.size = s->f_file.size = s->f_table.size = 4; s->f_line.size = 8;
+    s->s_off.size = 8; s->s_fids.size = 4; s->s_hash.size = 8; s->s_table.size = 4; s->node_mark.size = 4;
+    s->strings = PyList_New(0); s->index = PyDict_New(); s->keys = PyList_New(0); s->escaped = PyDict_New();
+    if (!s->strings || !s->index || !s->keys || !s->escaped) return -1;
+    return 0;
+}
+
+/* APPENDS or SETITEMS: the items since the last MARK into the container below it. */
+static int batch(S *s, int dict) {
+    if (!s->marks.n) return refuse(s, "no MARK");
+    Py_ssize_t m = AT(s->marks, Py_ssize_t, --s->marks.n), n = s->stack.n - m;
+    if (m < 1 || (dict && n % 2)) return refuse(s, "a malformed APPENDS/SETITEMS");
+    Value c = AT(s->stack, Value, m - 1);
+    for (Py_ssize_t i = 0; i < n; i += (dict ? 2 : 1)) {
+        Value *v = &AT(s->stack, Value, m + i);
+        if ((dict ? set_item(s, c, m - 1, v[0], v[1]) : append_item(s, c, v[0])) < 0) return -1;
+    }
+    s->stack.n = m;
+    return 0;
+}
+
+/* The result: checks that the entries, frames and lists were all used as a snapshot uses them, then the
+ * columns and the tape (NULL with an exception, or with s->err set). */
+static PyObject *finish(S *s, Value top) {
+    if (top.kind != K_DICT) return refuse(s, "the top level is not a dict"), NULL;
+    if (s->olist_made && !(s->dt_set && s->root == top.val))
+        return refuse(s, "device traces outside the top level"), NULL;
+    if (s->appended != s->action.n) return refuse(s, "a trace entry outside its device trace"), NULL;
+    if (s->open_frames || s->open_lists) return refuse(s, "a frame or frames list left unused"), NULL;
+    for (Py_ssize_t i = 0; i < s->dlists.n; i++)
+        if (AT(s->dlists, DList, i).count && !AT(s->dlists, DList, i).appended)
+            return refuse(s, "a device trace outside 'device_traces'"), NULL;
+    PyObject *devices = s->olist_made ? PyList_New(0) : Py_NewRef(Py_None);
+    if (!devices) return NULL;
+    for (Py_ssize_t i = 0; i < s->order.n; i++) {
+        DList *d = &AT(s->dlists, DList, AT(s->order, int32_t, i));
+        PyObject *t = Py_BuildValue("(nn)", d->first, d->count);
+        if (!t || PyList_Append(devices, t)) { Py_XDECREF(t); Py_DECREF(devices); return NULL; }
+        Py_DECREF(t);
+    }
+    PyMem_RawFree(s->stack.p); PyMem_RawFree(s->memo.p); PyMem_RawFree(s->buf);
+    s->stack.p = s->memo.p = s->buf = NULL;
+    Buf *outs[] = {&s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent, &s->ekey, &s->ekind, &s->eval,
+                   &s->action, &s->addr, &s->size, &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc,
+                   &s->cat, &s->mod, &s->df_row, &s->df_kind, &s->df_val, &s->present, &s->f_file, &s->f_line,
+                   &s->f_name, &s->s_off, &s->s_fids};
+    enum { NO = sizeof outs / sizeof *outs };
+    PyObject *tuple = PyTuple_New(NO + 5);
+    if (!tuple) { Py_DECREF(devices); return NULL; }
+    PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
+    PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
+    PyTuple_SET_ITEM(tuple, 2, Py_NewRef(s->strings));
+    PyTuple_SET_ITEM(tuple, 3, Py_NewRef(s->keys));
+    PyTuple_SET_ITEM(tuple, 4, devices);
+    int ok = 1;
+    for (int i = 0; i < NO; i++) {
+        PyObject *b = take(outs[i]);
+        ok &= b != NULL;
+        PyTuple_SET_ITEM(tuple, 5 + i, b ? b : Py_NewRef(Py_None));
+    }
+    if (!ok) { Py_DECREF(tuple); return NULL; }
+    return tuple;
+}
+
+/* The error of a failed scan: ValueError("unsupported: ...") for a refusal, else the exception raised. */
+static PyObject *failed(S *s) {
+    if (!PyErr_Occurred()) {
+        if (s->err) PyErr_Format(PyExc_ValueError, "unsupported: %s", s->err);
+        else PyErr_NoMemory();
+    }
+    release(s);
+    return NULL;
+}
+
 static PyObject *scan(PyObject *self, PyObject *args) {
     S s;
-    memset(&s, 0, sizeof s);
-    long long no_time;
-    if (!PyArg_ParseTuple(args, "OL", &s.read, &no_time)) return NULL;
-    s.no_time = no_time;
-    s.root = -1;
-    s.stack.size = sizeof(Value); s.marks.size = sizeof(Py_ssize_t); s.memo.size = 4;
-    s.nkind.size = 1; s.nfirst.size = 4; s.nlast.size = 4; s.ncount.size = 4;
-    s.eparent.size = 4; s.ekey.size = 4; s.ekind.size = 1; s.eval.size = 8;
-    s.field_of.size = s.present.size = 1;
-    s.action.size = s.frames.size = s.fwd.size = s.um.size = s.cc.size = s.cat.size = s.mod.size = 4;
-    s.addr.size = s.size.size = s.stream.size = s.time.size = 8;
-    s.df_row.size = 4; s.df_kind.size = 1; s.df_val.size = 8;
-    s.dlists.size = sizeof(DList); s.order.size = 4;
-    s.pframes.size = sizeof(PFrame); s.plists.size = sizeof(PList); s.pfids.size = 4;
-    s.f_name.size = s.f_file.size = s.f_table.size = 4; s.f_line.size = 8;
-    s.s_off.size = 8; s.s_fids.size = 4; s.s_hash.size = 8; s.s_table.size = 4; s.node_mark.size = 4;
-    s.strings = PyList_New(0); s.index = PyDict_New(); s.keys = PyList_New(0);
-    PyObject *result = NULL;
+    if (setup(&s, args)) return failed(&s);
     Value top = {0, 0};
     const unsigned char *p = NULL, *end = NULL;
-    if (!s.strings || !s.index || !s.keys) goto error;
 
     int64_t frame_end = -1;  /* once framed, every opcode lies inside a frame, back to back */
     for (;;) {
@@ -694,24 +780,15 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             s.stack.n -= k - 1;
             break;
         }
-        case 'e': case 'u': case 't': {  /* APPENDS, SETITEMS, TUPLE: the items since the last MARK */
+        case 'e': case 'u': TRY(batch(&s, op == 'u')); break;  /* APPENDS, SETITEMS */
+        case 't': {  /* TUPLE: the items since the last MARK */
             if (!s.marks.n) { s.err = "no MARK"; goto fail; }
             Py_ssize_t m = AT(s.marks, Py_ssize_t, --s.marks.n), n = s.stack.n - m;
-            if (op == 't') {
-                TRY(new_node(&s, K_TUPLE));
-                Value t = AT(s.stack, Value, s.stack.n - 1);
-                for (Py_ssize_t i = 0; i < n; i++) TRY(edge(&s, t.val, NO_KEY, AT(s.stack, Value, m + i)));
-                s.stack.n = m;
-                TRY(push(&s, K_TUPLE, t.val));
-                break;
-            }
-            if (m < 1 || (op == 'u' && n % 2)) { s.err = "a malformed APPENDS/SETITEMS"; goto fail; }
-            Value c = AT(s.stack, Value, m - 1);
-            for (Py_ssize_t i = 0; i < n; i += (op == 'e' ? 1 : 2)) {
-                Value *v = &AT(s.stack, Value, m + i);
-                TRY(op == 'e' ? append_item(&s, c, v[0]) : set_item(&s, c, m - 1, v[0], v[1]));
-            }
+            TRY(new_node(&s, K_TUPLE));
+            Value t = AT(s.stack, Value, s.stack.n - 1);
+            for (Py_ssize_t i = 0; i < n; i++) TRY(edge(&s, t.val, NO_KEY, AT(s.stack, Value, m + i)));
             s.stack.n = m;
+            TRY(push(&s, K_TUPLE, t.val));
             break;
         }
         case 0x85: case 0x86: case 0x87: {  /* TUPLE1..3 */
@@ -731,73 +808,199 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         }
     }
 done:
-    if (top.kind != K_DICT) { s.err = "the top level is not a dict"; goto fail; }
-    if (s.olist_made && !(s.dt_set && s.root == top.val)) { s.err = "device traces outside the top level"; goto fail; }
-    if (s.appended != s.action.n) { s.err = "a trace entry outside its device trace"; goto fail; }
-    if (s.open_frames || s.open_lists) { s.err = "a frame or frames list left unused"; goto fail; }
-    for (Py_ssize_t i = 0; i < s.dlists.n; i++)
-        if (AT(s.dlists, DList, i).count && !AT(s.dlists, DList, i).appended) {
-            s.err = "a device trace outside 'device_traces'";
-            goto fail;
-        }
     {
-        PyObject *devices = s.olist_made ? PyList_New(0) : Py_NewRef(Py_None);
-        if (!devices) goto error;
-        for (Py_ssize_t i = 0; i < s.order.n; i++) {
-            DList *d = &AT(s.dlists, DList, AT(s.order, int32_t, i));
-            PyObject *t = Py_BuildValue("(nn)", d->first, d->count);
-            if (!t || PyList_Append(devices, t)) { Py_XDECREF(t); Py_DECREF(devices); goto error; }
-            Py_DECREF(t);
-        }
-        PyMem_RawFree(s.stack.p); PyMem_RawFree(s.memo.p); PyMem_RawFree(s.buf);
-        s.stack.p = s.memo.p = s.buf = NULL;
-        Buf *outs[] = {&s.nkind, &s.nfirst, &s.nlast, &s.ncount, &s.eparent, &s.ekey, &s.ekind, &s.eval,
-                       &s.action, &s.addr, &s.size, &s.stream, &s.time, &s.frames, &s.fwd, &s.um, &s.cc, &s.cat,
-                       &s.mod, &s.df_row, &s.df_kind, &s.df_val, &s.present, &s.f_file, &s.f_line, &s.f_name,
-                       &s.s_off, &s.s_fids};
-        enum { NO = sizeof outs / sizeof *outs };
-        PyObject *tuple = PyTuple_New(NO + 5);
-        if (!tuple) { Py_DECREF(devices); goto error; }
-        PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
-        PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
-        Py_INCREF(s.strings); PyTuple_SET_ITEM(tuple, 2, s.strings);
-        Py_INCREF(s.keys); PyTuple_SET_ITEM(tuple, 3, s.keys);
-        PyTuple_SET_ITEM(tuple, 4, devices);
-        int ok = 1;
-        for (int i = 0; i < NO; i++) {
-            PyObject *b = take(outs[i]);
-            ok &= b != NULL;
-            PyTuple_SET_ITEM(tuple, 5 + i, b ? b : Py_NewRef(Py_None));
-        }
-        if (ok) result = tuple; else Py_DECREF(tuple);
+        PyObject *result = finish(&s, top);
+        if (!result) return failed(&s);
+        release(&s);
+        return result;
     }
-    goto cleanup;
 fail_or_error:
-    if (PyErr_Occurred()) goto cleanup;
-    if (!s.err) { PyErr_NoMemory(); goto cleanup; }
 fail:
-    PyErr_Format(PyExc_ValueError, "unsupported: %s", s.err ? s.err : "?");
-    goto cleanup;
 error:
-    if (!PyErr_Occurred()) PyErr_NoMemory();
-cleanup:
-    {
-        Buf *all[] = {&s.stack, &s.marks, &s.memo, &s.nkind, &s.nfirst, &s.nlast, &s.ncount, &s.eparent, &s.ekey,
-                      &s.ekind, &s.eval, &s.field_of, &s.present, &s.action, &s.addr, &s.size, &s.stream, &s.time,
-                      &s.frames, &s.fwd, &s.um, &s.cc, &s.cat, &s.mod, &s.df_row, &s.df_kind, &s.df_val,
-                      &s.dlists, &s.order, &s.pframes, &s.plists, &s.pfids, &s.f_name, &s.f_file, &s.f_line,
-                      &s.f_table, &s.s_off, &s.s_fids, &s.s_hash, &s.s_table, &s.node_mark};
-        for (size_t i = 0; i < sizeof all / sizeof *all; i++) PyMem_RawFree(all[i]->p);
+    return failed(&s);
+}
+
+/* -- JSON ------------------------------------------------------------------------------------------ */
+
+/* The same machine driven by JSON's tokens: '{' and '[' make a container and a MARK, a closing bracket
+ * is SETITEMS or APPENDS (every 1024 items too, as pickle batches them). Anything json.loads would
+ * not read the same (NaN, numbers beyond 64 bits, invalid UTF-8, deep nesting) is refused. */
+
+static PyObject *scanstring;  /* json.decoder.scanstring: strings with escapes, exactly as json.loads */
+
+static int json_escaped(S *s, const char *p, Py_ssize_t n) {  /* p[0:n]: the string with its quotes */
+    PyObject *raw = PyBytes_FromStringAndSize(p, n);
+    if (!raw) return -1;
+    PyObject *id = PyDict_GetItemWithError(s->escaped, raw);
+    if (id) { Py_DECREF(raw); return push(s, K_STR, PyLong_AsSsize_t(id)); }
+    if (PyErr_Occurred()) { Py_DECREF(raw); return -1; }
+    PyObject *u = PyUnicode_DecodeUTF8(p, n, "strict"), *r = NULL;
+    if (u) r = PyObject_CallFunction(scanstring, "On", u, (Py_ssize_t)1);
+    Py_XDECREF(u);
+    if (!r) { Py_DECREF(raw); return -1; }
+    Py_ssize_t i = intern_str(s, PyTuple_GET_ITEM(r, 0));
+    Py_DECREF(r);
+    PyObject *num = i >= 0 ? PyLong_FromSsize_t(i) : NULL;
+    int bad = !num || PyDict_SetItem(s->escaped, raw, num);
+    Py_XDECREF(num);
+    Py_DECREF(raw);
+    return bad ? -1 : push(s, K_STR, i);
+}
+
+enum { J_VALUE, J_VALUE_OR_CLOSE, J_KEY, J_KEY_OR_CLOSE, J_COLON, J_AFTER, J_END };
+#define MAX_NESTING 10000
+
+static PyObject *scan_json(PyObject *self, PyObject *args) {
+    S s;
+    if (setup(&s, args)) return failed(&s);
+    s.json = 1;
+    if (!scanstring) {
+        PyObject *m = PyImport_ImportModule("json.decoder");
+        scanstring = m ? PyObject_GetAttrString(m, "scanstring") : NULL;
+        Py_XDECREF(m);
+        if (!scanstring) return failed(&s);
     }
-    PyMem_RawFree(s.buf);
-    Py_XDECREF(s.strings); Py_XDECREF(s.index); Py_XDECREF(s.keys);
-    return result;
+    const unsigned char *p = NULL, *end = NULL;
+    Buf ctx = {NULL, 0, 0, 1};
+    int state = J_VALUE, r;
+    r = refill(&s, &p, &end, 3);
+    if (r < 0) goto error;
+    if (end - p >= 3 && !memcmp(p, "\xef\xbb\xbf", 3)) p += 3;  /* a byte-order mark */
+    for (;;) {
+        r = 0;
+        for (;;) {  /* whitespace */
+            if (p == end && (r = refill(&s, &p, &end, 1))) break;
+            if (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++; else break;
+        }
+        if (r < 0) goto error;
+        if (r) { if (state == J_END) break; s.err = "truncated"; goto fail; }
+        unsigned char c = *p;
+        if (state == J_END) { s.err = "data after the JSON value"; goto fail; }
+        if (state == J_COLON) {
+            if (c != ':') { s.err = "a malformed object"; goto fail; }
+            p++; state = J_VALUE; continue;
+        }
+        int close = 0;
+        if (state == J_AFTER) {
+            uint8_t top = AT(ctx, uint8_t, ctx.n - 1);
+            if (c == ',') { p++; state = top == '{' ? J_KEY : J_VALUE; continue; }
+            if (c != (top == '{' ? '}' : ']')) { s.err = "a malformed container"; goto fail; }
+            close = 1;
+        }
+        if ((state == J_KEY_OR_CLOSE && c == '}') || (state == J_VALUE_OR_CLOSE && c == ']')) close = 1;
+        if (close) {
+            p++;
+            if (batch(&s, c == '}') < 0) goto fail_or_error;
+            ctx.n--;
+        } else if ((state == J_KEY || state == J_KEY_OR_CLOSE) && c != '"') {
+            s.err = "an object key that is not a string"; goto fail;
+        } else if (c == '{' || c == '[') {
+            p++;
+            if (ctx.n >= MAX_NESTING) { s.err = "nested too deeply"; goto fail; }
+            if ((c == '{' ? new_dict(&s) : new_list(&s)) < 0) goto fail_or_error;
+            if (APPEND(s.marks, Py_ssize_t, s.stack.n) || APPEND(ctx, uint8_t, c)) goto error;
+            state = c == '{' ? J_KEY_OR_CLOSE : J_VALUE_OR_CLOSE;
+            continue;
+        } else if (c == '"') {
+            Py_ssize_t i = 1;
+            int esc = 0;
+            for (;;) {
+                if (p + i >= end) {
+                    r = refill(&s, &p, &end, i + 1);
+                    if (r < 0) goto error;
+                    if (r) { s.err = "truncated"; goto fail; }
+                }
+                unsigned char d = p[i];
+                if (d == '"') break;
+                if (d < 0x20) { s.err = "a control character in a string"; goto fail; }
+                if (d == '\\') { esc = 1; i++; }
+                i++;
+            }
+            if ((esc ? json_escaped(&s, (const char *)p, i + 1) : string(&s, (const char *)p + 1, i - 1)) < 0)
+                goto fail_or_error;
+            p += i + 1;
+            if (state == J_KEY || state == J_KEY_OR_CLOSE) { state = J_COLON; continue; }
+        } else if (c == 't' || c == 'f' || c == 'n') {
+            const char *word = c == 't' ? "true" : c == 'f' ? "false" : "null";
+            Py_ssize_t k = (Py_ssize_t)strlen(word);
+            if ((r = refill(&s, &p, &end, k)) < 0) goto error;
+            if (r || memcmp(p, word, (size_t)k)) { s.err = "an unknown literal"; goto fail; }
+            p += k;
+            if (push(&s, c == 't' ? K_TRUE : c == 'f' ? K_FALSE : K_NONE, c == 't') < 0) goto error;
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            if ((r = refill(&s, &p, &end, 64)) < 0) goto error;
+            Py_ssize_t i = c == '-', avail = end - p;
+            uint64_t u = 0;
+            int digits = 0, flt = 0, big = 0;
+            while (i < avail && p[i] >= '0' && p[i] <= '9') {
+                if (u > (UINT64_MAX - 9) / 10) big = 1;
+                u = u * 10 + (p[i] - '0');
+                i++; digits++;
+            }
+            if (!digits || (digits > 1 && p[c == '-'] == '0')) { s.err = "a malformed number"; goto fail; }
+            if (i < avail && p[i] == '.') {
+                flt = 1; i++;
+                Py_ssize_t d0 = i;
+                while (i < avail && p[i] >= '0' && p[i] <= '9') i++;
+                if (i == d0) { s.err = "a malformed number"; goto fail; }
+            }
+            if (i < avail && (p[i] == 'e' || p[i] == 'E')) {
+                flt = 1; i++;
+                if (i < avail && (p[i] == '+' || p[i] == '-')) i++;
+                Py_ssize_t d0 = i;
+                while (i < avail && p[i] >= '0' && p[i] <= '9') i++;
+                if (i == d0) { s.err = "a malformed number"; goto fail; }
+            }
+            if (i >= 63) { s.err = "a number too long"; goto fail; }
+            if (flt) {
+                char tmp[64];
+                memcpy(tmp, p, (size_t)i);
+                tmp[i] = 0;
+                double v = PyOS_string_to_double(tmp, NULL, NULL);
+                if (v == -1.0 && PyErr_Occurred()) goto error;
+                int64_t bits;
+                memcpy(&bits, &v, 8);
+                if (push(&s, K_FLOAT, bits) < 0) goto error;
+            } else {
+                if (big || u > (c == '-' ? (uint64_t)1 << 63 : (uint64_t)INT64_MAX)) {
+                    s.err = "an integer beyond 64 bits"; goto fail;
+                }
+                if (push(&s, K_INT, c == '-' ? (int64_t)(0 - u) : (int64_t)u) < 0) goto error;
+            }
+            p += i;
+        } else {
+            s.err = "a token a plain-data snapshot does not use"; goto fail;
+        }
+        /* a value is complete */
+        if (!ctx.n) { state = J_END; continue; }
+        state = J_AFTER;
+        Py_ssize_t since = s.stack.n - top_mark(&s);
+        if (since >= 1024 && (AT(ctx, uint8_t, ctx.n - 1) == '[' || since % 2 == 0)) {  /* a batch, as pickle's */
+            if (batch(&s, AT(ctx, uint8_t, ctx.n - 1) == '{') < 0) goto fail_or_error;
+            if (APPEND(s.marks, Py_ssize_t, s.stack.n)) goto error;
+        }
+    }
+    PyMem_RawFree(ctx.p);
+    if (s.stack.n != 1) { s.err = "no value"; return failed(&s); }
+    {
+        PyObject *result = finish(&s, AT(s.stack, Value, 0));
+        if (!result) return failed(&s);
+        release(&s);
+        return result;
+    }
+fail_or_error:
+fail:
+error:
+    PyMem_RawFree(ctx.p);
+    return failed(&s);
 }
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(read, no_time) -> the columns and tape of a plain-data snapshot pickle, read with read(n) -> bytes; "
      "ValueError('unsupported: ...') otherwise"},
+    {"scan_json", scan_json, METH_VARARGS,
+     "scan_json(read, no_time) -> the same of a snapshot in JSON (UTF-8), or ValueError('unsupported: ...')"},
     {NULL, NULL, 0, NULL},
 };
 

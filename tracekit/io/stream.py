@@ -1,7 +1,7 @@
 """The streaming reader: a pickled snapshot -> Trace without building its Python object tree.
 
 The compiled scanner (_pkscan.c, built by setup.py when a C compiler is there)
-reads the file in chunks and writes the trace entries straight into per-entry
+reads the file (a pickle, or a memory_viz-style JSON snapshot) in chunks and writes the trace entries straight into per-entry
 columns, their frames into an interned frame table and their frame lists into
 an interned stack table; only the small rest of the file (segments, metadata)
 becomes a tape (one node per container, one edge per item) that is made into
@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import re
 import struct
 
 import numpy as np
@@ -31,9 +32,9 @@ from .columns import MAX_TIME, MAX_TOTAL, check_sizes
 from .limits import CappedReader, decompressed_cap, max_depth
 
 try:
-    from ._pkscan import scan as _scan
+    from ._pkscan import scan as _scan, scan_json as _scan_json
 except ImportError:  # built without a C compiler: the restricted unpickler reads everything
-    _scan = None
+    _scan = _scan_json = None
 
 K_NONE, K_FALSE, K_TRUE, K_INT, K_FLOAT, K_STR, K_LIST, K_DICT, K_TUPLE = range(9)
 COMPILED = "streaming (compiled scanner)"
@@ -79,29 +80,37 @@ _tuned = False
 
 
 def read(path, raw, zipped, size, snapshot_to_trace):
-    """The Trace of a pickled snapshot in the open file `raw`, or raise Unsupported."""
+    """(Trace, "pickle" or "JSON") of a snapshot in the open file `raw`, or raise Unsupported."""
     stream = CappedReader(gzip.GzipFile(fileobj=raw, mode="rb"), *decompressed_cap(size)) if zipped else raw
     head = stream.read(1)
+    kind = "pickle"
     if head != b"\x80":
-        raise Unsupported("not a binary pickle")
+        head += stream.read(4095)
+        if not _JSON_SNAPSHOT.match(head):  # profiler traces and the like: the Python path reads them
+            raise Unsupported("neither a binary pickle nor a JSON snapshot")
+        kind = "JSON"
     pending = [head]
 
-    def chunk(n):  # the byte already read, then the file in pieces
+    def chunk(n):  # the bytes already read, then the file in pieces
         return pending.pop() if pending else stream.read(n)
 
-    return Tape(chunk).to_trace(path, snapshot_to_trace)
+    return Tape(chunk, json=kind == "JSON").to_trace(path, snapshot_to_trace), kind
+
+
+# a memory_viz-style JSON snapshot: an object whose first key is one of a snapshot's
+_JSON_SNAPSHOT = re.compile(rb'(\xef\xbb\xbf)?[ \t\r\n]*\{[ \t\r\n]*"(segments|device_traces)"')
 
 
 class Tape:
     """The scanner's output: the entries' columns, frames and stacks, and a tape of the rest
     (containers as nodes, items as edges: parent, key, value kind, value)."""
 
-    def __init__(self, read):
-        """`read(n) -> bytes` gives the file in pieces (or the whole file as bytes)."""
+    def __init__(self, read, json=False):
+        """`read(n) -> bytes` gives the file in pieces (or the whole file as bytes); `json`: it is JSON."""
         if isinstance(read, (bytes, bytearray)):
             read = io.BytesIO(read).read
         try:
-            out = _scan(read, int(NO_TIME))
+            out = (_scan_json if json else _scan)(read, int(NO_TIME))
         except ValueError as e:
             raise Unsupported(str(e)) from None
         self.root_kind, self.root, self.strings, self.keys, self.devices = out[:5]
