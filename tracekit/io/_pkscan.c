@@ -67,6 +67,7 @@ typedef struct {
     /* tape of everything else */
     Buf nkind, nfirst, nlast, ncount, eparent, ekey, ekind, eval;
     int json;
+    Buf sc_table, sc_off, sc_len, sc_sid, sc_hash, arena;  /* JSON: raw string (with its quotes) -> id */
     PyObject *strings, *index, *keys, *escaped;  /* escaped: JSON string with escapes -> its id */
     Buf field_of, present;  /* per string id: field code; seen as an entry key */
     /* entries */
@@ -576,7 +577,7 @@ static void release(S *s) {
                   &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat, &s->mod, &s->df_row,
                   &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
-                  &s->node_mark};
+                  &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
@@ -600,6 +601,7 @@ static int setup(S *s, PyObject *args) {
     s->pframes.size = sizeof(PFrame); s->plists.size = sizeof(PList); s->pfids.size = 4;
     s->f_name.size = s->f_file.size = s->f_table.size = 4; s->f_line.size = 8;
     s->s_off.size = 8; s->s_fids.size = 4; s->s_hash.size = 8; s->s_table.size = 4; s->node_mark.size = 4;
+    s->sc_table.size = s->sc_len.size = s->sc_sid.size = 4; s->sc_off.size = s->sc_hash.size = 8; s->arena.size = 1;
     s->strings = PyList_New(0); s->index = PyDict_New(); s->keys = PyList_New(0); s->escaped = PyDict_New();
     if (!s->strings || !s->index || !s->keys || !s->escaped) return -1;
     return 0;
@@ -826,6 +828,40 @@ error:
  * is SETITEMS or APPENDS (every 1024 items too, as pickle batches them). Anything json.loads would
  * not read the same (NaN, numbers beyond 64 bits, invalid UTF-8, deep nesting) is refused. */
 
+/* A cache of the ids of short raw strings, so each distinct one is decoded once (JSON has no memo). */
+static uint64_t raw_hash(const char *p, Py_ssize_t n) {
+    uint64_t h = 0xcbf29ce484222325ull ^ (uint64_t)n;
+    for (Py_ssize_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 0x100000001B3ull;
+    return mix(h);
+}
+static uint64_t cached_hash(S *s, int32_t i) { return AT(s->sc_hash, uint64_t, i); }
+
+static int32_t *cache_slot(S *s, const char *p, Py_ssize_t n, uint64_t h) {
+    Py_ssize_t mask = s->sc_table.n - 1;
+    int32_t *t = (int32_t *)s->sc_table.p;
+    for (uint64_t k = h & mask;; k = (k + 1) & mask) {
+        int32_t i = t[k] - 1;
+        if (i < 0 || (AT(s->sc_hash, uint64_t, i) == h && AT(s->sc_len, int32_t, i) == n &&
+                      !memcmp(&AT(s->arena, char, AT(s->sc_off, int64_t, i)), p, (size_t)n)))
+            return &t[k];
+    }
+}
+
+static int cache_put(S *s, const char *p, Py_ssize_t n, uint64_t h, Py_ssize_t sid) {
+    if (n > 512 || s->sc_hash.n >= 1 << 20) return 0;  /* only short strings, and not without bound */
+    Py_ssize_t i = s->sc_hash.n;
+    if ((i + 1) * 2 > s->sc_table.n && rehash(s, &s->sc_table, i, cached_hash)) return -1;
+    int32_t *slot = cache_slot(s, p, n, h);
+    if (grow(&s->arena, n)) return -1;
+    memcpy(&AT(s->arena, char, s->arena.n), p, (size_t)n);
+    if (APPEND(s->sc_off, int64_t, s->arena.n) || APPEND(s->sc_len, int32_t, (int32_t)n) ||
+        APPEND(s->sc_sid, int32_t, (int32_t)sid) || APPEND(s->sc_hash, uint64_t, h))
+        return -1;
+    s->arena.n += n;
+    *slot = (int32_t)i + 1;
+    return 0;
+}
+
 static PyObject *scanstring;  /* json.decoder.scanstring: strings with escapes, exactly as json.loads */
 
 static int json_escaped(S *s, const char *p, Py_ssize_t n) {  /* p[0:n]: the string with its quotes */
@@ -916,19 +952,26 @@ static PyObject *scan_json(PyObject *self, PyObject *args) {
                 if (d == '\\') { esc = 1; i++; }
                 i++;
             }
-            if ((esc ? json_escaped(&s, (const char *)p, i + 1) : string(&s, (const char *)p + 1, i - 1)) < 0)
-                goto fail_or_error;
+            uint64_t h = raw_hash((const char *)p, i + 1);
+            int32_t *hit = s.sc_table.n ? cache_slot(&s, (const char *)p, i + 1, h) : NULL;
+            if (hit && *hit) {
+                if (push(&s, K_STR, AT(s.sc_sid, int32_t, *hit - 1)) < 0) goto error;
+            } else {
+                if ((esc ? json_escaped(&s, (const char *)p, i + 1) : string(&s, (const char *)p + 1, i - 1)) < 0)
+                    goto fail_or_error;
+                if (cache_put(&s, (const char *)p, i + 1, h, AT(s.stack, Value, s.stack.n - 1).val) < 0) goto error;
+            }
             p += i + 1;
             if (state == J_KEY || state == J_KEY_OR_CLOSE) { state = J_COLON; continue; }
         } else if (c == 't' || c == 'f' || c == 'n') {
             const char *word = c == 't' ? "true" : c == 'f' ? "false" : "null";
             Py_ssize_t k = (Py_ssize_t)strlen(word);
-            if ((r = refill(&s, &p, &end, k)) < 0) goto error;
+            if ((r = end - p < k ? refill(&s, &p, &end, k) : 0) < 0) goto error;
             if (r || memcmp(p, word, (size_t)k)) { s.err = "an unknown literal"; goto fail; }
             p += k;
             if (push(&s, c == 't' ? K_TRUE : c == 'f' ? K_FALSE : K_NONE, c == 't') < 0) goto error;
         } else if (c == '-' || (c >= '0' && c <= '9')) {
-            if ((r = refill(&s, &p, &end, 64)) < 0) goto error;
+            if ((r = end - p < 64 ? refill(&s, &p, &end, 64) : 0) < 0) goto error;
             Py_ssize_t i = c == '-', avail = end - p;
             uint64_t u = 0;
             int digits = 0, flt = 0, big = 0;
