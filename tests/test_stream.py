@@ -152,7 +152,13 @@ def test_shared_objects_and_cycles(tmp_path, monkeypatch):
     cases = {"shared": _snapshot([entry, {**entry, "addr": 2}, {"action": "free_completed", "addr": 1, "size": 4,
                                                                  "frames": frames}]),
              "same dict twice": _snapshot([entry, entry]),
+             "entry also in the metadata": _snapshot([entry], allocator_settings={"e": entry}),
+             "frame also in the metadata": _snapshot([{**entry, "frames": [dict(FRAME)]}]),
+             "device trace also in the metadata": {"segments": [], "device_traces": [[entry]]},
+             "frames list as entry and forward frames": _snapshot([{**entry, "forward_frames": frames}]),
              "cycle": _snapshot([entry], allocator_settings=meta)}
+    cases["frame also in the metadata"]["x"] = cases["frame also in the metadata"]["device_traces"][0][0]["frames"][0]
+    cases["device trace also in the metadata"]["x"] = cases["device trace also in the metadata"]["device_traces"][0]
     for name, obj in cases.items():
         p = tmp_path / f"{name}.pickle"
         p.write_bytes(pickle.dumps(obj, protocol=4))

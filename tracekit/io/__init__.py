@@ -87,10 +87,9 @@ def _streamed(path, st, progress):
     with _open(path) as raw:
         zipped = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
-        if progress:
-            progress(0.0, "reading (streaming)")
+        reader = ProgressReader(raw, st.st_size, progress, span=(0.0, 0.95), message="reading") if progress else raw
         try:
-            trace, kind = _stream.read(path, raw, zipped, st.st_size, snapshot_to_trace)
+            trace, kind = _stream.read(path, reader, zipped, st.st_size, snapshot_to_trace)
         except (Cancelled, MemoryError):
             raise
         except Exception:  # Unsupported, a corrupt gzip stream, a limit: the old path says what is wrong

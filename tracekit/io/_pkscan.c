@@ -548,6 +548,7 @@ static int refill(S *s, const unsigned char **p, const unsigned char **end, Py_s
         Py_DECREF(chunk);
         if (!got) s->eof = 1;
         have += got;
+        if (PyErr_CheckSignals()) return -1;  /* Ctrl-C stops a long read */
     }
     *p = (const unsigned char *)s->buf;
     *end = *p + have;
