@@ -10,9 +10,13 @@ each in a fresh process, the median of --repeat runs of:
   first, py    the same with TRACEKIT_READER=python (the restricted unpickler, not the streaming reader)
   second open  tracekit report --json again (reads the columnar cache)
   window       tracekit report --json --last 1s from the cache (issue 15's window selection)
+  window, cold the same with no cache (the file is read, then cut to the window before the analysis)
+
+With --json, the same rows for a JSON copy of the file (memory_viz's format; made once, beside it),
+against the floor of json.loads of that copy.
 
 and prints wall time and peak memory (max RSS) as ratios to the floor.
-Targets: first ≤ 1.6× time and ≤ 1.5× memory; second ≤ 0.2× time.
+Targets (issue 15): first ≤ 0.5× time and ≤ 0.3× memory; second ≤ 0.05× time.
 
 Usage: python bench/bench_open.py [--entries 1000000] [--repeat 3]
 """
@@ -32,6 +36,9 @@ SHARED = next((p / "shared" for p in ROOT.parents if (p / "shared/bench").is_dir
 SOURCE = SHARED / "fixtures/real/snapshot_newest_format_windows_paths.pickle"
 FLOOR = ("import sys; from tracekit.io.unpickle import restricted_load; "
          "f = open(sys.argv[1], 'rb'); restricted_load(f)")
+JSON_FLOOR = "import sys, json; json.loads(open(sys.argv[1], 'rb').read().decode())"
+TO_JSON = ("import sys, json; from tracekit.io.unpickle import restricted_load; "
+           "open(sys.argv[2], 'w').write(json.dumps(restricted_load(open(sys.argv[1], 'rb'))))")
 
 
 def run(cmd, env=None):
@@ -49,6 +56,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--entries", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="measure a JSON copy of the file instead")
     args = ap.parse_args()
     out = ROOT / "bench/out"
     out.mkdir(parents=True, exist_ok=True)
@@ -56,16 +64,22 @@ def main():
     if not big.exists():
         subprocess.run([sys.executable, str(SHARED / "bench/tile_snapshot.py"), str(SOURCE), str(big),
                         "--entries", str(args.entries)], check=True)
+    floor_code = FLOOR
+    if args.json:
+        pickled, big, floor_code = big, big.with_suffix(".json"), JSON_FLOOR
+        if not big.exists():
+            subprocess.run([sys.executable, "-c", TO_JSON, str(pickled), str(big)], check=True, cwd=ROOT)
     report = [sys.executable, "-m", "tracekit.cli", "report", "--json", str(big)]
-    floor, first, first_py, second, window = [], [], [], [], []
+    floor, first, first_py, second, window, cold = [], [], [], [], [], []
     for _ in range(args.repeat):
-        floor.append(run([sys.executable, "-c", FLOOR, str(big)]))
+        floor.append(run([sys.executable, "-c", floor_code, str(big)]))
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TRACEKIT_CACHE_DIR=cache)
             first_py.append(run(report + ["--no-cache"], dict(env, TRACEKIT_READER="python")))
             first.append(run(report, env))
             second.append(run(report, env))
             window.append(run(report + ["--last", "1s"], env))
+            cold.append(run(report + ["--last", "1s", "--no-cache"], env))
 
     def med(rows, i):
         return statistics.median(r[i] for r in rows)
@@ -77,7 +91,8 @@ def main():
     for name, rows, target in (("first open", first, "issue 15: <= 0.5x time, <= 0.3x memory"),
                                ("first, py", first_py, "the restricted unpickler's path"),
                                ("second open", second, "issue 15: <= 0.05x time"),
-                               ("window --last", window, "cached; the analysis covers only the window")):
+                               ("window --last", window, "cached; the analysis covers only the window"),
+                               ("window, cold", cold, "read, cut to the window, analysed")):
         t, m = med(rows, 0), med(rows, 1)
         print(f"{name:14.14}{t:9.2f}{t / f_t:9.2f}{m:13.0f}{m / f_m:9.2f}  {target}")
 

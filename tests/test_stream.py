@@ -1,6 +1,7 @@
 """The streaming reader (compiled scanner + numpy columns) opens every file to the same Trace as the
 restricted unpickler, and refuses exactly what it refuses, with the same one line."""
 import glob
+import json
 import gzip
 import os
 import pickle
@@ -151,7 +152,13 @@ def test_shared_objects_and_cycles(tmp_path, monkeypatch):
     cases = {"shared": _snapshot([entry, {**entry, "addr": 2}, {"action": "free_completed", "addr": 1, "size": 4,
                                                                  "frames": frames}]),
              "same dict twice": _snapshot([entry, entry]),
+             "entry also in the metadata": _snapshot([entry], allocator_settings={"e": entry}),
+             "frame also in the metadata": _snapshot([{**entry, "frames": [dict(FRAME)]}]),
+             "device trace also in the metadata": {"segments": [], "device_traces": [[entry]]},
+             "frames list as entry and forward frames": _snapshot([{**entry, "forward_frames": frames}]),
              "cycle": _snapshot([entry], allocator_settings=meta)}
+    cases["frame also in the metadata"]["x"] = cases["frame also in the metadata"]["device_traces"][0][0]["frames"][0]
+    cases["device trace also in the metadata"]["x"] = cases["device trace also in the metadata"]["device_traces"][0]
     for name, obj in cases.items():
         p = tmp_path / f"{name}.pickle"
         p.write_bytes(pickle.dumps(obj, protocol=4))
@@ -219,13 +226,156 @@ def test_a_wrong_frame_length_fails_or_reads_the_same(delta, tmp_path, monkeypat
         assert_same(old, new)
 
 
-def test_stacks_whose_hashes_collide_are_still_told_apart(monkeypatch):
-    """With a hash that collides for every list, stacks are regrouped by their contents: the same Trace."""
-    path = os.path.join(os.path.dirname(__file__), "..", "samples", "leak_loop.pickle")
-    old, new = both(path, monkeypatch)
-    monkeypatch.setattr(stream, "_mix", lambda x: np.zeros_like(x))
+def test_many_frames_and_stacks_and_shared_ones_read_the_same(tmp_path, monkeypatch):
+    """Thousands of distinct frames and stacks (the scanner's hash tables grow several times), frame dicts
+    and frame lists shared with the segments' blocks and between entries, and a second device."""
+    rng = random.Random(7)
+    frames = [{"filename": f"f{i % 37}.py", "line": i, "name": f"fn{i % 11}"} for i in range(3000)]
+    lists = [[frames[rng.randrange(3000)] for _ in range(rng.randrange(1, 9))] for _ in range(2500)]
+    blocks = [{"address": 4096 * i, "size": 512, "requested_size": 512, "state": "active_allocated",
+               "frames": lists[i]} for i in range(50)]
+    seg = {"device": 0, "address": 0, "total_size": 4096 * 50, "stream": 0, "segment_type": "large",
+           "blocks": blocks}
+    entries = [[{"action": "alloc", "addr": 10**6 + i, "size": 8, "frames": lists[rng.randrange(2500)] if i % 3
+                 else [dict(f) for f in lists[i % 2500]], "time_us": i} for i in range(d * 100, 6000)]
+               for d in range(2)]
+    p = tmp_path / "many.pickle"
+    p.write_bytes(pickle.dumps({"segments": [seg], "device_traces": entries}, protocol=4))
+    old, new = both(p, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED
+    assert_same(old, new)
+    assert len(new.stacks.offsets) > 2000 and len(new.frames.line) > 2000
+
+
+def test_entries_before_segments_read_the_same(tmp_path, monkeypatch):
+    """A file whose device traces come first (frames first met in an entry, then in a block): either path
+    reads it, to the same Trace."""
+    fr = [FRAME]
+    obj = {"device_traces": [[{"action": "alloc", "addr": 4096, "size": 512, "frames": fr}]],
+           "segments": [{"device": 0, "address": 4096, "total_size": 512, "blocks": [
+               {"address": 4096, "size": 512, "state": "active_allocated", "frames": fr}]}]}
+    p = tmp_path / "order.pickle"
+    p.write_bytes(pickle.dumps(obj, protocol=4))
+    old, new = both(p, monkeypatch)
+    assert_same(old, new)
+
+
+def test_reading_in_tiny_pieces_gives_the_same_columns():
+    """The scanner refills its buffer wherever the data breaks (inside an opcode, a string, a frame header)."""
+    data = open("samples/gpt_adamw.pickle", "rb").read()
+    whole = stream.Tape(data)
+    rng = random.Random(3)
+    f = __import__("io").BytesIO(data)
+    pieces = stream.Tape(lambda n: f.read(min(n, rng.randrange(1, 12))))
+    assert whole.strings == pieces.strings and whole.devices == pieces.devices
+    for k, v in whole.entries.items():
+        assert np.array_equal(v, pieces.entries[k]), k
+    for k in ("f_file", "f_line", "f_name", "s_off", "s_fids"):
+        assert np.array_equal(getattr(whole, k), getattr(pieces, k)), k
+    assert len(whole.entries["action"]) > 1000
+
+
+def test_several_devices_one_empty_read_the_same(tmp_path, monkeypatch):
+    e = [{"action": "alloc", "addr": 4096 * (i + 1), "size": 512, "frames": [FRAME]} for i in range(3)]
+    p = tmp_path / "dev.pickle"
+    p.write_bytes(pickle.dumps({"segments": [], "device_traces": [e[:2], [], e[2:]]}, protocol=4))
+    old, new = both(p, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED
+    assert_same(old, new)
+    assert new.devices == [0, 2]
+
+
+# -- JSON snapshots (memory_viz's format): the same scanner, driven by JSON's tokens --------------------
+
+def _json_of(path):
+    from tracekit.io.unpickle import restricted_load
+
+    with open(path, "rb") as f:
+        return json.dumps(restricted_load(f))
+
+
+@pytest.mark.parametrize("path", PICKLES, ids=os.path.basename)
+def test_every_fixture_and_sample_as_json_reads_the_same(path, tmp_path, monkeypatch):
+    p = tmp_path / "s.json"
+    p.write_text(_json_of(path))
+    old, new = both(p, monkeypatch)
+    assert old.meta["reader"] == stream.PYTHON and new.meta["reader"] == stream.COMPILED
+    assert new.meta["container"] == "JSON"
+    assert_same(old, new)
+
+
+JSON_ODD = {
+    "escapes and unicode": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, '
+                           '"frames": [{"filename": "C:\\\\dir\\\\a.py", "line": 3, "name": "f\\u00e9\\ud83d\\ude00"}, '
+                           '{"filename": "C:\\\\dir\\\\a.py", "line": 3, "name": "\\ud800 lone"}], '
+                           '"user_metadata": "caf\u00e9 \\"q\\""}]]}',
+    "byte-order mark": '\ufeff{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4}]]}',
+    "a key twice": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, "addr": 9}]]}',
+    "floats and literals": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, '
+                           '"x": [1.5, -2e-3, 1E400, true, false, null, -0]}]], "allocator_settings": {"a": 0.25}}',
+    "float size": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4.0}]]}',
+    "NaN": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, "x": NaN}]]}',
+    "integer past 2**64": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4, '
+                          '"x": 123456789012345678901234567890}]]}',
+    "leading zero": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 01, "size": 4}]]}',
+    "trailing comma": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 4,}]]}',
+    "extra data": '{"segments": [], "device_traces": []} {}',
+    "truncated": '{"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "si',
+    "control character": '{"segments": [], "device_traces": [[{"action": "al\tloc", "addr": 1, "size": 4}]]}',
+    "deep": '{"segments": [], "device_traces": [], "x": ' + "[" * 20000 + "]" * 20000 + "}",
+    "many entries": json.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": i, "size": 8, "frames": [FRAME] * (i % 4), "time_us": i} for i in range(5000)]]}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JSON_ODD))
+def test_unusual_json_reads_or_fails_the_same(name, tmp_path, monkeypatch):
+    p = tmp_path / "odd.json"
+    p.write_bytes(JSON_ODD[name].encode("utf-8", "surrogatepass"))
+    old, new = both(p, monkeypatch)
+    if isinstance(old, str):
+        assert new == old
+    else:
+        assert_same(old, new)
+        if name in ("escapes and unicode", "many entries", "byte-order mark"):
+            assert new.meta["reader"] == stream.COMPILED
+
+
+def test_invalid_utf8_in_json_fails_the_same(tmp_path, monkeypatch):
+    p = tmp_path / "bad.json"
+    p.write_bytes(b'{"segments": [], "device_traces": [[{"action": "al\xffloc", "addr": 1, "size": 4}]]}')
+    old, new = both(p, monkeypatch)
+    assert isinstance(old, str) and new == old
+
+
+def test_mutated_json_fails_or_reads_the_same(tmp_path, monkeypatch):
+    data = _json_of(SMALL).encode()
+    rng = random.Random(16)
+    p = tmp_path / "m.json"
+    accepted = 0
+    for i in range(120):
+        b = bytearray(data)
+        if i % 3 == 0:
+            b = b[:rng.randrange(1, len(b))]
+        else:
+            for _ in range(rng.randrange(1, 4)):
+                b[rng.randrange(len(b))] = rng.choice(b'{}[]:,"0123456789.e-tfn \\x')
+        p.write_bytes(bytes(b))
+        old, new = both(p, monkeypatch)
+        if isinstance(old, str):
+            assert new == old, i
+        else:
+            accepted += 1
+            assert_same(old, new)
+    assert accepted > 10
+
+
+def test_gzip_json_and_profiler_json_are_left_to_the_python_path_when_not_snapshots(tmp_path, monkeypatch):
+    p = tmp_path / "s.json.gz"
+    p.write_bytes(gzip.compress(_json_of(SMALL).encode()))
+    old, new = both(p, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED and new.meta["container"] == "gzip-compressed JSON"
+    assert_same(old, new)
+    kineto = "tests/fixtures/real/kineto_trace_memory_v100_rank1.json.gz"
     monkeypatch.setenv("TRACEKIT_READER", "auto")
-    colliding = load(path, use_cache=False)
-    assert colliding.meta["reader"] == stream.COMPILED
-    assert_same(new, colliding)
-    assert_same(old, colliding)
+    assert load(kineto, use_cache=False).meta["reader"] == stream.PYTHON

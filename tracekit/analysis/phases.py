@@ -180,13 +180,15 @@ class DevicePhases:
         """Run id per entry: it changes whenever the phase or the iteration changes."""
         change = np.ones(self.n, bool)
         change[1:] = (self.phase[1:] != self.phase[:-1]) | (self.iteration[1:] != self.iteration[:-1])
-        return np.cumsum(change) - 1
+        return np.cumsum(change, dtype=np.int64 if self.n >= 2**31 else np.int32) - 1
 
     def next_of(self, phase: int) -> np.ndarray:
-        """For each position i in 0..n, the first entry j >= i in `phase` (n if none); length n + 1."""
+        """For each position i in 0..n, the first entry j >= i in `phase` (n if none); length n + 1
+        (int32 below 2**31 entries, to keep large traces small)."""
         n = self.n
-        idx = np.where(self.phase == phase, np.arange(n), n)
-        out = np.empty(n + 1, np.int64)
+        dtype = np.int64 if n >= 2**31 else np.int32
+        idx = np.where(self.phase == phase, np.arange(n, dtype=dtype), dtype(n))
+        out = np.empty(n + 1, dtype)
         out[n] = n
         out[:n] = np.minimum.accumulate(idx[::-1])[::-1] if n else idx
         return out

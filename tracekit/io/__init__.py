@@ -58,6 +58,7 @@ def load(path, progress=None, use_cache=True) -> Trace:
 
 
 def _read_and_convert(path, st, progress) -> Trace:
+    _stream.return_large_frees()  # a cold open of a large file: keep the peak down from here on
     trace = _streamed(path, st, progress)
     if trace is not None:
         return trace
@@ -86,15 +87,14 @@ def _streamed(path, st, progress):
     with _open(path) as raw:
         zipped = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
-        if progress:
-            progress(0.0, "reading (streaming)")
+        reader = ProgressReader(raw, st.st_size, progress, span=(0.0, 0.95), message="reading") if progress else raw
         try:
-            trace = _stream.read(path, raw, zipped, st.st_size, snapshot_to_trace)
+            trace, kind = _stream.read(path, reader, zipped, st.st_size, snapshot_to_trace)
         except (Cancelled, MemoryError):
             raise
         except Exception:  # Unsupported, a corrupt gzip stream, a limit: the old path says what is wrong
             return None
-    trace.meta.update(container=("gzip-compressed " if zipped else "") + "pickle", file_bytes=st.st_size,
+    trace.meta.update(container=("gzip-compressed " if zipped else "") + kind, file_bytes=st.st_size,
                       reader=_stream.COMPILED)
     return trace
 

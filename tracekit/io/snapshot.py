@@ -189,6 +189,8 @@ def _concat_events(columns) -> Events:
     if not columns:
         empty = {k: np.zeros(0, dtype=t) for k, t in _EVENT_DTYPES.items()}
         return Events(**empty)
+    if len(columns) == 1:  # one device: its columns as they are (no copy of a large trace)
+        return Events(**{k: np.asarray(columns[0][k], dtype=t) for k, t in _EVENT_DTYPES.items()})
     return Events(**{k: np.concatenate([c[k] for c in columns]) for k in _EVENT_DTYPES})
 
 
