@@ -43,6 +43,10 @@ def retained(trace: Trace, device: int):
     return eligible & survives, pos, its
 
 
+# A leak worth a finding reaches LEAK_SHARE of the peak within LEAK_HORIZON iterations.
+LEAK_SHARE, LEAK_HORIZON = 0.01, 1000
+
+
 def leak_findings(trace: Trace, device: int, rules=None) -> list[dict]:
     rep = replay(trace)[device]
     al = rep.allocations
@@ -71,6 +75,8 @@ def leak_findings(trace: Trace, device: int, rules=None) -> list[dict]:
     per_it = sum(g["per_iteration"] for g in groups)
     per_iteration = [int(per_it[k]) for k in eligible_its]
     rate = int(np.mean(per_iteration))
+    if rate * LEAK_HORIZON < LEAK_SHARE * rep.peak_allocated:  # e.g. one detached loss kept per step: 4 B
+        return []
     live_end = rows & (al.free_index < 0)
     cats = categorize(trace, rules)[device]
     act_share = float(al.size[rows & (cats.labels == ACTIVATION)].sum()) / max(1, float(al.size[rows].sum()))

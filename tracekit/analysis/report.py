@@ -1,6 +1,8 @@
 """The report: per-device figures and the findings, as one plain dict (what `report --json` prints)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ..model import OOM, Trace
@@ -256,17 +258,36 @@ def oom_findings(trace: Trace, rep: DeviceReplay, rules=None) -> list[dict]:
             g["by_category"] = {k: v for k, v in cats.bytes_by_category(rep.allocations.size, _rows_mask(cats, g)).items() if v}
         held = "; ".join(f"{fmt_bytes(g['bytes'])} from {g['where']} ({shares(g['by_category'], 2)})" for g in groups[:3])
         _, _, during = when(trace, rep.device, i)
+        limit = allocator_limit(trace, rep.device)
+        capped = (f" (but this process may use only {fmt_bytes(limit)}: "
+                  "torch.cuda.set_per_process_memory_fraction)") if limit is not None and limit < free else ""
         out.append({"kind": "oom", "device": rep.device, "bytes": request, "index": i,
                     "time_us": time_of(trace, rep, i), "device_free_bytes": free, "allocated_bytes": live,
-                    "reserved_bytes": rep.reserved_at(i), "live_by_category": by_cat,
+                    "reserved_bytes": rep.reserved_at(i), "live_by_category": by_cat, "limit_bytes": limit,
                     "summary": (f"out of memory at entry {i}{' ' + during if during else ''}: "
                                 f"{asked['where']} asked for {fmt_bytes(request)} with {fmt_bytes(free)} free on the "
-                                f"device and {fmt_bytes(live)} allocated"
+                                f"device{capped} and {fmt_bytes(live)} allocated"
                                 f"{' (' + shares(by_cat) + ')' if by_cat else ''}"
                                 f"{'; live: ' + held if held else ''}"),
                     "frames": asked["frames"], "where": asked["where"],
                     "top_stacks": [public(g) for g in groups]})
     return out
+
+
+_ALLOWED = re.compile(r"(\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB) allowed")
+
+
+def allocator_limit(trace: Trace, device: int) -> int | None:
+    """The caching allocator's own cap on this device (a per-process memory fraction), if the file says:
+    the recorder stores it; torch's out-of-memory message says "1024.00 MiB allowed"."""
+    rec = trace.recorder or {}
+    for d in rec.get("devices") or []:
+        if isinstance(d, dict) and d.get("index") == device and isinstance(d.get("memory_limit_bytes"), int):
+            return d["memory_limit_bytes"]
+    m = _ALLOWED.search(str(rec.get("error") or ""))
+    if m:
+        return int(float(m.group(1)) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(m.group(2)))
+    return None
 
 
 def _rows_mask(cats, group) -> np.ndarray:

@@ -129,7 +129,9 @@ class CudaBackend:
             return out
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
+            limit = memory_limit(i, int(props.total_memory))
             out.append({"index": i, "type": "cuda", "name": props.name, "total_memory": int(props.total_memory),
+                        **({"memory_limit_bytes": limit} if limit is not None else {}),
                         **({"allocator_stats": getattr(self, "_stats", {})[i]} if i in getattr(self, "_stats", {}) else {})})
         return out
 
@@ -157,6 +159,17 @@ def allocator_stats() -> dict:
     except Exception:  # noqa: BLE001 - figures for checking only; never fail a recording over them
         pass
     return out
+
+
+def memory_limit(device, total):
+    """Bytes the caching allocator may hold on `device` when a per-process memory fraction caps it."""
+    import torch
+
+    try:
+        fraction = float(torch.cuda.get_per_process_memory_fraction(device))
+    except Exception:  # a torch without the getter
+        return None
+    return int(fraction * total) if 0 < fraction < 1 else None
 
 
 def cuda_initialized() -> bool:
