@@ -19,6 +19,7 @@ from .snapshot import SnapshotBars
 REFRESH_MS = 25  # debounce between a view change and the re-query
 MAX_PHASE_LABELS = 40
 MAX_ITERATION_LABELS = 30
+MIN_ITERATION_SPACING_PX = 6  # fewer pixels between iteration lines on average: none drawn
 LABEL_LIFT = 1.6  # a marker's caption sits this many caption heights above it
 MARKER_SYMBOLS = {"peak": "t", "spike": "t", "leak": "d", "oom": "x", "fragmentation": "s"}
 
@@ -352,8 +353,13 @@ class TimelineWidget(QWidget):
     def _set_top(self, top):
         """Fix the y range to [0, top]; iteration lines span it, their labels sit at its top."""
         self.vb.setYRange(0, top, padding=0)
-        y = np.tile([0.0, top], len(self._iteration_x) // 2)
-        self.iteration_lines.setData(self._iteration_x, y)
+        # Boundaries closer than a few pixels would paint the plot solid: drawn only when zoomed in enough.
+        (x0, x1), _ = self.vb.viewRange()
+        xs = self._iteration_x
+        shown = int(np.count_nonzero((xs >= x0) & (xs <= x1))) // 2
+        if shown * MIN_ITERATION_SPACING_PX > max(self.vb.width(), 1.0):
+            xs = xs[:0]
+        self.iteration_lines.setData(xs, np.tile([0.0, top], len(xs) // 2))
         for label in self._iteration_labels + self._highlight[1:]:
             label.setPos(label.pos().x(), top)
 

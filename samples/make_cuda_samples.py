@@ -5,7 +5,7 @@
 Each sample runs samples/cuda_train.py in fresh processes: twice plain and once recorded (by the
 `tracekit record` CLI or by `tracekit.record` in code). The losses of the recorded run must equal the
 plain run's bit for bit (the two plain runs show whether the GPU itself is deterministic). Writes
-OUT_DIR/NAME.pickle for each sample and OUT_DIR/results.json with, per sample, the command, the
+OUT_DIR/NAME.pickle for each sample and OUT_DIR/results.jsonl (a line per sample) with, per sample, the command, the
 losses and the allocator's peaks printed by the script itself. Needs CUDA.
 """
 from __future__ import annotations
@@ -68,8 +68,8 @@ def main(argv):
     out, names = argv[0], argv[1:] or list(SAMPLES)
     os.makedirs(out, exist_ok=True)
     rows = [make(name, out) for name in names]
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    with open(os.path.join(out, "results.jsonl"), "w") as f:  # samples/cuda_results.jsonl
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ def test_leak_and_spike_samples():
 
 
 def test_losses_were_bit_identical_on_the_gpu():
-    """What the GPU run printed (samples/cuda_results.json): recorded losses equal unrecorded ones bit for bit."""
-    rows = json.loads((SAMPLES / "cuda_results.json").read_text())
+    """What the GPU run printed (samples/cuda_results.jsonl): recorded losses equal unrecorded ones bit for bit."""
+    rows = [json.loads(line) for line in (SAMPLES / "cuda_results.jsonl").read_text().splitlines()]
     assert {r["name"] + ".pickle" for r in rows} == set(CUDA)
     for r in rows:
         assert r["gpu_deterministic"] and r["bit_identical"], r["name"]

@@ -122,3 +122,37 @@ def test_keyboard_interrupt_and_exit_in_code_leave_a_file(tmp_path, exc, partial
     k = partial_key(tmp_path / "k.pickle")
     assert k["partial"] is partial and k["signal"] == ("SIGINT" if partial else None)
     assert k["error"].startswith(exc.__name__)
+
+
+def test_a_second_sigterm_while_writing_does_not_lose_the_file(tmp_path):
+    """SIGTERM to the process group reaches the script twice (directly, and passed on by `tracekit record`);
+    the second one must not kill the process before the file is written."""
+    from tracekit.record.signals import TermHandler
+
+    seen = []
+
+    def on_signal(signum):
+        seen.append(signum)
+        handler._handle(signum, None)  # the duplicate arrives while the file is being written
+        seen.append("written")
+
+    handler = TermHandler(on_signal)
+    killed = []
+    original_kill = os.kill
+    try:
+        os.kill = lambda pid, sig: killed.append(sig)
+        handler._handle(signal.SIGTERM, None)
+    finally:
+        os.kill = original_kill
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert seen == [signal.SIGTERM, "written"] and killed == [signal.SIGTERM]
+
+
+def test_a_duplicate_sigint_while_unwinding_is_the_same_ctrl_c():
+    from tracekit.record.signals import same_interrupt
+
+    with same_interrupt():
+        signal.raise_signal(signal.SIGINT)  # would raise KeyboardInterrupt and abort the write
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)

@@ -21,7 +21,7 @@ from . import origins as _origins
 from . import summary
 from .hooks import Hooks
 from .marks import Marks, now_us
-from .signals import TermHandler, deferred, exit_code
+from .signals import TermHandler, deferred, exit_code, same_interrupt
 from .tags import (
     BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, Tags, optimizer_params, param_names, storages,
 )
@@ -88,8 +88,12 @@ class Recorder:
     def __exit__(self, exc_type, exc, tb):
         if exc is not None and self.error is None:
             self.error = f"{exc_type.__name__}: {exc}"
-        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and self.signal is None:
-            self.signal = "SIGINT"
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            if self.signal is None:
+                self.signal = "SIGINT"
+            with same_interrupt():
+                self.close()
+            return False
         self.close()
         return False
 

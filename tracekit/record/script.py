@@ -110,9 +110,12 @@ def main():
         _note_exit(recorder, _exit_code(e.code), None)
         raise
     except KeyboardInterrupt:
-        if recorder is not None and recorder.signal is None:
-            recorder.signal = "SIGINT"
-        _note_exit(recorder, 130, "KeyboardInterrupt")
+        from .signals import same_interrupt
+
+        with same_interrupt():
+            if recorder is not None and recorder.signal is None:
+                recorder.signal = "SIGINT"
+            _note_exit(recorder, 130, "KeyboardInterrupt")
         raise
     except BaseException as e:
         _note_exit(recorder, 1, f"{type(e).__name__}: {e}")

@@ -42,6 +42,7 @@ class TermHandler:
     def __init__(self, on_signal):
         self.on_signal = on_signal
         self._installed = False
+        self._busy = False
 
     def install(self):
         if not _main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
@@ -56,6 +57,9 @@ class TermHandler:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def _handle(self, signum, frame):
+        if self._busy:  # the same SIGTERM twice (sent to the process group and passed on by `tracekit
+            return  # record`): dying now would lose the file being written; we die of it once it is written
+        self._busy = True
         try:
             self.on_signal(signum)
         finally:
@@ -97,6 +101,21 @@ def deferred():
         for signum in dict.fromkeys(pending):
             if signum in previous and not (signum == signal.SIGINT and pending.count(signum) > 1):
                 signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
+def same_interrupt():
+    """While a KeyboardInterrupt unwinds into our code: a SIGINT arriving now is the same Ctrl-C (a
+    signal to the process group, passed on once more by `tracekit record`), not a new one that would
+    abort writing the file. `deferred` still lets a Ctrl-C during the write abandon it."""
+    if not _main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Forwarder:
