@@ -13,7 +13,7 @@ import pickle
 import stat as _stat_mod
 
 from ..errors import Cancelled, LoadError
-from ..model import Trace
+from ..model import NO_TIME, Trace
 from . import cache as _cache
 from . import stream as _stream
 from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget,
@@ -29,11 +29,14 @@ GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def load(path, progress=None, use_cache=True) -> Trace:
+def load(path, progress=None, use_cache=True, window=None) -> Trace:
     """Open a snapshot (pickle or JSON, optionally gzip'd) or a profiler trace.
 
     `progress(fraction, message)` is called while reading; it may raise
     `Cancelled`. A columnar cache makes the second open of a file fast.
+    `window` (a tracekit.analysis.window.Window): when the file is not in the cache and the
+    streaming reader takes it, only the window's entries are kept (see stream.py; the caller cuts
+    with window.select, which finishes that cut); else the whole trace, cached as usual.
     """
     path = os.fsdecode(os.fspath(path))  # bytes names become str (undecodable bytes as surrogates)
     check_settings(use_cache)
@@ -49,6 +52,9 @@ def load(path, progress=None, use_cache=True) -> Trace:
     budget, why = memory_budget(st.st_size * (min(max_expansion(), 40) if zipped else 1))
     try:
         with memory_limit(budget):
+            trace = _windowed(path, st, progress, window) if window else None
+            if trace is not None:
+                return trace  # a part of the file: not cached
             trace = _read_and_convert(path, st, progress)
     except MemoryError:
         raise LoadError(path, over_memory_message(budget, why)) from None
@@ -79,7 +85,29 @@ def _read_and_convert(path, st, progress) -> Trace:
         del obj
 
 
-def _streamed(path, st, progress):
+def _windowed(path, st, progress, window):
+    """The window's entries from the streaming reader (None: it cannot pick them, read it all).
+
+    --from/--to are known before reading: one pass. --last needs the file's last time first: a pass
+    that keeps nothing, then the one that keeps the window. --iterations are read whole (finding the
+    iterations takes the whole trace)."""
+    if window.iterations is not None or not _stream.enabled():
+        return None
+    _stream.return_large_frees()
+    first = window.first or 0
+    hi = 2**62 if window.last is None else window.last + 1
+    threshold, span = None, (0.0, 0.95)
+    if window.last_us is not None:
+        folds = _streamed(path, st, progress, _stream.NOTHING, (0.0, 0.45))
+        times = [f["tmax"] for f in ((folds or {}).meta.get("streamed_window") or {}).values()
+                 if f["tmax"] != int(NO_TIME)] if folds is not None else []
+        if not times:  # no times (the cut says so) or not streamable: the whole file
+            return None
+        threshold, span = max(times) - window.last_us, (0.45, 0.95)
+    return _streamed(path, st, progress, (first, hi, threshold), span)
+
+
+def _streamed(path, st, progress, keep=None, span=(0.0, 0.95)):
     """The Trace from the streaming reader (stream.py), or None when it is not built, turned off, or
     leaves this file to the restricted unpickler (which then reads or refuses it as always)."""
     if not _stream.enabled():
@@ -87,9 +115,9 @@ def _streamed(path, st, progress):
     with _open(path) as raw:
         zipped = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
-        reader = ProgressReader(raw, st.st_size, progress, span=(0.0, 0.95), message="reading") if progress else raw
+        reader = ProgressReader(raw, st.st_size, progress, span=span, message="reading") if progress else raw
         try:
-            trace, kind = _stream.read(path, reader, zipped, st.st_size, snapshot_to_trace)
+            trace, kind = _stream.read(path, reader, zipped, st.st_size, snapshot_to_trace, keep)
         except (Cancelled, MemoryError):
             raise
         except Exception:  # Unsupported, a corrupt gzip stream, a limit: the old path says what is wrong

@@ -15,6 +15,14 @@ Anything this path does not handle exactly as the restricted unpickler does
 reads it with its usual messages. So every file opens to the same Trace, or
 fails with the same line, on either path. $TRACEKIT_READER=python forces the old
 path.
+
+With `keep=(first, hi, threshold)` the scanner keeps only each device's entries at positions
+[first, hi) from its first entry timed at or after `threshold` (None: no such bound), and folds
+every other entry into a few sums per device (allocated and reserved bytes before the window, bytes
+freed but never allocated in the trace, the addresses it touches, its first and last times), so
+memory grows with the window, not the file. The Trace then holds the window's entries (numbered
+from 0) and the whole file's segments, with the folds in meta["streamed_window"];
+tracekit.analysis.window.select finishes the cut exactly as it cuts a whole trace.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ import numpy as np
 
 from ..errors import TracekitError
 from ..model import ACTION, NO_TIME, OOM, OTHER
-from .columns import MAX_TIME, MAX_TOTAL, check_sizes
+from .columns import MAX_SIZE, MAX_TIME, MAX_TOTAL, check_sizes
 from .limits import CappedReader, decompressed_cap, max_depth
 
 try:
@@ -79,8 +87,10 @@ def return_large_frees():
 _tuned = False
 
 
-def read(path, raw, zipped, size, snapshot_to_trace):
-    """(Trace, "pickle" or "JSON") of a snapshot in the open file `raw`, or raise Unsupported."""
+def read(path, raw, zipped, size, snapshot_to_trace, keep=None):
+    """(Trace, "pickle" or "JSON") of a snapshot in the open file `raw`, or raise Unsupported.
+
+    `keep`: a window's (first, hi, threshold) (see the module docstring); None: every entry."""
     stream = CappedReader(gzip.GzipFile(fileobj=raw, mode="rb"), *decompressed_cap(size)) if zipped else raw
     head = stream.read(1)
     kind = "pickle"
@@ -94,7 +104,10 @@ def read(path, raw, zipped, size, snapshot_to_trace):
     def chunk(n):  # the bytes already read, then the file in pieces
         return pending.pop() if pending else stream.read(n)
 
-    return Tape(chunk, json=kind == "JSON").to_trace(path, snapshot_to_trace), kind
+    return Tape(chunk, json=kind == "JSON", keep=keep).to_trace(path, snapshot_to_trace), kind
+
+
+NOTHING = (2**62, 0, None)  # a window that keeps no entry: a pass that only counts and times them
 
 
 # a memory_viz-style JSON snapshot: an object whose first key is one of a snapshot's
@@ -105,12 +118,14 @@ class Tape:
     """The scanner's output: the entries' columns, frames and stacks, and a tape of the rest
     (containers as nodes, items as edges: parent, key, value kind, value)."""
 
-    def __init__(self, read, json=False):
-        """`read(n) -> bytes` gives the file in pieces (or the whole file as bytes); `json`: it is JSON."""
+    def __init__(self, read, json=False, keep=None):
+        """`read(n) -> bytes` gives the file in pieces (or the whole file as bytes); `json`: it is JSON;
+        `keep`: a window's (first, hi, threshold)."""
         if isinstance(read, (bytes, bytearray)):
             read = io.BytesIO(read).read
+        window = None if keep is None else (*keep, MAX_SIZE, MAX_TIME)
         try:
-            out = (_scan_json if json else _scan)(read, int(NO_TIME))
+            out = (_scan_json if json else _scan)(read, int(NO_TIME), window)
         except ValueError as e:
             raise Unsupported(str(e)) from None
         self.root_kind, self.root, self.strings, self.keys, self.devices = out[:5]
@@ -125,6 +140,8 @@ class Tape:
         self.f_file, self.f_name = np.frombuffer(f_file, np.int32), np.frombuffer(f_name, np.int32)
         self.f_line = np.frombuffer(f_line, np.int64)
         self.s_off, self.s_fids = np.frombuffer(s_off, np.int64), np.frombuffer(s_fids, np.int32)
+        self.folds = out[33]  # per device list: what the window's scan folded (None: no window)
+        self.touched = (np.frombuffer(out[34], np.int32), np.frombuffer(out[35], np.uint64))
         self._made = {}
         self._depth = max_depth()
         self._stack_of = {}  # scanner stack id -> the Interner's
@@ -186,16 +203,29 @@ class Tape:
             raise Unsupported("'device_traces' of an unusual layout")
 
         def columns_of(device, it, present, unknown):
-            return self._events(device, devices[device], it, present, unknown)
+            if device == 0:  # the keys and actions of every entry, kept or not
+                flags, strings = self.entries["present"], self.strings
+                present.update(strings[i][:100] for i in np.flatnonzero(flags & 1).tolist())
+                unknown.update(strings[i][:100] for i in np.flatnonzero(flags & 2).tolist()
+                               if ACTION.get(strings[i], OTHER) == OTHER and strings[i] != "other")
+            return self._events(device, devices[device], it)
 
         try:
-            return snapshot_to_trace(obj, path, None, columns_of=columns_of)
+            trace = snapshot_to_trace(obj, path, None, columns_of=columns_of)
         except Unsupported:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
             raise Unsupported(f"conversion: {type(e).__name__}: {e}") from None
+        if self.folds is not None:
+            dev, addr = self.touched
+            order = np.argsort(dev, kind="stable")
+            dev, addr = dev[order], addr[order]
+            trace.meta["streamed_window"] = {
+                d: {**f, "touched": addr[np.searchsorted(dev, f["dl"]):np.searchsorted(dev, f["dl"], "right")]}
+                for d, f in enumerate(self.folds)}
+        return trace
 
-    def _events(self, device, rows, it, present, unknown):
+    def _events(self, device, rows, it):
         """The event columns of one device's entries (rows [first, first + count) of the scanner's)."""
         first, n = rows
         if not n:
@@ -203,13 +233,10 @@ class Tape:
         sl = slice(first, first + n)
         c = {k: v[sl] for k, v in self.entries.items() if k not in ("df_row", "df_kind", "df_val", "present")}
         strings = self.strings
-        present.update(strings[i][:100] for i in np.flatnonzero(self.entries["present"]).tolist())
         if (c["action"] < 0).any():
             raise Unsupported("an entry without an action")
         names = np.unique(c["action"])
         codes = np.array([ACTION.get(strings[s], OTHER) for s in names.tolist()], np.int8)
-        unknown.update(strings[s][:100] for s, k in zip(names.tolist(), codes.tolist())
-                       if k == OTHER and strings[s] != "other")
         lut = np.zeros(int(names[-1]) + 1, np.int8)
         lut[names] = codes
         action = lut[c["action"]]

@@ -1,0 +1,188 @@
+"""A window picked while streaming (only its entries kept, the rest folded into per-device sums) gives
+the same Trace, report and refusals as reading the whole file and cutting it afterwards."""
+import glob
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from tracekit.analysis.report import build_report
+from tracekit.analysis.window import Window, select
+from tracekit.errors import LoadError, TracekitError
+from tracekit.io import load, stream
+from tracekit.model import NO_TIME
+
+pytestmark = pytest.mark.skipif(not stream.enabled(), reason="the compiled scanner is not built here")
+
+PICKLES = sorted(glob.glob("samples/*.pickle") + glob.glob("tests/fixtures/real/*.pickle"))
+
+
+def resolved(t):
+    """Everything a Trace says, with string and stack ids replaced by what they name (the streamed
+    window interns only its own entries' stacks and strings, so their numbering differs)."""
+    s, fr = t.strings.items, t.frames
+    frames = list(zip([s[i] for i in fr.filename.tolist()], fr.line.tolist(), [s[i] for i in fr.name.tolist()]))
+
+    def stacks(ids):
+        return [tuple(frames[f] for f in t.stacks.frames_of(i).tolist()) for i in ids.tolist()]
+
+    out = {}
+    for part in ("events", "segments", "blocks"):
+        table = getattr(t, part)
+        for k in table.__dataclass_fields__:
+            v = getattr(table, k)
+            if k in ("stack_id", "forward_stack_id"):
+                v = stacks(v)
+            elif k in ("user_metadata", "compile_context", "category", "module", "segment_type", "pool_id"):
+                v = [s[i] for i in v.tolist()]
+            out[f"{part}.{k}"] = v
+    out["meta"] = t.meta
+    out["devices"], out["format"], out["path"] = t.devices, t.format, t.path
+    return out
+
+
+def assert_same(a, b):
+    da, db = resolved(a), resolved(b)
+    assert da.keys() == db.keys()
+    for k in da:
+        x, y = da[k], db[k]
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), k
+        else:
+            assert x == y, k
+
+
+def windows(trace):
+    """Windows over the trace: entry ranges, the last part of its time span, both at once."""
+    n = max(len(trace.events.action[trace.events.device_slice(d)]) for d in trace.devices)
+    out = [Window(first=n // 4, last=n // 2), Window(first=n // 3), Window(last=n // 5), Window(first=1, last=1)]
+    t = trace.events.time_us[trace.events.time_us != NO_TIME]
+    if len(t) and t.max() > t.min():
+        span = int(t.max() - t.min())
+        out += [Window(last_us=max(1, span // 3)), Window(first=n // 2, last_us=max(1, span // 2))]
+    return out
+
+
+def cut_both_ways(path, window):
+    """(whole file read then cut, streamed window then finished): a Trace or the error's line each."""
+    out = []
+    for w in (None, window):
+        try:
+            trace = load(path, use_cache=False, window=w)
+            if w is not None:
+                assert "streamed_window" in trace.meta, "the window was not picked while streaming"
+            out.append(select(trace, window))
+        except (LoadError, TracekitError) as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("path", PICKLES, ids=os.path.basename)
+def test_a_streamed_window_is_the_window_cut_from_the_whole_trace(path):
+    whole = load(path, use_cache=False)
+    for window in windows(whole):
+        cut, streamed = cut_both_ways(path, window)
+        assert type(cut) is type(streamed), window
+        if isinstance(cut, str):
+            assert cut == streamed
+            continue
+        assert_same(cut, streamed)
+        assert json.dumps(build_report(cut), sort_keys=True, default=str) == \
+            json.dumps(build_report(streamed), sort_keys=True, default=str), window
+
+
+@pytest.mark.parametrize("path", PICKLES[:4] + ["tests/fixtures/real/snapshot_cpp_frames_attention_fwd_bwd.pickle"],
+                         ids=os.path.basename)
+def test_a_streamed_window_of_a_json_snapshot_is_the_same(path, tmp_path):
+    from tracekit.io.unpickle import restricted_load
+
+    with open(path, "rb") as f:
+        (tmp_path / "s.json").write_text(json.dumps(restricted_load(f)))
+    p = str(tmp_path / "s.json")
+    whole = load(p, use_cache=False)
+    for window in windows(whole)[:3] + windows(whole)[-1:]:
+        cut, streamed = cut_both_ways(p, window)
+        assert_same(cut, streamed)
+
+
+def entry(action, addr, size, t, **more):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t,
+            "frames": [{"filename": "train.py", "line": addr % 7, "name": "step"}], **more}
+
+
+def block(addr, size, state="active_allocated"):
+    return {"address": addr, "size": size, "requested_size": size, "state": state, "frames": []}
+
+
+def snapshot():
+    """Two devices, one of them starting late; memory allocated before the trace (freed in it, or live
+    at the end and never touched); segment growth; an unknown action; an oom with device_free."""
+    d0 = [entry("segment_alloc", 0, 1 << 20, 10),
+          entry("free_completed", 900, 300, 11),  # allocated before the trace
+          entry("alloc", 100, 50, 12), entry("alloc", 200, 70, 13), entry("free_requested", 100, 50, 14),
+          entry("free_completed", 100, 50, 15), entry("future_action", 0, 0, 16),
+          entry("oom", 0, 4096, 17, device_free=123), entry("alloc", 100, 40, 18),
+          entry("free_completed", 950, 20, 19),  # allocated before the trace, freed late
+          entry("alloc", 300, 10, 20), entry("free_completed", 200, 70, 21)]
+    d1 = [entry("segment_alloc", 0, 2 << 20, 100 + i) if i == 0 else entry("alloc", 1000 + i, i, 100 + i)
+          for i in range(6)]
+    segs = [{"device": 0, "address": 0, "total_size": 2 << 20, "stream": 0, "segment_type": "large",
+             "blocks": [block(100, 512), block(300, 512), block(5000, 1000), block(6000, 64, "inactive")]},
+            {"device": 1, "address": 0, "total_size": 2 << 20, "stream": 0, "segment_type": "large",
+             "blocks": [block(1000 + i, 512) for i in range(1, 6)]},
+            {"device": 3, "address": 0, "total_size": 1 << 20, "stream": 0, "segment_type": "small",
+             "blocks": [block(77, 512)]}]
+    return {"segments": segs, "device_traces": [d0, d1]}
+
+
+@pytest.mark.parametrize("window", [Window(first=3, last=7), Window(first=2), Window(last=4), Window(first=5),
+                                    Window(last_us=4), Window(first=3, last_us=90), Window(first=9),
+                                    Window(first=50), Window(last_us=1000)], ids=lambda w: w.describe())
+def test_the_state_before_the_window_on_several_devices(window, tmp_path):
+    p = tmp_path / "s.pickle"
+    p.write_bytes(pickle.dumps(snapshot(), protocol=4))
+    cut, streamed = cut_both_ways(str(p), window)
+    if isinstance(cut, str):
+        assert cut == streamed and "no entries are inside the window" in cut
+        return
+    assert_same(cut, streamed)
+
+
+def test_the_live_bytes_before_the_window_by_hand(tmp_path):
+    p = tmp_path / "s.pickle"
+    p.write_bytes(pickle.dumps(snapshot(), protocol=4))
+    w = Window(first=6, last=9)
+    streamed = select(load(str(p), use_cache=False, window=w), w)
+    # device 0 before entry 6: 1000 live at the end and never touched, 300 + 20 freed but never
+    # allocated, then +50 +70 -300 -50 by entries 1..5
+    assert streamed.meta["initial_allocated"] == {0: 1000 + 320 + 50 + 70 - 300 - 50, 1: 15, 3: 512}
+    assert streamed.meta["initial_reserved"] == {0: 2 << 20, 1: 2 << 20, 3: 1 << 20}
+    assert streamed.meta["window"]["devices"] == {0: [6, 10, 12], 1: [6, 6, 6], 3: [0, 0, 0]}
+    assert streamed.meta["unknown_actions"] == ["future_action"]
+    assert len(streamed.segments) == 0 and streamed.devices == [0]
+    assert streamed.events.device_free.tolist() == [0, 123, 0, 0]
+
+
+def test_bad_entries_outside_the_window_are_refused_as_when_reading_it_all(tmp_path):
+    snap = snapshot()
+    snap["device_traces"][0][1]["size"] = -5
+    p = tmp_path / "s.pickle"
+    p.write_bytes(pickle.dumps(snap, protocol=4))
+    with pytest.raises(LoadError) as whole:
+        load(str(p), use_cache=False)
+    with pytest.raises(LoadError) as windowed:
+        load(str(p), use_cache=False, window=Window(first=6))
+    assert str(whole.value) == str(windowed.value)
+
+
+def test_a_windowed_open_is_not_cached_and_a_cached_file_is_cut_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    p = tmp_path / "s.pickle"
+    p.write_bytes(pickle.dumps(snapshot(), protocol=4))
+    w = Window(first=6, last=9)
+    assert "streamed_window" in load(str(p), window=w).meta
+    whole = load(str(p))
+    assert "streamed_window" not in whole.meta and len(whole.events) == 18
+    assert "streamed_window" not in load(str(p), window=w).meta  # from the cache: the whole trace
