@@ -88,6 +88,12 @@ typedef struct {
     Py_ssize_t last_dl;
     Buf role;  /* per string id: 1 alloc, 2 free_completed, 3 segment grows, 4 segment shrinks, else 0 */
     Buf am_key, am_dev, am_state, am_table;  /* (device, address) of every alloc/free: 1 last was alloc */
+    /* per device list, the stacks (frames, forward frames) and strings (user_metadata, compile_context,
+     * category, module) its entries use, each once, in order of first use: so the window's Trace numbers
+     * them as a read of the whole file does (the set above holds them under device -1 - list) */
+    Buf fu_dl, fu_col, fu_id;
+    int64_t fu_last[6];
+    Py_ssize_t fu_last_dl;
     int olist_made, dt_set;
     int64_t root;
     /* frames and stacks */
@@ -517,6 +523,23 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
     } else if (role == 3 || role == 4) {
         d->rcum += role == 3 ? size : -size;
     }
+    if (s->fu_last_dl != dl) {
+        s->fu_last_dl = dl;
+        for (int i = 0; i < 6; i++) s->fu_last[i] = INT64_MIN;
+    }
+    int32_t used[6] = {AT(s->frames, int32_t, row), AT(s->fwd, int32_t, row), AT(s->um, int32_t, row),
+                       AT(s->cc, int32_t, row), AT(s->cat, int32_t, row), AT(s->mod, int32_t, row)};
+    for (int i = 0; i < 6; i++) {
+        if (used[i] == s->fu_last[i] || (i < 2 && !used[i])) continue;
+        s->fu_last[i] = used[i];
+        uint8_t *st = am_slot(s, (int32_t)(-1 - dl), ((uint64_t)i << 32) | (uint32_t)used[i]);
+        if (!st) return -1;
+        if (*st) continue;
+        *st = 1;
+        if (APPEND(s->fu_dl, int32_t, (int32_t)dl) || APPEND(s->fu_col, uint8_t, (uint8_t)i) ||
+            APPEND(s->fu_id, int32_t, used[i]))
+            return -1;
+    }
     Py_ssize_t w = s->w_row;
     if (d->lo_found && pos < s->w_hi) {  /* kept: moved down to row w */
         if (!d->count) d->first = w;
@@ -710,7 +733,8 @@ static void release(S *s) {
                   &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
                   &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena,
-                  &s->role, &s->am_key, &s->am_dev, &s->am_state, &s->am_table};
+                  &s->role, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
+                  &s->fu_id};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
@@ -724,6 +748,7 @@ static int setup(S *s, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OL|O", &s->read, &no_time, &window)) return -1;
     s->no_time = no_time;
     s->role.size = 1; s->am_key.size = 8; s->am_dev.size = 4; s->am_state.size = 1; s->am_table.size = 4;
+    s->fu_dl.size = s->fu_id.size = 4; s->fu_col.size = 1; s->fu_last_dl = -1;
     if (window != Py_None) {  /* (first, hi, threshold or None, max size, max time) */
         PyObject *thr;
         long long first, hi, max_size, max_time;
@@ -794,17 +819,21 @@ static PyObject *finish(S *s, Value top) {
     enum { NO = sizeof outs / sizeof *outs };
     PyObject *folds = s->windowed ? window_result(s) : Py_NewRef(Py_None);
     if (!folds) { Py_DECREF(devices); return NULL; }
-    PyObject *tuple = PyTuple_New(NO + 8);
+    PyObject *tuple = PyTuple_New(NO + 11);
     if (!tuple) { Py_DECREF(folds); Py_DECREF(devices); return NULL; }
     PyTuple_SET_ITEM(tuple, NO + 5, folds);
     PyTuple_SET_ITEM(tuple, NO + 6, take(&s->am_dev));
     PyTuple_SET_ITEM(tuple, NO + 7, take(&s->am_key));
+    PyTuple_SET_ITEM(tuple, NO + 8, take(&s->fu_dl));
+    PyTuple_SET_ITEM(tuple, NO + 9, take(&s->fu_col));
+    PyTuple_SET_ITEM(tuple, NO + 10, take(&s->fu_id));
     PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
     PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
     PyTuple_SET_ITEM(tuple, 2, Py_NewRef(s->strings));
     PyTuple_SET_ITEM(tuple, 3, Py_NewRef(s->keys));
     PyTuple_SET_ITEM(tuple, 4, devices);
-    int ok = PyTuple_GET_ITEM(tuple, NO + 6) && PyTuple_GET_ITEM(tuple, NO + 7);
+    int ok = 1;
+    for (int i = NO + 6; i < NO + 11; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
     for (int i = 0; i < NO; i++) {
         PyObject *b = take(outs[i]);
         ok &= b != NULL;

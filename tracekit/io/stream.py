@@ -142,6 +142,9 @@ class Tape:
         self.s_off, self.s_fids = np.frombuffer(s_off, np.int64), np.frombuffer(s_fids, np.int32)
         self.folds = out[33]  # per device list: what the window's scan folded (None: no window)
         self.touched = (np.frombuffer(out[34], np.int32), np.frombuffer(out[35], np.uint64))
+        # a window: per device list, the stacks and strings its entries use, in order of first use
+        self._uses = (np.frombuffer(out[36], np.int32), np.frombuffer(out[37], np.uint8),
+                      np.frombuffer(out[38], np.int32))
         self._made = {}
         self._depth = max_depth()
         self._stack_of = {}  # scanner stack id -> the Interner's
@@ -226,8 +229,24 @@ class Tape:
         return trace
 
     def _events(self, device, rows, it):
-        """The event columns of one device's entries (rows [first, first + count) of the scanner's)."""
+        """The event columns of one device's entries (rows [first, first + count) of the scanner's).
+
+        In a window, the stacks and strings of all the device's entries, kept or not, are interned
+        as a read of the whole file interns them, so the numbering is the same."""
         first, n = rows
+        uses = [None] * 6
+        if self.folds is not None:
+            fold = self.folds[device]
+            if not fold["n"]:
+                return None
+            dl, col, ids = self._uses
+            mine = dl == fold["dl"]
+            uses = [ids[mine & (col == i)] for i in range(6)]
+            if not n:  # nothing kept: only what the whole file's read would intern
+                empty = np.zeros(0, np.int32)
+                for name, u in zip(("frames", "um", "cc", "cat", "fwd", "mod"), (0, 2, 3, 4, 1, 5)):
+                    (self._stacks if u < 2 else self._texts)(empty, it, uses[u])
+                return None
         if not n:
             return None
         sl = slice(first, first + n)
@@ -248,17 +267,17 @@ class Tape:
         if ((t != NO_TIME) & ((t >= MAX_TIME) | (t <= -MAX_TIME))).any():
             raise Unsupported("a time out of range")
         # in the order the Python path interns them (frames, texts, forward frames, module)
-        col["stack_id"] = self._stacks(c["frames"], it)
-        for name in ("user_metadata", "compile_context", "category"):
-            col[name] = self._texts(c[name], it)
+        col["stack_id"] = self._stacks(c["frames"], it, uses[0])
+        for name, u in zip(("user_metadata", "compile_context", "category"), uses[2:5]):
+            col[name] = self._texts(c[name], it, u)
         col["device_free"] = self._device_free(action, first, n)
-        col["forward_stack_id"] = self._stacks(c["forward_frames"], it)
-        col["module"] = self._texts(c["module"], it)
+        col["forward_stack_id"] = self._stacks(c["forward_frames"], it, uses[1])
+        col["module"] = self._texts(c["module"], it, uses[5])
         return col
 
-    def _texts(self, sids, it):
-        """The Interner's ids of scanner string ids (-1: absent, read as "")."""
-        distinct = np.unique(sids)
+    def _texts(self, sids, it, used=None):
+        """The Interner's ids of scanner string ids (-1: absent, read as ""); `used`: all the ids to intern."""
+        distinct = np.unique(sids if used is None else used)
         ids = np.array([it.strings.intern(self.strings[s] if s >= 0 else "") for s in distinct.tolist()], np.int32)
         return ids[np.searchsorted(distinct, sids)]
 
@@ -277,12 +296,16 @@ class Tape:
         free[r[oom]] = np.where(k[oom] == K_INT, v[oom], 0)
         return free
 
-    def _stacks(self, ids, it):
-        """The Interner's stack ids of scanner stack ids + 1 (0: none), interned in order of first use."""
-        distinct, first = np.unique(ids, return_index=True)
-        lut = np.full(int(distinct[-1]) + 1, -1, np.int32)
+    def _stacks(self, ids, it, used=None):
+        """The Interner's stack ids of scanner stack ids + 1 (0: none), interned in order of first use
+        (`used`: all the ids to intern, in that order)."""
+        if used is None:
+            distinct, first = np.unique(ids, return_index=True)
+            used = distinct[np.argsort(first)]
+        top = max(int(ids.max()) if len(ids) else 0, int(used.max()) if len(used) else 0)
+        lut = np.full(top + 1, -1, np.int32)
         strings, f_file, f_line, f_name = self.strings, self.f_file, self.f_line, self.f_name
-        for i in distinct[np.argsort(first)].tolist():
+        for i in used.tolist():
             if i == 0:
                 continue
             sid = self._stack_of.get(i)
