@@ -164,11 +164,18 @@ def test_bad_entries_outside_the_window_are_refused_as_when_reading_it_all(tmp_p
     assert str(whole.value) == str(windowed.value)
 
 
-def test_a_windowed_open_is_not_cached_and_a_cached_file_is_cut_after(tmp_path, monkeypatch):
+def test_a_small_file_is_read_whole_and_cached_a_big_one_only_its_window(tmp_path, monkeypatch):
+    import tracekit.io
+
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
     p = tmp_path / "s.pickle"
     p.write_bytes(pickle.dumps(snapshot(), protocol=4))
     w = Window(first=6, last=9)
+    assert "streamed_window" not in load(str(p), window=w).meta  # small: read whole and cached
+    assert "streamed_window" in load(str(p), window=w, use_cache=False).meta
+    for f in (tmp_path / "cache").iterdir():
+        f.unlink()
+    monkeypatch.setattr(tracekit.io, "WINDOW_READ_BYTES", p.stat().st_size)
     assert "streamed_window" in load(str(p), window=w).meta
     whole = load(str(p))
     assert "streamed_window" not in whole.meta and len(whole.events) == 18

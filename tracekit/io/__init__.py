@@ -34,9 +34,10 @@ def load(path, progress=None, use_cache=True, window=None) -> Trace:
 
     `progress(fraction, message)` is called while reading; it may raise
     `Cancelled`. A columnar cache makes the second open of a file fast.
-    `window` (a tracekit.analysis.window.Window): when the file is not in the cache and the
-    streaming reader takes it, only the window's entries are kept (see stream.py; the caller cuts
-    with window.select, which finishes that cut); else the whole trace, cached as usual.
+    `window` (a tracekit.analysis.window.Window): when the file is not in the cache, is big (see
+    WINDOW_READ_BYTES) or not to be cached, and the streaming reader takes it, only the window's
+    entries are kept (see stream.py; the caller cuts with window.select, which finishes that cut);
+    else the whole trace, cached as usual.
     """
     path = os.fsdecode(os.fspath(path))  # bytes names become str (undecodable bytes as surrogates)
     check_settings(use_cache)
@@ -52,7 +53,8 @@ def load(path, progress=None, use_cache=True, window=None) -> Trace:
     budget, why = memory_budget(st.st_size * (min(max_expansion(), 40) if zipped else 1))
     try:
         with memory_limit(budget):
-            trace = _windowed(path, st, progress, window) if window else None
+            big = st.st_size * (10 if zipped else 1) >= WINDOW_READ_BYTES
+            trace = _windowed(path, st, progress, window) if window and (big or not key) else None
             if trace is not None:
                 return trace  # a part of the file: not cached
             trace = _read_and_convert(path, st, progress)
@@ -83,6 +85,11 @@ def _read_and_convert(path, st, progress) -> Trace:
         raise LoadError(path, _not_a_trace(obj, kind, e)) from None
     finally:
         del obj
+
+
+# A window of a file this big (uncompressed, about 2M entries) is read alone when the file is not in the
+# cache; a smaller one is read whole and cached, so that the next look at it (any window) is quick.
+WINDOW_READ_BYTES = 256 << 20
 
 
 def _windowed(path, st, progress, window):
