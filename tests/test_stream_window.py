@@ -180,3 +180,32 @@ def test_a_small_file_is_read_whole_and_cached_a_big_one_only_its_window(tmp_pat
     whole = load(str(p))
     assert "streamed_window" not in whole.meta and len(whole.events) == 18
     assert "streamed_window" not in load(str(p), window=w).meta  # from the cache: the whole trace
+
+
+def test_the_survey_of_a_big_file_never_opened_comes_from_the_scanner(tmp_path, monkeypatch):
+    """Entries, time span and iterations per device, checked against the pickle read in Python."""
+    import re
+    import shutil
+
+    from tracekit import survey as survey_mod
+    from tracekit.io.unpickle import restricted_load
+
+    monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(survey_mod, "SCAN_BYTES", 0)
+    for src in ("samples/leak_loop.pickle", "tests/fixtures/real/snapshot_legacy_torch20_oom_observer.pickle"):
+        p = tmp_path / os.path.basename(src)
+        shutil.copy(src, p)
+        with open(p, "rb") as f:
+            snap = restricted_load(f)
+        truth = []
+        for entries in (snap.get("device_traces") if isinstance(snap, dict) else None) or []:
+            times = [e["time_us"] for e in entries if "time_us" in e]
+            its = {int(m.group(1)) for e in entries if (m := re.fullmatch(r"tracekit:iter=(\d+).*",
+                                                                          e.get("user_metadata", "")))}
+            if entries:
+                truth.append((len(entries), min(times) if times else None, max(times) if times else None,
+                              (min(its), max(its)) if its else None))
+        got = survey_mod.survey(p)
+        assert got.exact and got.scanned
+        assert [(d.entries, d.first_us, d.last_us, d.iterations) for d in got.devices] == truth
+        assert not list((tmp_path / "cache").glob("*"))  # a survey caches nothing

@@ -256,6 +256,12 @@ def when(trace: Trace, device: int, index: int) -> tuple[str | None, int | None,
     return phase, (it if it >= 0 else None), text
 
 
+def metadata_iteration(text: str) -> int | None:
+    """The iteration our recorder's user_metadata string names (None: not one of ours)."""
+    m = _RE_METADATA.fullmatch(text)
+    return int(m.group(1)) if m else None
+
+
 def _from_metadata(trace, sl):
     """Phases from our `tracekit:iter=N:phase=P` user_metadata strings."""
     um = trace.events.user_metadata[sl]

@@ -114,6 +114,20 @@ def _windowed(path, st, progress, window):
     return _streamed(path, st, progress, (first, hi, threshold), span)
 
 
+def first_pass(path) -> Trace | None:
+    """The streaming reader's pass that keeps no entry: a Trace with the file's segments and, in
+    meta["streamed_window"], per device its entries, first and last time and user_metadata strings;
+    None when the compiled scanner is not built or leaves the file to the restricted unpickler."""
+    path = os.fsdecode(os.fspath(path))
+    st = os.stat(path)
+    budget, _ = memory_budget(st.st_size * (min(max_expansion(), 40) if _head(path, 2) == GZIP_MAGIC else 1))
+    try:
+        with memory_limit(budget):
+            return _streamed(path, st, None, _stream.NOTHING)
+    except MemoryError:
+        return None
+
+
 def _streamed(path, st, progress, keep=None, span=(0.0, 0.95)):
     """The Trace from the streaming reader (stream.py), or None when it is not built, turned off, or
     leaves this file to the restricted unpickler (which then reads or refuses it as always)."""

@@ -223,8 +223,11 @@ class Tape:
             dev, addr = self.touched
             order = np.argsort(dev, kind="stable")
             dev, addr = dev[order], addr[order]
+            u_dl, u_col, u_id = self._uses
             trace.meta["streamed_window"] = {
-                d: {**f, "touched": addr[np.searchsorted(dev, f["dl"]):np.searchsorted(dev, f["dl"], "right")]}
+                d: {**f, "touched": addr[np.searchsorted(dev, f["dl"]):np.searchsorted(dev, f["dl"], "right")],
+                    "user_metadata": sorted(self.strings[i] for i in set(u_id[(u_dl == f["dl"]) & (u_col == 2)]
+                                                                         .tolist()) if i >= 0)}
                 for d, f in enumerate(self.folds)}
         return trace
 
