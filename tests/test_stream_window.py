@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from tracekit.analysis.phases import phases
 from tracekit.analysis.report import build_report
 from tracekit.analysis.window import Window, select
 from tracekit.errors import LoadError, TracekitError
@@ -53,17 +54,27 @@ def windows(trace):
     if len(t) and t.max() > t.min():
         span = int(t.max() - t.min())
         out += [Window(last_us=max(1, span // 3)), Window(first=n // 2, last_us=max(1, span // 2))]
+    its = sorted({i for d in trace.devices for i, _, _ in phases(trace)[d].iterations()})
+    if its:
+        out += [Window(iterations=(its[len(its) // 2], its[-1])), Window(first=n // 3, iterations=(its[0], its[0]))]
     return out
 
 
-def cut_both_ways(path, window):
-    """(whole file read then cut, streamed window then finished): a Trace or the error's line each."""
+def marked(trace):
+    """Whether our recorder marked the iterations of every device with entries (else they are inferred)."""
+    return all(phases(trace)[d].source in ("metadata", "recorder") for d in trace.devices
+               if len(trace.events.action[trace.events.device_slice(d)]))
+
+
+def cut_both_ways(path, window, streamed=True):
+    """(whole file read then cut, streamed window then finished): a Trace or the error's line each.
+    `streamed`: whether the window is to be picked while streaming (else the file is read whole)."""
     out = []
     for w in (None, window):
         try:
             trace = load(path, use_cache=False, window=w)
             if w is not None:
-                assert "streamed_window" in trace.meta, "the window was not picked while streaming"
+                assert ("streamed_window" in trace.meta) == streamed, window
             out.append(select(trace, window))
         except (LoadError, TracekitError) as e:
             out.append(str(e))
@@ -74,7 +85,7 @@ def cut_both_ways(path, window):
 def test_a_streamed_window_is_the_window_cut_from_the_whole_trace(path):
     whole = load(path, use_cache=False)
     for window in windows(whole):
-        cut, streamed = cut_both_ways(path, window)
+        cut, streamed = cut_both_ways(path, window, window.iterations is None or marked(whole))
         assert type(cut) is type(streamed), window
         if isinstance(cut, str):
             assert cut == streamed
@@ -94,7 +105,7 @@ def test_a_streamed_window_of_a_json_snapshot_is_the_same(path, tmp_path):
     p = str(tmp_path / "s.json")
     whole = load(p, use_cache=False)
     for window in windows(whole)[:3] + windows(whole)[-1:]:
-        cut, streamed = cut_both_ways(p, window)
+        cut, streamed = cut_both_ways(p, window, window.iterations is None or marked(whole))
         assert_same(cut, streamed)
 
 
@@ -283,3 +294,34 @@ def test_entries_before_segments_through_a_window(tmp_path, monkeypatch):
     for window in (Window(first=2), Window(last=1), Window(first=1, last=2)):
         old, new = both_ways(p, window, monkeypatch)
         assert_same(old, new)
+
+
+def test_iterations_from_the_recorders_table_and_unmarked_entries(tmp_path):
+    """Iterations from user_metadata where entries carry it, from the recorder's time table where they
+    do not (autograd's threads), as phases() finds them on the whole trace."""
+    entries = []
+    for i in range(60):
+        e = entry("alloc" if i % 2 == 0 else "free_completed", 100 + (i // 2) * 8, 16, 1000 + i * 10)
+        if i % 3:
+            e["user_metadata"] = f"tracekit:iter={i // 20}:phase=forward"
+        entries.append(e)
+    table = {"iterations": [{"iteration": k, "start_us": 1000 + k * 200, "end_us": 1200 + k * 200}
+                            for k in range(3)]}
+    p = tmp_path / "s.pickle"
+    for snap in ({"segments": [], "device_traces": [entries], "tracekit": table},
+                 {"segments": [], "device_traces": [[{k: v for k, v in e.items() if k != "user_metadata"}
+                                                     for e in entries]], "tracekit": table}):
+        p.write_bytes(pickle.dumps(snap, protocol=4))
+        for window in (Window(iterations=(1, 1)), Window(iterations=(1, 2)), Window(iterations=(0, 0), last=9)):
+            cut, streamed = cut_both_ways(str(p), window)
+            assert_same(cut, streamed)
+            assert 0 < len(streamed.events) < 60
+    p.write_bytes(pickle.dumps({"segments": [], "device_traces": [entries[:5]]}, protocol=4))
+    assert "streamed_window" in load(str(p), use_cache=False, window=Window(iterations=(0, 0))).meta
+
+
+def test_iterations_not_marked_by_our_recorder_read_the_file_whole(tmp_path):
+    p = tmp_path / "s.pickle"
+    p.write_bytes(pickle.dumps(snapshot(), protocol=4))
+    cut, streamed = cut_both_ways(str(p), Window(iterations=(0, 1)), streamed=False)
+    assert cut == streamed and "no iterations are known" in cut

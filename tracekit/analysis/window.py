@@ -40,6 +40,30 @@ class Window:
     def __bool__(self):
         return any(v is not None for v in (self.first, self.last, self.last_us, self.iterations))
 
+    def marked_ranges(self, first_pass) -> dict[int, tuple[int, int]] | None:
+        """Per device list of the file (the scanner's "dl"), the entries [lo, hi) this window of
+        iterations holds, as `ranges` finds them, from the streaming reader's pass that kept each entry's
+        user_metadata and time (io/stream.py's MARKS); None when a device's iterations are not our
+        recorder's marks (inferred from the stacks, or none: the whole trace is needed)."""
+        from .phases import marked_phases
+
+        out = {}
+        for f in first_pass.meta["streamed_window"].values():
+            n = f["n"]
+            if not n:
+                continue
+            codes, texts, times = f["marks"]
+            ph = marked_phases(codes, texts, times, first_pass.recorder)
+            if ph is None:
+                return None
+            lo = 0 if self.first is None else min(self.first, n)
+            hi = n if self.last is None else min(n, self.last + 1)
+            a, b = self.iterations
+            spans = [(s, e) for i, s, e in ph.iterations() if a <= i <= b]
+            lo, hi = (max(lo, spans[0][0]), min(hi, spans[-1][1] + 1)) if spans else (n, n)
+            out[f["dl"]] = (lo, max(lo, hi))
+        return out
+
     def describe(self) -> str:
         parts = []
         if self.first is not None or self.last is not None:

@@ -6,6 +6,7 @@ and reading is bounded in size, memory and nesting (see `limits`).
 """
 from __future__ import annotations
 
+import array
 import gzip
 import json
 import os
@@ -96,22 +97,32 @@ def _windowed(path, st, progress, window):
     """The window's entries from the streaming reader (None: it cannot pick them, read it all).
 
     --from/--to are known before reading: one pass. --last needs the file's last time first: a pass
-    that keeps nothing, then the one that keeps the window. --iterations are read whole (finding the
-    iterations takes the whole trace)."""
-    if window.iterations is not None or not _stream.enabled():
+    that keeps nothing, then the one that keeps the window. --iterations: a pass that keeps each
+    entry's user_metadata and time only, from which `window.marked_ranges` finds each device's
+    entries (None when our recorder did not mark the iterations: the file is read whole)."""
+    if not _stream.enabled() or (window.iterations is not None and window.last_us is not None):
         return None
     _stream.return_large_frees()
     first = window.first or 0
     hi = 2**62 if window.last is None else window.last + 1
-    threshold, span = None, (0.0, 0.95)
-    if window.last_us is not None:
+    threshold, span, ranges = None, (0.0, 0.95), b""
+    if window.iterations is not None:
+        marks = _streamed(path, st, progress, _stream.MARKS, (0.0, 0.45))
+        found = window.marked_ranges(marks) if marks is not None else None
+        if found is None:
+            return None
+        del marks
+        top = max(found, default=-1)
+        pairs = [found.get(dl, (2**62, 0)) for dl in range(top + 1)]  # lists without entries keep nothing
+        ranges, span = array.array("q", [v for p in pairs for v in p]).tobytes(), (0.45, 0.95)
+    elif window.last_us is not None:
         folds = _streamed(path, st, progress, _stream.NOTHING, (0.0, 0.45))
         times = [f["tmax"] for f in ((folds or {}).meta.get("streamed_window") or {}).values()
                  if f["tmax"] != int(NO_TIME)] if folds is not None else []
         if not times:  # no times (the cut says so) or not streamable: the whole file
             return None
         threshold, span = max(times) - window.last_us, (0.45, 0.95)
-    return _streamed(path, st, progress, (first, hi, threshold), span)
+    return _streamed(path, st, progress, (first, hi, threshold, ranges), span)
 
 
 def first_pass(path) -> Trace | None:

@@ -57,7 +57,7 @@ typedef struct { Py_ssize_t start, len, memo; int32_t stack; } PList;  /* stack:
 typedef struct {
     Py_ssize_t first, count; int appended;
     /* a window (scan(..., window)): every entry is folded here, only those inside it are kept */
-    int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax;
+    int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax, rec_start;
     int lo_found, started;
     double sizesum;
 } DList;
@@ -84,6 +84,9 @@ typedef struct {
     /* a window: keep device positions [w_first, w_hi) from the first entry timed >= w_thr (if w_has_thr) */
     int windowed, w_has_thr;
     int64_t w_first, w_hi, w_thr, max_size, max_time;
+    Buf w_ranges;  /* per device list (in the order they are made): its own [first, hi), else the above */
+    int w_record;  /* also keep every entry's user_metadata and time (rec_um, rec_t) */
+    Buf rec_um, rec_t;
     Py_ssize_t w_row;  /* the next kept row: kept entries are moved down to it, the rest dropped */
     Py_ssize_t last_dl;
     Buf role;  /* per string id: 1 alloc, 2 free_completed, 3 segment grows, 4 segment shrinks, else 0 */
@@ -510,7 +513,16 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
         if (t >= s->w_thr) d->started = 1;
     }
     if (!s->w_has_thr) d->started = 1;
-    if (!d->lo_found && d->started && pos >= s->w_first) {
+    int64_t first = s->w_first, hi = s->w_hi;
+    if (dl < s->w_ranges.n / 2) {
+        first = AT(s->w_ranges, int64_t, 2 * dl);
+        hi = AT(s->w_ranges, int64_t, 2 * dl + 1);
+    }
+    if (s->w_record) {
+        if (!pos) d->rec_start = s->rec_t.n;
+        if (APPEND(s->rec_um, int32_t, AT(s->um, int32_t, row)) || APPEND(s->rec_t, int64_t, t)) return -1;
+    }
+    if (!d->lo_found && d->started && pos >= first) {
         d->lo_found = 1; d->lo = pos; d->cum_lo = d->cum; d->rcum_lo = d->rcum;
     }
     uint8_t role = AT(s->role, uint8_t, a);
@@ -541,7 +553,7 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
             return -1;
     }
     Py_ssize_t w = s->w_row;
-    if (d->lo_found && pos < s->w_hi) {  /* kept: moved down to row w */
+    if (d->lo_found && pos < hi) {  /* kept: moved down to row w */
         if (!d->count) d->first = w;
         if (row != w) {
             for (int i = 0; i < 11; i++) {
@@ -574,7 +586,7 @@ static PyObject *window_result(S *s) {
         DList *d = &AT(s->dlists, DList, dl);
         int64_t lo = d->lo_found ? d->lo : d->pos;
         int64_t cum_lo = d->lo_found ? d->cum_lo : d->cum, rcum_lo = d->lo_found ? d->rcum_lo : d->rcum;
-        PyObject *t = Py_BuildValue("{sisLsLsnsLsLsLsLsLsL}", "dl", (int)dl, "n", (long long)d->pos, "lo", (long long)lo,
+        PyObject *t = Py_BuildValue("{sLsisLsLsnsLsLsLsLsLsL}", "rec_start", (long long)d->rec_start, "dl", (int)dl, "n", (long long)d->pos, "lo", (long long)lo,
                                     "kept", d->count, "cum_lo", (long long)cum_lo, "rcum_lo", (long long)rcum_lo,
                                     "rcum", (long long)d->rcum, "lone", (long long)d->lone,
                                     "tmin", (long long)d->tmin, "tmax", (long long)d->tmax);
@@ -734,7 +746,7 @@ static void release(S *s) {
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
                   &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena,
                   &s->role, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
-                  &s->fu_id};
+                  &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
@@ -749,10 +761,23 @@ static int setup(S *s, PyObject *args) {
     s->no_time = no_time;
     s->role.size = 1; s->am_key.size = 8; s->am_dev.size = 4; s->am_state.size = 1; s->am_table.size = 4;
     s->fu_dl.size = s->fu_id.size = 4; s->fu_col.size = 1; s->fu_last_dl = -1;
-    if (window != Py_None) {  /* (first, hi, threshold or None, max size, max time) */
+    s->w_ranges.size = 8; s->rec_um.size = 4; s->rec_t.size = 8;
+    if (window != Py_None) {  /* (first, hi, threshold or None, max size, max time[, ranges, record]) */
         PyObject *thr;
         long long first, hi, max_size, max_time;
-        if (!PyArg_ParseTuple(window, "LLOLL", &first, &hi, &thr, &max_size, &max_time)) return -1;
+        Py_buffer ranges = {0};
+        int record = 0;
+        if (!PyArg_ParseTuple(window, "LLOLL|y*p", &first, &hi, &thr, &max_size, &max_time, &ranges, &record))
+            return -1;
+        s->w_record = record;
+        if (ranges.buf) {  /* int64 pairs */
+            Py_ssize_t n = ranges.len / 8;
+            int bad = grow(&s->w_ranges, n);
+            if (!bad) memcpy(s->w_ranges.p, ranges.buf, (size_t)n * 8);
+            s->w_ranges.n = bad ? 0 : n;
+            PyBuffer_Release(&ranges);
+            if (bad) return -1;
+        }
         s->windowed = 1;
         s->w_first = first; s->w_hi = hi; s->max_size = max_size; s->max_time = max_time;
         s->w_has_thr = thr != Py_None;
@@ -819,7 +844,7 @@ static PyObject *finish(S *s, Value top) {
     enum { NO = sizeof outs / sizeof *outs };
     PyObject *folds = s->windowed ? window_result(s) : Py_NewRef(Py_None);
     if (!folds) { Py_DECREF(devices); return NULL; }
-    PyObject *tuple = PyTuple_New(NO + 11);
+    PyObject *tuple = PyTuple_New(NO + 13);
     if (!tuple) { Py_DECREF(folds); Py_DECREF(devices); return NULL; }
     PyTuple_SET_ITEM(tuple, NO + 5, folds);
     PyTuple_SET_ITEM(tuple, NO + 6, take(&s->am_dev));
@@ -827,13 +852,15 @@ static PyObject *finish(S *s, Value top) {
     PyTuple_SET_ITEM(tuple, NO + 8, take(&s->fu_dl));
     PyTuple_SET_ITEM(tuple, NO + 9, take(&s->fu_col));
     PyTuple_SET_ITEM(tuple, NO + 10, take(&s->fu_id));
+    PyTuple_SET_ITEM(tuple, NO + 11, take(&s->rec_um));
+    PyTuple_SET_ITEM(tuple, NO + 12, take(&s->rec_t));
     PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
     PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
     PyTuple_SET_ITEM(tuple, 2, Py_NewRef(s->strings));
     PyTuple_SET_ITEM(tuple, 3, Py_NewRef(s->keys));
     PyTuple_SET_ITEM(tuple, 4, devices);
     int ok = 1;
-    for (int i = NO + 6; i < NO + 11; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
+    for (int i = NO + 6; i < NO + 13; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
     for (int i = 0; i < NO; i++) {
         PyObject *b = take(outs[i]);
         ok &= b != NULL;

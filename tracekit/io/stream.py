@@ -90,7 +90,8 @@ _tuned = False
 def read(path, raw, zipped, size, snapshot_to_trace, keep=None):
     """(Trace, "pickle" or "JSON") of a snapshot in the open file `raw`, or raise Unsupported.
 
-    `keep`: a window's (first, hi, threshold) (see the module docstring); None: every entry."""
+    `keep`: a window's (first, hi, threshold[, ranges, record]) (see the module docstring and
+    _pkscan.c's setup); None: every entry."""
     stream = CappedReader(gzip.GzipFile(fileobj=raw, mode="rb"), *decompressed_cap(size)) if zipped else raw
     head = stream.read(1)
     kind = "pickle"
@@ -108,6 +109,7 @@ def read(path, raw, zipped, size, snapshot_to_trace, keep=None):
 
 
 NOTHING = (2**62, 0, None)  # a window that keeps no entry: a pass that only counts and times them
+MARKS = (2**62, 0, None, b"", True)  # the same, recording each entry's user_metadata and time (12 bytes)
 
 
 # a memory_viz-style JSON snapshot: an object whose first key is one of a snapshot's
@@ -123,7 +125,7 @@ class Tape:
         `keep`: a window's (first, hi, threshold)."""
         if isinstance(read, (bytes, bytearray)):
             read = io.BytesIO(read).read
-        window = None if keep is None else (*keep, MAX_SIZE, MAX_TIME)
+        window = None if keep is None else (*keep[:3], MAX_SIZE, MAX_TIME, *keep[3:])
         try:
             out = (_scan_json if json else _scan)(read, int(NO_TIME), window)
         except ValueError as e:
@@ -145,6 +147,7 @@ class Tape:
         # a window: per device list, the stacks and strings its entries use, in order of first use
         self._uses = (np.frombuffer(out[36], np.int32), np.frombuffer(out[37], np.uint8),
                       np.frombuffer(out[38], np.int32))
+        self._marks = (np.frombuffer(out[39], np.int32), np.frombuffer(out[40], np.int64))
         self._made = {}
         self._depth = max_depth()
         self._stack_of = {}  # scanner stack id -> the Interner's
@@ -229,6 +232,15 @@ class Tape:
                     "user_metadata": sorted(self.strings[i] for i in set(u_id[(u_dl == f["dl"]) & (u_col == 2)]
                                                                          .tolist()) if i >= 0)}
                 for d, f in enumerate(self.folds)}
+            um, t = self._marks
+            if len(t):  # MARKS: per device, user_metadata as ids into its texts, and times
+                for f in trace.meta["streamed_window"].values():
+                    sl = slice(f["rec_start"], f["rec_start"] + f["n"]) if f["n"] else slice(0, 0)
+                    ids = um[sl]
+                    texts = np.unique(ids)
+                    f["marks"] = (np.searchsorted(texts, ids).astype(np.int32),
+                                  [self.strings[i] if i >= 0 else "" for i in texts.tolist()], t[sl])
+                self._marks = None
         return trace
 
     def _events(self, device, rows, it):
