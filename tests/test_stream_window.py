@@ -325,3 +325,14 @@ def test_iterations_not_marked_by_our_recorder_read_the_file_whole(tmp_path):
     p.write_bytes(pickle.dumps(snapshot(), protocol=4))
     cut, streamed = cut_both_ways(str(p), Window(iterations=(0, 1)), streamed=False)
     assert cut == streamed and "no iterations are known" in cut
+
+
+def test_a_gzip_compressed_file_through_a_window(tmp_path):
+    import gzip
+
+    p = tmp_path / "s.pickle.gz"
+    p.write_bytes(gzip.compress(pickle.dumps(snapshot(), protocol=4)))
+    for window in (Window(first=3, last=7), Window(last_us=5)):
+        cut, streamed = cut_both_ways(str(p), window)
+        assert_same(cut, streamed)
+        assert streamed.meta["reader"] == stream.COMPILED_WINDOW

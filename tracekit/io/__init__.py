@@ -155,7 +155,7 @@ def _streamed(path, st, progress, keep=None, span=(0.0, 0.95)):
         except Exception:  # Unsupported, a corrupt gzip stream, a limit: the old path says what is wrong
             return None
     trace.meta.update(container=("gzip-compressed " if zipped else "") + kind, file_bytes=st.st_size,
-                      reader=_stream.COMPILED)
+                      reader=_stream.COMPILED if keep is None else _stream.COMPILED_WINDOW)
     return trace
 
 

@@ -47,6 +47,7 @@ except ImportError:  # built without a C compiler: the restricted unpickler read
 K_NONE, K_FALSE, K_TRUE, K_INT, K_FLOAT, K_STR, K_LIST, K_DICT, K_TUPLE = range(9)
 COMPILED = "streaming (compiled scanner)"
 PYTHON = "restricted unpickler (Python)"
+COMPILED_WINDOW = "streaming (compiled scanner), keeping only the window's entries"
 _ENTRY_COLUMNS = ("action", "addr", "size", "stream", "time_us", "frames", "forward_frames", "user_metadata",
                   "compile_context", "category", "module", "df_row", "df_kind", "df_val", "present")
 _DTYPES = dict(zip(_ENTRY_COLUMNS, (np.int32, np.int64, np.int64, np.int64, np.int64, np.int32, np.int32, np.int32,
