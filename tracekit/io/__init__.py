@@ -116,9 +116,9 @@ def _windowed(path, st, progress, window):
         pairs = [found.get(dl, (2**62, 0)) for dl in range(top + 1)]  # lists without entries keep nothing
         ranges, span = array.array("q", [v for p in pairs for v in p]).tobytes(), (0.45, 0.95)
     elif window.last_us is not None:
-        folds = _streamed(path, st, progress, _stream.NOTHING, (0.0, 0.45))
-        times = [f["tmax"] for f in ((folds or {}).meta.get("streamed_window") or {}).values()
-                 if f["tmax"] != int(NO_TIME)] if folds is not None else []
+        counted = _streamed(path, st, progress, _stream.NOTHING, (0.0, 0.45))
+        folds = counted.meta["streamed_window"].values() if counted is not None else ()
+        times = [f["tmax"] for f in folds if f["tmax"] != int(NO_TIME)]
         if not times:  # no times (the cut says so) or not streamable: the whole file
             return None
         threshold, span = max(times) - window.last_us, (0.45, 0.95)
