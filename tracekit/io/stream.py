@@ -260,7 +260,7 @@ class Tape:
             uses = [ids[mine & (col == i)] for i in range(6)]
             if not n:  # nothing kept: only what the whole file's read would intern
                 empty = np.zeros(0, np.int32)
-                for name, u in zip(("frames", "um", "cc", "cat", "fwd", "mod"), (0, 2, 3, 4, 1, 5)):
+                for u in (0, 2, 3, 4, 1, 5):  # frames, user_metadata, compile_context, category, forward, module
                     (self._stacks if u < 2 else self._texts)(empty, it, uses[u])
                 return None
         if not n:
