@@ -10,7 +10,10 @@ each in a fresh process, the median of --repeat runs of:
   first, py    the same with TRACEKIT_READER=python (the restricted unpickler, not the streaming reader)
   second open  tracekit report --json again (reads the columnar cache)
   window       tracekit report --json --last 1s from the cache (issue 15's window selection)
-  window, cold the same with no cache (the file is read, then cut to the window before the analysis)
+  window, cold the same with no cache (two passes of the scanner: the last time, then only the
+               window's entries are kept, the rest folded into per-device sums)
+  range, cold  tracekit report --json --from N/2 --to N/2+N/10 with no cache (one pass, keeping a
+               tenth of the entries)
 
 With --json, the same rows for a JSON copy of the file (memory_viz's format; made once, beside it),
 against the floor of json.loads of that copy.
@@ -70,7 +73,8 @@ def main():
         if not big.exists():
             subprocess.run([sys.executable, "-c", TO_JSON, str(pickled), str(big)], check=True, cwd=ROOT)
     report = [sys.executable, "-m", "tracekit.cli", "report", "--json", str(big)]
-    floor, first, first_py, second, window, cold = [], [], [], [], [], []
+    floor, first, first_py, second, window, cold, cold_range = [], [], [], [], [], [], []
+    middle = ["--from", str(args.entries // 2), "--to", str(args.entries // 2 + args.entries // 10)]
     for _ in range(args.repeat):
         floor.append(run([sys.executable, "-c", floor_code, str(big)]))
         with tempfile.TemporaryDirectory() as cache:
@@ -80,6 +84,7 @@ def main():
             second.append(run(report, env))
             window.append(run(report + ["--last", "1s"], env))
             cold.append(run(report + ["--last", "1s", "--no-cache"], env))
+            cold_range.append(run(report + middle + ["--no-cache"], env))
 
     def med(rows, i):
         return statistics.median(r[i] for r in rows)
@@ -92,7 +97,8 @@ def main():
                                ("first, py", first_py, "the restricted unpickler's path"),
                                ("second open", second, "issue 15: <= 0.05x time"),
                                ("window --last", window, "cached; the analysis covers only the window"),
-                               ("window, cold", cold, "read, cut to the window, analysed")):
+                               ("window, cold", cold, "only the window kept while reading"),
+                               ("range, cold", cold_range, "a tenth of the entries kept while reading")):
         t, m = med(rows, 0), med(rows, 1)
         print(f"{name:14.14}{t:9.2f}{t / f_t:9.2f}{m:13.0f}{m / f_m:9.2f}  {target}")
 

@@ -54,8 +54,10 @@ class Document:
             if progress:
                 progress(fraction, message)
 
-        whole = trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache)
-        stored = analysis_cache.restore(whole, path) if use_cache else None
+        whole = trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache,
+                                      window=window)
+        streamed = "streamed_window" in whole.meta  # only the window was read (a big file, not cached)
+        stored = analysis_cache.restore(whole, path) if use_cache and not streamed else None
         if window:
             trace = select(whole, window)
         if use_cache:

@@ -78,7 +78,7 @@ class WindowPicker(QDialog):
         grid.addWidget(QLabel("to"), 3, 2)
         grid.addWidget(self.it_last, 3, 3)
         grid.addWidget(QLabel(f"(of {known[0]}..{known[1]})" if known else ""), 3, 4)
-        if survey.exact and known is None:
+        if survey.iterations_known and known is None:
             self._off(self.iters, self.it_first, "no iterations are known in this file")
             self.it_last.setEnabled(False)
 

@@ -1,7 +1,9 @@
 """A quick first pass over a file before it is opened: how many entries, over what time, which
 iterations, on which devices. Exact, from the columnar cache, when the file was opened before (the
-key is found by the file's fingerprint, so nothing is hashed or parsed); otherwise estimated from the
-file's size. The viewer's open dialog shows it to offer a window of a big file (analysis/window.py).
+key is found by the file's fingerprint, so nothing is hashed or parsed); for a big file never opened,
+from a pass of the compiled scanner that keeps no entry (entries and times exact; iterations those our
+recorder marked, in user_metadata or its table); otherwise estimated from the file's size. The
+viewer's open dialog shows it to offer a window of a big file (analysis/window.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from .analysis.units import fmt_bytes
 # A pickled trace entry with a short Python stack takes about this many bytes (a 1M-entry tile of the
 # real newest-format snapshot is 124 MB); a file with deeper stacks has fewer entries than estimated.
 BYTES_PER_ENTRY = 124
+SCAN_BYTES = 200 * 2**20  # a never-opened file this big (uncompressed, guessed) gets the scanner's pass
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -34,10 +37,16 @@ class DeviceSurvey:
 class Survey:
     path: str
     file_bytes: int
-    exact: bool  # from the cache; else `entries` is an estimate and nothing else is known
+    exact: bool  # from the cache or the scanner's pass; else `entries` is an estimate and nothing else is known
     compressed: bool = False
     devices: list[DeviceSurvey] = field(default_factory=list)
     estimated_entries: int | None = None
+    scanned: bool = False  # exact from the scanner's pass: iterations it did not find may still be inferred
+
+    @property
+    def iterations_known(self) -> bool:
+        """Whether the absence of iterations is known (not merely that none were marked)."""
+        return self.exact and (self.iterations is not None or not self.scanned)
 
     @property
     def entries(self) -> int | None:
@@ -68,6 +77,7 @@ class Survey:
         for d in self.devices:
             span = f", {d.seconds:.3f} s" if d.seconds is not None else ", no time stamps"
             its = (f", iterations {d.iterations[0]}..{d.iterations[1]}" if d.iterations
+                   else ", no iterations marked (steps are found once it is opened)" if self.scanned
                    else ", no iterations known")
             out.append(f"{d.label}: {d.entries:,} entries{span}{its}")
         return out
@@ -85,9 +95,42 @@ def survey(path) -> Survey:
         from .io import cache
 
         trace = cache.read(key, path)
+    if trace is None and size * (10 if compressed else 1) >= SCAN_BYTES:
+        devices = _scanned(path)
+        if devices is not None:
+            return Survey(path, size, True, compressed, devices=devices, scanned=True)
     if trace is None:
         return Survey(path, size, False, compressed, estimated_entries=None if compressed else size // BYTES_PER_ENTRY)
     return Survey(path, size, True, compressed, devices=_devices(trace))
+
+
+def _scanned(path) -> list[DeviceSurvey] | None:
+    """The devices as the scanner's first pass sees them (None: it cannot read the file)."""
+    from .analysis.phases import metadata_iteration
+    from .io import first_pass
+    from .model import NO_TIME
+
+    trace = first_pass(path)
+    if trace is None:
+        return None
+    table = (trace.recorder or {}).get("iterations") or []
+    out = []
+    for d, f in sorted(trace.meta["streamed_window"].items()):
+        if not f["n"]:
+            continue
+        timed = f["tmin"] != int(NO_TIME)
+        its = [i for i in map(metadata_iteration, f["user_metadata"]) if i is not None and i >= 0]
+        if not its and timed:  # the recorder's table: the iterations over this device's time span
+            for r in table:
+                try:
+                    lo, hi, i = int(r["start_us"]), int(r["end_us"]), int(r.get("iteration", -1))
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if i >= 0 and lo <= f["tmax"] and hi > f["tmin"]:
+                    its.append(i)
+        out.append(DeviceSurvey(trace.device_label(d), f["n"], f["tmin"] if timed else None,
+                                f["tmax"] if timed else None, (min(its), max(its)) if its else None))
+    return out
 
 
 def _devices(trace) -> list[DeviceSurvey]:

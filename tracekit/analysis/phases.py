@@ -226,18 +226,22 @@ def phases(trace: Trace) -> dict[int, DevicePhases]:
 
 def device_phases(trace: Trace, device: int) -> DevicePhases:
     sl = trace.events.device_slice(device)
-    got = _from_metadata(trace, sl)
-    timed = _from_recorder(trace, sl)
+    ev = trace.events
+    got = marked_phases(ev.user_metadata[sl], trace.strings, ev.time_us[sl], trace.recorder)
+    return got if got is not None else _inferred(trace, sl)
+
+
+def marked_phases(user_metadata, strings, time_us, recorder) -> DevicePhases | None:
+    """The phases our recorder marked on a device's entries (their user_metadata ids into `strings`, and
+    times against its table); None when it marked none (they are then inferred from the stacks)."""
+    got = _from_metadata(user_metadata, strings)
+    timed = _from_recorder(time_us, recorder)
     if got is not None and timed is not None:
         # The CUDA allocator keeps the metadata string per thread: what autograd's own threads allocate in
         # backward carries none, so those entries take the recorder's time intervals instead.
         blank = ~got.stamped
         got.phase[blank], got.iteration[blank] = timed.phase[blank], timed.iteration[blank]
-    if got is None:
-        got = timed
-    if got is None:
-        got = _inferred(trace, sl)
-    return got
+    return timed if got is None else got
 
 
 def when(trace: Trace, device: int, index: int) -> tuple[str | None, int | None, str]:
@@ -256,18 +260,23 @@ def when(trace: Trace, device: int, index: int) -> tuple[str | None, int | None,
     return phase, (it if it >= 0 else None), text
 
 
-def _from_metadata(trace, sl):
+def metadata_iteration(text: str) -> int | None:
+    """The iteration our recorder's user_metadata string names (None: not one of ours)."""
+    m = _RE_METADATA.fullmatch(text)
+    return int(m.group(1)) if m else None
+
+
+def _from_metadata(um, strings):
     """Phases from our `tracekit:iter=N:phase=P` user_metadata strings."""
-    um = trace.events.user_metadata[sl]
     if not len(um):
         return None
     ids = np.unique(um)
-    phase_of = np.zeros(len(trace.strings), np.int8)
-    iter_of = np.full(len(trace.strings), -1, np.int32)
-    stamped = np.zeros(len(trace.strings), bool)  # the string is ours
+    phase_of = np.zeros(len(strings), np.int8)
+    iter_of = np.full(len(strings), -1, np.int32)
+    stamped = np.zeros(len(strings), bool)  # the string is ours
     found = False
     for i in ids.tolist():
-        m = _RE_METADATA.fullmatch(trace.strings[i])
+        m = _RE_METADATA.fullmatch(strings[i])
         if m:
             found = stamped[i] = True
             iter_of[i] = int(m.group(1))
@@ -277,11 +286,10 @@ def _from_metadata(trace, sl):
     return DevicePhases(phase=phase_of[um], iteration=iter_of[um], source="metadata", stamped=stamped[um])
 
 
-def _from_recorder(trace, sl):
+def _from_recorder(t, recorder):
     """Phases from the recorder's time intervals, for files whose entries lack our metadata."""
-    rec = trace.recorder or {}
+    rec = recorder or {}
     ph, its = rec.get("phases") or [], rec.get("iterations") or []
-    t = trace.events.time_us[sl]
     if not (ph or its) or not len(t) or (t == NO_TIME).all():
         return None
     phase = np.zeros(len(t), np.int8)

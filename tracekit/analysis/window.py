@@ -8,6 +8,10 @@ and timelines inside the window are the whole trace's; when the window ends
 before the trace does, the final segments (the state at the end of the whole
 trace) are dropped, since they do not describe the window's end; the replay
 check against them is "not applicable" for a window.
+
+A trace the streaming reader cut while reading (meta "streamed_window", see io/stream.py) holds
+only the window's entries; `select` finishes it from the reader's per-device sums to the same
+Trace as cutting the whole one.
 """
 from __future__ import annotations
 
@@ -35,6 +39,30 @@ class Window:
 
     def __bool__(self):
         return any(v is not None for v in (self.first, self.last, self.last_us, self.iterations))
+
+    def marked_ranges(self, first_pass) -> dict[int, tuple[int, int]] | None:
+        """Per device list of the file (the scanner's "dl"), the entries [lo, hi) this window of
+        iterations holds, as `ranges` finds them, from the streaming reader's pass that kept each entry's
+        user_metadata and time (io/stream.py's MARKS); None when a device's iterations are not our
+        recorder's marks (inferred from the stacks, or none: the whole trace is needed)."""
+        from .phases import marked_phases
+
+        out = {}
+        for f in first_pass.meta["streamed_window"].values():
+            n = f["n"]
+            if not n:
+                continue
+            codes, texts, times = f["marks"]
+            ph = marked_phases(codes, texts, times, first_pass.recorder)
+            if ph is None:
+                return None
+            lo = 0 if self.first is None else min(self.first, n)
+            hi = n if self.last is None else min(n, self.last + 1)
+            a, b = self.iterations
+            spans = [(s, e) for i, s, e in ph.iterations() if a <= i <= b]
+            lo, hi = (max(lo, spans[0][0]), min(hi, spans[-1][1] + 1)) if spans else (n, n)
+            out[f["dl"]] = (lo, max(lo, hi))
+        return out
 
     def describe(self) -> str:
         parts = []
@@ -92,7 +120,7 @@ def ranges(trace: Trace, window: Window) -> dict[int, tuple[int, int]]:
         n = sl.stop - sl.start
         lo, hi = 0, n
         if window.first is not None:
-            lo = max(lo, window.first)
+            lo = min(window.first, n)
         if window.last is not None:
             hi = min(hi, window.last + 1)
         if tmax is not None:
@@ -120,11 +148,12 @@ def select(trace: Trace, window: Window) -> Trace:
     from ..model import Blocks, Events, Segments
     from .replay import replay
 
+    if "streamed_window" in trace.meta:
+        return _finish(trace, window)
     if not window:
         return trace
     spans = ranges(trace, window)
-    if all(lo >= hi for lo, hi in spans.values()):
-        raise TracekitError(f"{trace.path}: no entries are inside the window ({window.describe()})")
+    _check_not_empty(trace, window, spans)
     ev = trace.events
     if all((lo, hi) == (0, len(ev.action[ev.device_slice(d)])) for d, (lo, hi) in spans.items()):
         return trace  # the window holds the whole trace
@@ -156,3 +185,43 @@ def select(trace: Trace, window: Window) -> Trace:
                                   for d, (lo, hi) in spans.items()}}
     devices = sorted(set(np.unique(events.device).tolist()) | set(np.unique(segments.device).tolist()))
     return replace(trace, devices=devices, events=events, segments=segments, blocks=blocks, meta=meta)
+
+
+def _check_not_empty(trace, window, spans):
+    if all(lo >= hi for lo, hi in spans.values()):
+        raise TracekitError(f"{trace.path}: no entries are inside the window ({window.describe()})")
+
+
+def _finish(trace: Trace, window: Window) -> Trace:
+    """`select` of a trace the streaming reader cut while reading (see the module docstring)."""
+    import numpy as np
+
+    from ..model import Blocks, Segments
+    from .replay import LIVE_STATES
+
+    meta = dict(trace.meta)
+    folds = meta.pop("streamed_window")
+    seg, blk = trace.segments, trace.blocks
+    devices = sorted({d for d, f in folds.items() if f["n"]} | set(np.unique(seg.device).tolist()))
+    n = {d: folds[d]["n"] if d in folds else 0 for d in devices}
+    spans = {d: (folds[d]["lo"], folds[d]["lo"] + folds[d]["kept"]) if d in folds else (0, 0) for d in devices}
+    _check_not_empty(trace, window, spans)
+    if all(spans[d] == (0, n[d]) for d in devices):
+        return replace(trace, meta=meta)  # the window holds the whole trace
+    initial_allocated, initial_reserved = {}, {}
+    live = np.isin(blk.state, LIVE_STATES)
+    for d in devices:  # as replay() of the whole trace has it just before the window's first entry
+        f = folds.get(d, {"cum_lo": 0, "rcum_lo": 0, "rcum": 0, "lone": 0, "touched": np.zeros(0, np.uint64)})
+        mine = live & (blk.device == d)
+        untouched = mine & ~np.isin(blk.addr, f["touched"])
+        initial_allocated[d] = int(blk.size[untouched].sum()) + f["lone"] + f["cum_lo"]
+        initial_reserved[d] = int(seg.total_size[seg.device == d].sum()) - f["rcum"] + f["rcum_lo"]
+    if not all(spans[d][1] == n[d] for d in devices):  # the final segments: see select
+        seg = Segments(**{k: v[:0] for k, v in vars(seg).items()})
+        blk = Blocks(**{k: v[:0] for k, v in vars(blk).items()})
+    meta.update(has_segments=False, initial_allocated=initial_allocated, initial_reserved=initial_reserved)
+    meta["window"] = {"description": window.describe(),
+                      "devices": {d: [lo, hi, n[d]] for d, (lo, hi) in spans.items()}}
+    ev = trace.events
+    kept = sorted(set(np.unique(ev.device).tolist()) | set(np.unique(seg.device).tolist()))
+    return replace(trace, devices=kept, segments=seg, blocks=blk, meta=meta)

@@ -61,7 +61,7 @@ def open_trace(path, no_cache=False, window=None):
 
     progress = StderrProgress(f"opening {path}")
     try:
-        trace = load(path, progress=progress, use_cache=not no_cache)
+        trace = load(path, progress=progress, use_cache=not no_cache, window=window)
     finally:
         progress.close()
     if window:

@@ -6,6 +6,7 @@ and reading is bounded in size, memory and nesting (see `limits`).
 """
 from __future__ import annotations
 
+import array
 import gzip
 import json
 import os
@@ -13,7 +14,7 @@ import pickle
 import stat as _stat_mod
 
 from ..errors import Cancelled, LoadError
-from ..model import Trace
+from ..model import NO_TIME, Trace
 from . import cache as _cache
 from . import stream as _stream
 from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget,
@@ -29,11 +30,15 @@ GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def load(path, progress=None, use_cache=True) -> Trace:
+def load(path, progress=None, use_cache=True, window=None) -> Trace:
     """Open a snapshot (pickle or JSON, optionally gzip'd) or a profiler trace.
 
     `progress(fraction, message)` is called while reading; it may raise
     `Cancelled`. A columnar cache makes the second open of a file fast.
+    `window` (a tracekit.analysis.window.Window): when the file is not in the cache, is big (see
+    WINDOW_READ_BYTES) or not to be cached, and the streaming reader takes it, only the window's
+    entries are kept (see stream.py; the caller cuts with window.select, which finishes that cut);
+    else the whole trace, cached as usual.
     """
     path = os.fsdecode(os.fspath(path))  # bytes names become str (undecodable bytes as surrogates)
     check_settings(use_cache)
@@ -49,6 +54,10 @@ def load(path, progress=None, use_cache=True) -> Trace:
     budget, why = memory_budget(st.st_size * (min(max_expansion(), 40) if zipped else 1))
     try:
         with memory_limit(budget):
+            big = st.st_size * (10 if zipped else 1) >= WINDOW_READ_BYTES
+            trace = _windowed(path, st, progress, window) if window and (big or not key) else None
+            if trace is not None:
+                return trace  # a part of the file: not cached
             trace = _read_and_convert(path, st, progress)
     except MemoryError:
         raise LoadError(path, over_memory_message(budget, why)) from None
@@ -79,7 +88,58 @@ def _read_and_convert(path, st, progress) -> Trace:
         del obj
 
 
-def _streamed(path, st, progress):
+# A window of a file this big (uncompressed, about 2M entries) is read alone when the file is not in the
+# cache; a smaller one is read whole and cached, so that the next look at it (any window) is quick.
+WINDOW_READ_BYTES = 256 << 20
+
+
+def _windowed(path, st, progress, window):
+    """The window's entries from the streaming reader (None: it cannot pick them, read it all).
+
+    --from/--to are known before reading: one pass. --last needs the file's last time first: a pass
+    that keeps nothing, then the one that keeps the window. --iterations: a pass that keeps each
+    entry's user_metadata and time only, from which `window.marked_ranges` finds each device's
+    entries (None when our recorder did not mark the iterations: the file is read whole)."""
+    if not _stream.enabled() or (window.iterations is not None and window.last_us is not None):
+        return None
+    _stream.return_large_frees()
+    first = window.first or 0
+    hi = 2**62 if window.last is None else window.last + 1
+    threshold, span, ranges = None, (0.0, 0.95), b""
+    if window.iterations is not None:
+        marks = _streamed(path, st, progress, _stream.MARKS, (0.0, 0.45))
+        found = window.marked_ranges(marks) if marks is not None else None
+        if found is None:
+            return None
+        del marks
+        top = max(found, default=-1)
+        pairs = [found.get(dl, (2**62, 0)) for dl in range(top + 1)]  # lists without entries keep nothing
+        ranges, span = array.array("q", [v for p in pairs for v in p]).tobytes(), (0.45, 0.95)
+    elif window.last_us is not None:
+        counted = _streamed(path, st, progress, _stream.NOTHING, (0.0, 0.45))
+        folds = counted.meta["streamed_window"].values() if counted is not None else ()
+        times = [f["tmax"] for f in folds if f["tmax"] != int(NO_TIME)]
+        if not times:  # no times (the cut says so) or not streamable: the whole file
+            return None
+        threshold, span = max(times) - window.last_us, (0.45, 0.95)
+    return _streamed(path, st, progress, (first, hi, threshold, ranges), span)
+
+
+def first_pass(path) -> Trace | None:
+    """The streaming reader's pass that keeps no entry: a Trace with the file's segments and, in
+    meta["streamed_window"], per device its entries, first and last time and user_metadata strings;
+    None when the compiled scanner is not built or leaves the file to the restricted unpickler."""
+    path = os.fsdecode(os.fspath(path))
+    st = os.stat(path)
+    budget, _ = memory_budget(st.st_size * (min(max_expansion(), 40) if _head(path, 2) == GZIP_MAGIC else 1))
+    try:
+        with memory_limit(budget):
+            return _streamed(path, st, None, _stream.NOTHING)
+    except MemoryError:
+        return None
+
+
+def _streamed(path, st, progress, keep=None, span=(0.0, 0.95)):
     """The Trace from the streaming reader (stream.py), or None when it is not built, turned off, or
     leaves this file to the restricted unpickler (which then reads or refuses it as always)."""
     if not _stream.enabled():
@@ -87,15 +147,15 @@ def _streamed(path, st, progress):
     with _open(path) as raw:
         zipped = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
-        reader = ProgressReader(raw, st.st_size, progress, span=(0.0, 0.95), message="reading") if progress else raw
+        reader = ProgressReader(raw, st.st_size, progress, span=span, message="reading") if progress else raw
         try:
-            trace, kind = _stream.read(path, reader, zipped, st.st_size, snapshot_to_trace)
+            trace, kind = _stream.read(path, reader, zipped, st.st_size, snapshot_to_trace, keep)
         except (Cancelled, MemoryError):
             raise
         except Exception:  # Unsupported, a corrupt gzip stream, a limit: the old path says what is wrong
             return None
     trace.meta.update(container=("gzip-compressed " if zipped else "") + kind, file_bytes=st.st_size,
-                      reader=_stream.COMPILED)
+                      reader=_stream.COMPILED if keep is None else _stream.COMPILED_WINDOW)
     return trace
 
 

@@ -54,7 +54,13 @@ static int grow(Buf *b, Py_ssize_t more) {
 
 typedef struct { int32_t fname, name; int64_t line; uint8_t have; int32_t fid; Py_ssize_t memo; } PFrame;
 typedef struct { Py_ssize_t start, len, memo; int32_t stack; } PList;  /* stack: -2 while open */
-typedef struct { Py_ssize_t first, count; int appended; } DList;
+typedef struct {
+    Py_ssize_t first, count; int appended;
+    /* a window (scan(..., window)): every entry is folded here, only those inside it are kept */
+    int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax, rec_start;
+    int lo_found, started;
+    double sizesum;
+} DList;
 
 typedef struct {
     /* input */
@@ -74,7 +80,23 @@ typedef struct {
     Buf action, addr, size, stream, time, frames, fwd, um, cc, cat, mod, df_row, df_kind, df_val;
     int64_t no_time;
     Buf dlists, order;  /* DList per device list; device lists in root order */
-    Py_ssize_t appended;  /* entries appended to their lists so far */
+    Py_ssize_t appended;  /* the row of the next entry to append to its list */
+    /* a window: keep device positions [w_first, w_hi) from the first entry timed >= w_thr (if w_has_thr) */
+    int windowed, w_has_thr;
+    int64_t w_first, w_hi, w_thr, max_size, max_time;
+    Buf w_ranges;  /* per device list (in the order they are made): its own [first, hi), else the above */
+    int w_record;  /* also keep every entry's user_metadata and time (rec_um, rec_t) */
+    Buf rec_um, rec_t;
+    Py_ssize_t w_row;  /* the next kept row: kept entries are moved down to it, the rest dropped */
+    Py_ssize_t last_dl;
+    Buf role;  /* per string id: 1 alloc, 2 free_completed, 3 segment grows, 4 segment shrinks, else 0 */
+    Buf am_key, am_dev, am_state, am_table;  /* (device, address) of every alloc/free: 1 last was alloc */
+    /* per device list, the stacks (frames, forward frames) and strings (user_metadata, compile_context,
+     * category, module) its entries use, each once, in order of first use: so the window's Trace numbers
+     * them as a read of the whole file does (the set above holds them under device -1 - list) */
+    Buf fu_dl, fu_col, fu_id;
+    int64_t fu_last[6];
+    Py_ssize_t fu_last_dl;
     int olist_made, dt_set;
     int64_t root;
     /* frames and stacks */
@@ -149,7 +171,13 @@ static Py_ssize_t intern_str(S *s, PyObject *u) {
     uint8_t f = F_NONE;
     for (int k = 1; k < N_FIELDS; k++)
         if (PyUnicode_CompareWithASCIIString(u, FIELD_NAMES[k]) == 0) f = (uint8_t)k;
-    if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0)) return -1;
+    static const char *ROLES[] = {"alloc", "free_completed", "segment_alloc", "segment_map", "segment_free",
+                                  "segment_unmap"};
+    static const uint8_t ROLE_OF[] = {1, 2, 3, 3, 4, 4};  /* tracekit.model's actions that move the curves */
+    uint8_t r = 0;
+    for (int k = 0; k < 6; k++)
+        if (PyUnicode_CompareWithASCIIString(u, ROLES[k]) == 0) r = ROLE_OF[k];
+    if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0) || APPEND(s->role, uint8_t, r)) return -1;
     return i;
 }
 
@@ -363,7 +391,7 @@ static int new_entry(S *s) {
 
 static int set_entry(S *s, Py_ssize_t row, Value k, Value v) {
     if (k.kind != K_STR) return refuse(s, "an entry key that is not a string");
-    AT(s->present, uint8_t, k.val) = 1;
+    AT(s->present, uint8_t, k.val) |= 1;
     int f = field(s, k);
     if (v.kind > K_TUPLE && !((f == F_FRAMES || f == F_FWD) && (v.kind == K_FLIST || v.kind == K_STACK)))
         return refuse(s, "a trace entry, frame or frames list used elsewhere");
@@ -371,6 +399,7 @@ static int set_entry(S *s, Py_ssize_t row, Value k, Value v) {
     case F_ACTION:
         if (v.kind != K_STR) return refuse(s, "an action that is not a string");
         AT(s->action, int32_t, row) = (int32_t)v.val;
+        AT(s->present, uint8_t, v.val) |= 2;  /* an action's name (its unknown ones are listed) */
         break;
     case F_ADDR: case F_SIZE: case F_STREAM: case F_TIME:
         if (v.kind != K_INT) return refuse(s, "an entry's number of an unusual type");
@@ -416,7 +445,10 @@ static int set_frame_fields(S *s, PFrame *f, Value k, Value v) {
 
 /* SETITEM(S): `k`, `v` into the container `c` at stack position `pos`. */
 static int set_item(S *s, Value c, Py_ssize_t pos, Value k, Value v) {
-    if (c.kind == K_ENTRY) return set_entry(s, c.val, k, v);
+    if (c.kind == K_ENTRY) {
+        if (c.val >= s->action.n) return refuse(s, "a trace entry changed after use");
+        return set_entry(s, c.val, k, v);
+    }
     if (c.kind == K_FRAME_OPEN) {
         if (AT(s->pframes, PFrame, c.val).fid >= 0) return refuse(s, "a frame changed after use");
         return set_frame_fields(s, &AT(s->pframes, PFrame, c.val), k, v);
@@ -433,6 +465,137 @@ static int set_item(S *s, Value c, Py_ssize_t pos, Value k, Value v) {
     return edge(s, c.val, key, v);
 }
 
+/* -- a window: fold every entry, keep those inside ---------------------------------------------------- */
+
+static uint64_t am_hash3(int32_t dev, uint64_t addr) { return mix(addr ^ ((uint64_t)dev << 56)); }
+static uint64_t am_hash(S *s, int32_t i) { return am_hash3(AT(s->am_dev, int32_t, i), AT(s->am_key, uint64_t, i)); }
+
+/* The state slot of (device, address), added (state 0) when new; NULL on no memory. */
+static uint8_t *am_slot(S *s, int32_t dev, uint64_t addr) {
+    Py_ssize_t n = s->am_key.n;
+    if ((n + 1) * 2 > s->am_table.n && rehash(s, &s->am_table, n, am_hash)) return NULL;
+    Py_ssize_t mask = s->am_table.n - 1;
+    int32_t *t = (int32_t *)s->am_table.p;
+    uint64_t h = am_hash3(dev, addr) & mask;
+    for (; t[h]; h = (h + 1) & mask) {
+        int32_t i = t[h] - 1;
+        if (AT(s->am_key, uint64_t, i) == addr && AT(s->am_dev, int32_t, i) == dev) return &AT(s->am_state, uint8_t, i);
+    }
+    if (n >= LIMIT) { s->err = "too many addresses"; return NULL; }
+    if (APPEND(s->am_key, uint64_t, addr) || APPEND(s->am_dev, int32_t, dev) || APPEND(s->am_state, uint8_t, 0))
+        return NULL;
+    t[h] = (int32_t)n + 1;
+    return &AT(s->am_state, uint8_t, n);
+}
+
+static Buf *row_columns(S *s, int i) {
+    Buf *c[] = {&s->action, &s->addr, &s->size, &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat,
+                &s->mod};
+    return i < 11 ? c[i] : NULL;
+}
+
+/* Entry `row` is appended to device list `dl` (at its next position): fold it, then keep or drop it. */
+static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
+    if (d->pos && s->last_dl != dl) return refuse(s, "a device trace's entries interleaved");
+    s->last_dl = dl;
+    int64_t pos = d->pos++;
+    int32_t a = AT(s->action, int32_t, row);
+    if (a < 0) return refuse(s, "an entry without an action");
+    int64_t size = AT(s->size, int64_t, row), t = AT(s->time, int64_t, row);
+    uint64_t addr = (uint64_t)AT(s->addr, int64_t, row);
+    if (size < 0 || size > s->max_size) return refuse(s, "an entry's size out of range");
+    d->sizesum += (double)size;
+    if (d->sizesum >= 4611686018427387904.0) return refuse(s, "sizes adding up beyond 2**62");
+    if (t != s->no_time) {
+        if (t >= s->max_time || t <= -s->max_time) return refuse(s, "a time out of range");
+        if (d->tmin == s->no_time || t < d->tmin) d->tmin = t;
+        if (d->tmax == s->no_time || t > d->tmax) d->tmax = t;
+        if (t >= s->w_thr) d->started = 1;
+    }
+    if (!s->w_has_thr) d->started = 1;
+    int64_t first = s->w_first, hi = s->w_hi;
+    if (dl < s->w_ranges.n / 2) {
+        first = AT(s->w_ranges, int64_t, 2 * dl);
+        hi = AT(s->w_ranges, int64_t, 2 * dl + 1);
+    }
+    if (s->w_record) {
+        if (!pos) d->rec_start = s->rec_t.n;
+        if (APPEND(s->rec_um, int32_t, AT(s->um, int32_t, row)) || APPEND(s->rec_t, int64_t, t)) return -1;
+    }
+    if (!d->lo_found && d->started && pos >= first) {
+        d->lo_found = 1; d->lo = pos; d->cum_lo = d->cum; d->rcum_lo = d->rcum;
+    }
+    uint8_t role = AT(s->role, uint8_t, a);
+    if (role == 1 || role == 2) {
+        uint8_t *st = am_slot(s, (int32_t)dl, addr);
+        if (!st) return -1;
+        d->cum += role == 1 ? size : -size;
+        if (role == 2 && *st != 1) d->lone += size;  /* freed, not allocated in the trace: live before it */
+        *st = role == 1 ? 1 : 2;
+    } else if (role == 3 || role == 4) {
+        d->rcum += role == 3 ? size : -size;
+    }
+    if (s->fu_last_dl != dl) {
+        s->fu_last_dl = dl;
+        for (int i = 0; i < 6; i++) s->fu_last[i] = INT64_MIN;
+    }
+    int32_t used[6] = {AT(s->frames, int32_t, row), AT(s->fwd, int32_t, row), AT(s->um, int32_t, row),
+                       AT(s->cc, int32_t, row), AT(s->cat, int32_t, row), AT(s->mod, int32_t, row)};
+    for (int i = 0; i < 6; i++) {
+        if (used[i] == s->fu_last[i] || (i < 2 && !used[i])) continue;
+        s->fu_last[i] = used[i];
+        uint8_t *st = am_slot(s, (int32_t)(-1 - dl), ((uint64_t)i << 32) | (uint32_t)used[i]);
+        if (!st) return -1;
+        if (*st) continue;
+        *st = 1;
+        if (APPEND(s->fu_dl, int32_t, (int32_t)dl) || APPEND(s->fu_col, uint8_t, (uint8_t)i) ||
+            APPEND(s->fu_id, int32_t, used[i]))
+            return -1;
+    }
+    Py_ssize_t w = s->w_row;
+    if (d->lo_found && pos < hi) {  /* kept: moved down to row w */
+        if (!d->count) d->first = w;
+        if (row != w) {
+            for (int i = 0; i < 11; i++) {
+                Buf *b = row_columns(s, i);
+                memcpy(b->p + w * b->size, b->p + row * b->size, (size_t)b->size);
+            }
+            for (Py_ssize_t i = s->df_row.n - 1; i >= 0 && AT(s->df_row, int32_t, i) >= row; i--)
+                if (AT(s->df_row, int32_t, i) == row) AT(s->df_row, int32_t, i) = (int32_t)w;
+        }
+        d->count++;
+        s->w_row = w + 1;
+    } else {
+        for (Py_ssize_t i = s->df_row.n - 1; i >= 0 && AT(s->df_row, int32_t, i) >= row; i--)
+            if (AT(s->df_row, int32_t, i) == row) AT(s->df_row, int32_t, i) = -1;
+    }
+    s->appended = row + 1;
+    if (row == s->action.n - 1) {  /* no entry is pending: the dropped rows' room is given back */
+        for (int i = 0; i < 11; i++) row_columns(s, i)->n = s->w_row;
+        s->appended = s->w_row;
+    }
+    return 0;
+}
+
+/* The fold of each device list (see DList), in root order, and the addresses met: (device, address) pairs. */
+static PyObject *window_result(S *s) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < s->order.n; i++) {
+        int32_t dl = AT(s->order, int32_t, i);
+        DList *d = &AT(s->dlists, DList, dl);
+        int64_t lo = d->lo_found ? d->lo : d->pos;
+        int64_t cum_lo = d->lo_found ? d->cum_lo : d->cum, rcum_lo = d->lo_found ? d->rcum_lo : d->rcum;
+        PyObject *t = Py_BuildValue("{sLsisLsLsnsLsLsLsLsLsL}", "rec_start", (long long)d->rec_start, "dl", (int)dl, "n", (long long)d->pos, "lo", (long long)lo,
+                                    "kept", d->count, "cum_lo", (long long)cum_lo, "rcum_lo", (long long)rcum_lo,
+                                    "rcum", (long long)d->rcum, "lone", (long long)d->lone,
+                                    "tmin", (long long)d->tmin, "tmax", (long long)d->tmax);
+        if (!t || PyList_Append(out, t)) { Py_XDECREF(t); Py_DECREF(out); return NULL; }
+        Py_DECREF(t);
+    }
+    return out;
+}
+
 /* APPEND(S): `v` into the list `c`. */
 static int append_item(S *s, Value c, Value v) {
     if (c.kind == K_LIST) return edge(s, c.val, NO_KEY, v);
@@ -441,6 +604,8 @@ static int append_item(S *s, Value c, Value v) {
         if (v.kind != K_ENTRY) return refuse(s, "a device trace holding a non-entry");
         if (v.val != s->appended) return refuse(s, "entries out of order or listed twice");
         if (d->appended) return refuse(s, "a device trace changed after use");
+        if (s->windowed) return v.val < s->action.n ? window_entry(s, d, c.val, v.val)
+                                                    : refuse(s, "a trace entry listed twice");
         if (!d->count) d->first = v.val;
         else if (d->first + d->count != v.val) return refuse(s, "a device trace's entries interleaved");
         d->count++;
@@ -516,7 +681,8 @@ static int new_list(S *s) {
     }
     if (list_parent(s, n, K_OLIST, K_OLIST) >= 0) {
         if (s->dlists.n >= LIMIT) return refuse(s, "too many device traces");
-        DList dl = {0, 0, 0};
+        DList dl = {0};
+        dl.tmin = dl.tmax = s->no_time;
         if (APPEND(s->dlists, DList, dl)) return -1;
         return push(s, K_DLIST, s->dlists.n - 1);
     }
@@ -578,7 +744,9 @@ static void release(S *s) {
                   &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat, &s->mod, &s->df_row,
                   &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
-                  &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena};
+                  &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena,
+                  &s->role, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
+                  &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
@@ -588,8 +756,34 @@ static void release(S *s) {
 static int setup(S *s, PyObject *args) {
     memset(s, 0, sizeof *s);
     long long no_time;
-    if (!PyArg_ParseTuple(args, "OL", &s->read, &no_time)) return -1;
+    PyObject *window = Py_None;
+    if (!PyArg_ParseTuple(args, "OL|O", &s->read, &no_time, &window)) return -1;
     s->no_time = no_time;
+    s->role.size = 1; s->am_key.size = 8; s->am_dev.size = 4; s->am_state.size = 1; s->am_table.size = 4;
+    s->fu_dl.size = s->fu_id.size = 4; s->fu_col.size = 1; s->fu_last_dl = -1;
+    s->w_ranges.size = 8; s->rec_um.size = 4; s->rec_t.size = 8;
+    if (window != Py_None) {  /* (first, hi, threshold or None, max size, max time[, ranges, record]) */
+        PyObject *thr;
+        long long first, hi, max_size, max_time;
+        Py_buffer ranges = {0};
+        int record = 0;
+        if (!PyArg_ParseTuple(window, "LLOLL|y*p", &first, &hi, &thr, &max_size, &max_time, &ranges, &record))
+            return -1;
+        s->w_record = record;
+        if (ranges.buf) {  /* int64 pairs */
+            Py_ssize_t n = ranges.len / 8;
+            int bad = grow(&s->w_ranges, n);
+            if (!bad) memcpy(s->w_ranges.p, ranges.buf, (size_t)n * 8);
+            s->w_ranges.n = bad ? 0 : n;
+            PyBuffer_Release(&ranges);
+            if (bad) return -1;
+        }
+        s->windowed = 1;
+        s->w_first = first; s->w_hi = hi; s->max_size = max_size; s->max_time = max_time;
+        s->w_has_thr = thr != Py_None;
+        s->w_thr = s->w_has_thr ? PyLong_AsLongLong(thr) : 0;
+        if (s->w_thr == -1 && PyErr_Occurred()) return -1;
+    }
     s->root = -1;
     s->stack.size = sizeof(Value); s->marks.size = sizeof(Py_ssize_t); s->memo.size = 4;
     s->nkind.size = 1; s->nfirst.size = 4; s->nlast.size = 4; s->ncount.size = 4;
@@ -648,14 +842,25 @@ static PyObject *finish(S *s, Value top) {
                    &s->cat, &s->mod, &s->df_row, &s->df_kind, &s->df_val, &s->present, &s->f_file, &s->f_line,
                    &s->f_name, &s->s_off, &s->s_fids};
     enum { NO = sizeof outs / sizeof *outs };
-    PyObject *tuple = PyTuple_New(NO + 5);
-    if (!tuple) { Py_DECREF(devices); return NULL; }
+    PyObject *folds = s->windowed ? window_result(s) : Py_NewRef(Py_None);
+    if (!folds) { Py_DECREF(devices); return NULL; }
+    PyObject *tuple = PyTuple_New(NO + 13);
+    if (!tuple) { Py_DECREF(folds); Py_DECREF(devices); return NULL; }
+    PyTuple_SET_ITEM(tuple, NO + 5, folds);
+    PyTuple_SET_ITEM(tuple, NO + 6, take(&s->am_dev));
+    PyTuple_SET_ITEM(tuple, NO + 7, take(&s->am_key));
+    PyTuple_SET_ITEM(tuple, NO + 8, take(&s->fu_dl));
+    PyTuple_SET_ITEM(tuple, NO + 9, take(&s->fu_col));
+    PyTuple_SET_ITEM(tuple, NO + 10, take(&s->fu_id));
+    PyTuple_SET_ITEM(tuple, NO + 11, take(&s->rec_um));
+    PyTuple_SET_ITEM(tuple, NO + 12, take(&s->rec_t));
     PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
     PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
     PyTuple_SET_ITEM(tuple, 2, Py_NewRef(s->strings));
     PyTuple_SET_ITEM(tuple, 3, Py_NewRef(s->keys));
     PyTuple_SET_ITEM(tuple, 4, devices);
     int ok = 1;
+    for (int i = NO + 6; i < NO + 13; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
     for (int i = 0; i < NO; i++) {
         PyObject *b = take(outs[i]);
         ok &= b != NULL;
@@ -771,6 +976,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             if (op == 'h') { NEED(1); i = p[0]; p += 1; } else { NEED(4); uint32_t v; memcpy(&v, p, 4); i = v; p += 4; }
             if (i >= s.memo.n) { s.err = "a memo index never set"; goto fail; }
             uint32_t m = AT(s.memo, uint32_t, i);
+            if (s.windowed && (m >> 28) == K_ENTRY) { s.err = "a trace entry used twice"; goto fail; }
             TRY(push(&s, (uint8_t)(m >> 28), m & 0x0fffffff));
             break;
         }

@@ -15,6 +15,14 @@ Anything this path does not handle exactly as the restricted unpickler does
 reads it with its usual messages. So every file opens to the same Trace, or
 fails with the same line, on either path. $TRACEKIT_READER=python forces the old
 path.
+
+With `keep=(first, hi, threshold)` the scanner keeps only each device's entries at positions
+[first, hi) from its first entry timed at or after `threshold` (None: no such bound), and folds
+every other entry into a few sums per device (allocated and reserved bytes before the window, bytes
+freed but never allocated in the trace, the addresses it touches, its first and last times), so
+memory grows with the window, not the file. The Trace then holds the window's entries (numbered
+from 0) and the whole file's segments, with the folds in meta["streamed_window"];
+tracekit.analysis.window.select finishes the cut exactly as it cuts a whole trace.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ import numpy as np
 
 from ..errors import TracekitError
 from ..model import ACTION, NO_TIME, OOM, OTHER
-from .columns import MAX_TIME, MAX_TOTAL, check_sizes
+from .columns import MAX_SIZE, MAX_TIME, MAX_TOTAL, check_sizes
 from .limits import CappedReader, decompressed_cap, max_depth
 
 try:
@@ -39,6 +47,7 @@ except ImportError:  # built without a C compiler: the restricted unpickler read
 K_NONE, K_FALSE, K_TRUE, K_INT, K_FLOAT, K_STR, K_LIST, K_DICT, K_TUPLE = range(9)
 COMPILED = "streaming (compiled scanner)"
 PYTHON = "restricted unpickler (Python)"
+COMPILED_WINDOW = "streaming (compiled scanner), keeping only the window's entries"
 _ENTRY_COLUMNS = ("action", "addr", "size", "stream", "time_us", "frames", "forward_frames", "user_metadata",
                   "compile_context", "category", "module", "df_row", "df_kind", "df_val", "present")
 _DTYPES = dict(zip(_ENTRY_COLUMNS, (np.int32, np.int64, np.int64, np.int64, np.int64, np.int32, np.int32, np.int32,
@@ -79,8 +88,11 @@ def return_large_frees():
 _tuned = False
 
 
-def read(path, raw, zipped, size, snapshot_to_trace):
-    """(Trace, "pickle" or "JSON") of a snapshot in the open file `raw`, or raise Unsupported."""
+def read(path, raw, zipped, size, snapshot_to_trace, keep=None):
+    """(Trace, "pickle" or "JSON") of a snapshot in the open file `raw`, or raise Unsupported.
+
+    `keep`: a window's (first, hi, threshold[, ranges, record]) (see the module docstring and
+    _pkscan.c's setup); None: every entry."""
     stream = CappedReader(gzip.GzipFile(fileobj=raw, mode="rb"), *decompressed_cap(size)) if zipped else raw
     head = stream.read(1)
     kind = "pickle"
@@ -94,7 +106,11 @@ def read(path, raw, zipped, size, snapshot_to_trace):
     def chunk(n):  # the bytes already read, then the file in pieces
         return pending.pop() if pending else stream.read(n)
 
-    return Tape(chunk, json=kind == "JSON").to_trace(path, snapshot_to_trace), kind
+    return Tape(chunk, json=kind == "JSON", keep=keep).to_trace(path, snapshot_to_trace), kind
+
+
+NOTHING = (2**62, 0, None)  # a window that keeps no entry: a pass that only counts and times them
+MARKS = (2**62, 0, None, b"", True)  # the same, recording each entry's user_metadata and time (12 bytes)
 
 
 # a memory_viz-style JSON snapshot: an object whose first key is one of a snapshot's
@@ -105,12 +121,14 @@ class Tape:
     """The scanner's output: the entries' columns, frames and stacks, and a tape of the rest
     (containers as nodes, items as edges: parent, key, value kind, value)."""
 
-    def __init__(self, read, json=False):
-        """`read(n) -> bytes` gives the file in pieces (or the whole file as bytes); `json`: it is JSON."""
+    def __init__(self, read, json=False, keep=None):
+        """`read(n) -> bytes` gives the file in pieces (or the whole file as bytes); `json`: it is JSON;
+        `keep`: a window's (first, hi, threshold)."""
         if isinstance(read, (bytes, bytearray)):
             read = io.BytesIO(read).read
+        window = None if keep is None else (*keep[:3], MAX_SIZE, MAX_TIME, *keep[3:])
         try:
-            out = (_scan_json if json else _scan)(read, int(NO_TIME))
+            out = (_scan_json if json else _scan)(read, int(NO_TIME), window)
         except ValueError as e:
             raise Unsupported(str(e)) from None
         self.root_kind, self.root, self.strings, self.keys, self.devices = out[:5]
@@ -125,6 +143,12 @@ class Tape:
         self.f_file, self.f_name = np.frombuffer(f_file, np.int32), np.frombuffer(f_name, np.int32)
         self.f_line = np.frombuffer(f_line, np.int64)
         self.s_off, self.s_fids = np.frombuffer(s_off, np.int64), np.frombuffer(s_fids, np.int32)
+        self.folds = out[33]  # per device list: what the window's scan folded (None: no window)
+        self.touched = (np.frombuffer(out[34], np.int32), np.frombuffer(out[35], np.uint64))
+        # a window: per device list, the stacks and strings its entries use, in order of first use
+        self._uses = (np.frombuffer(out[36], np.int32), np.frombuffer(out[37], np.uint8),
+                      np.frombuffer(out[38], np.int32))
+        self._marks = (np.frombuffer(out[39], np.int32), np.frombuffer(out[40], np.int64))
         self._made = {}
         self._depth = max_depth()
         self._stack_of = {}  # scanner stack id -> the Interner's
@@ -186,30 +210,68 @@ class Tape:
             raise Unsupported("'device_traces' of an unusual layout")
 
         def columns_of(device, it, present, unknown):
-            return self._events(device, devices[device], it, present, unknown)
+            if device == 0:  # the keys and actions of every entry, kept or not
+                flags, strings = self.entries["present"], self.strings
+                present.update(strings[i][:100] for i in np.flatnonzero(flags & 1).tolist())
+                unknown.update(strings[i][:100] for i in np.flatnonzero(flags & 2).tolist()
+                               if ACTION.get(strings[i], OTHER) == OTHER and strings[i] != "other")
+            return self._events(device, devices[device], it)
 
         try:
-            return snapshot_to_trace(obj, path, None, columns_of=columns_of)
+            trace = snapshot_to_trace(obj, path, None, columns_of=columns_of)
         except Unsupported:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
             raise Unsupported(f"conversion: {type(e).__name__}: {e}") from None
+        if self.folds is not None:
+            dev, addr = self.touched
+            order = np.argsort(dev, kind="stable")
+            dev, addr = dev[order], addr[order]
+            u_dl, u_col, u_id = self._uses
+            trace.meta["streamed_window"] = {
+                d: {**f, "touched": addr[np.searchsorted(dev, f["dl"]):np.searchsorted(dev, f["dl"], "right")],
+                    "user_metadata": sorted(self.strings[i] for i in set(u_id[(u_dl == f["dl"]) & (u_col == 2)]
+                                                                         .tolist()) if i >= 0)}
+                for d, f in enumerate(self.folds)}
+            um, t = self._marks
+            if len(t):  # MARKS: per device, user_metadata as ids into its texts, and times
+                for f in trace.meta["streamed_window"].values():
+                    sl = slice(f["rec_start"], f["rec_start"] + f["n"]) if f["n"] else slice(0, 0)
+                    ids = um[sl]
+                    texts = np.unique(ids)
+                    f["marks"] = (np.searchsorted(texts, ids).astype(np.int32),
+                                  [self.strings[i] if i >= 0 else "" for i in texts.tolist()], t[sl])
+                self._marks = None
+        return trace
 
-    def _events(self, device, rows, it, present, unknown):
-        """The event columns of one device's entries (rows [first, first + count) of the scanner's)."""
+    def _events(self, device, rows, it):
+        """The event columns of one device's entries (rows [first, first + count) of the scanner's).
+
+        In a window, the stacks and strings of all the device's entries, kept or not, are interned
+        as a read of the whole file interns them, so the numbering is the same."""
         first, n = rows
+        uses = [None] * 6
+        if self.folds is not None:
+            fold = self.folds[device]
+            if not fold["n"]:
+                return None
+            dl, col, ids = self._uses
+            mine = dl == fold["dl"]
+            uses = [ids[mine & (col == i)] for i in range(6)]
+            if not n:  # nothing kept: only what the whole file's read would intern
+                empty = np.zeros(0, np.int32)
+                for u in (0, 2, 3, 4, 1, 5):  # frames, user_metadata, compile_context, category, forward, module
+                    (self._stacks if u < 2 else self._texts)(empty, it, uses[u])
+                return None
         if not n:
             return None
         sl = slice(first, first + n)
         c = {k: v[sl] for k, v in self.entries.items() if k not in ("df_row", "df_kind", "df_val", "present")}
         strings = self.strings
-        present.update(strings[i][:100] for i in np.flatnonzero(self.entries["present"]).tolist())
         if (c["action"] < 0).any():
             raise Unsupported("an entry without an action")
         names = np.unique(c["action"])
         codes = np.array([ACTION.get(strings[s], OTHER) for s in names.tolist()], np.int8)
-        unknown.update(strings[s][:100] for s, k in zip(names.tolist(), codes.tolist())
-                       if k == OTHER and strings[s] != "other")
         lut = np.zeros(int(names[-1]) + 1, np.int8)
         lut[names] = codes
         action = lut[c["action"]]
@@ -221,17 +283,17 @@ class Tape:
         if ((t != NO_TIME) & ((t >= MAX_TIME) | (t <= -MAX_TIME))).any():
             raise Unsupported("a time out of range")
         # in the order the Python path interns them (frames, texts, forward frames, module)
-        col["stack_id"] = self._stacks(c["frames"], it)
-        for name in ("user_metadata", "compile_context", "category"):
-            col[name] = self._texts(c[name], it)
+        col["stack_id"] = self._stacks(c["frames"], it, uses[0])
+        for name, u in zip(("user_metadata", "compile_context", "category"), uses[2:5]):
+            col[name] = self._texts(c[name], it, u)
         col["device_free"] = self._device_free(action, first, n)
-        col["forward_stack_id"] = self._stacks(c["forward_frames"], it)
-        col["module"] = self._texts(c["module"], it)
+        col["forward_stack_id"] = self._stacks(c["forward_frames"], it, uses[1])
+        col["module"] = self._texts(c["module"], it, uses[5])
         return col
 
-    def _texts(self, sids, it):
-        """The Interner's ids of scanner string ids (-1: absent, read as "")."""
-        distinct = np.unique(sids)
+    def _texts(self, sids, it, used=None):
+        """The Interner's ids of scanner string ids (-1: absent, read as ""); `used`: all the ids to intern."""
+        distinct = np.unique(sids if used is None else used)
         ids = np.array([it.strings.intern(self.strings[s] if s >= 0 else "") for s in distinct.tolist()], np.int32)
         return ids[np.searchsorted(distinct, sids)]
 
@@ -250,12 +312,16 @@ class Tape:
         free[r[oom]] = np.where(k[oom] == K_INT, v[oom], 0)
         return free
 
-    def _stacks(self, ids, it):
-        """The Interner's stack ids of scanner stack ids + 1 (0: none), interned in order of first use."""
-        distinct, first = np.unique(ids, return_index=True)
-        lut = np.full(int(distinct[-1]) + 1, -1, np.int32)
+    def _stacks(self, ids, it, used=None):
+        """The Interner's stack ids of scanner stack ids + 1 (0: none), interned in order of first use
+        (`used`: all the ids to intern, in that order)."""
+        if used is None:
+            distinct, first = np.unique(ids, return_index=True)
+            used = distinct[np.argsort(first)]
+        top = max(int(ids.max()) if len(ids) else 0, int(used.max()) if len(used) else 0)
+        lut = np.full(top + 1, -1, np.int32)
         strings, f_file, f_line, f_name = self.strings, self.f_file, self.f_line, self.f_name
-        for i in distinct[np.argsort(first)].tolist():
+        for i in used.tolist():
             if i == 0:
                 continue
             sid = self._stack_of.get(i)
