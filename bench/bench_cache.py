@@ -55,8 +55,8 @@ def main():
     import numpy as np
 
     import tracekit
-    from tracekit import cachefiles
-    from tracekit.io import cache
+    from tracekit.io.cache import folder as cachefiles
+    from tracekit.io.cache import traces as cache
     from tracekit.io.unpickle import restricted_load
 
     path = str(big)

@@ -69,7 +69,7 @@ def walk_cost(config, steps):
     and the origins walk (origins.py) over the same result."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tracekit.record.cpu import allocation_events
+    from tracekit.record.entries import allocation_events
     from tracekit.record.modules import ModuleTracker
     from tracekit.record.origins import Origins
 

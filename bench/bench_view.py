@@ -13,7 +13,7 @@ whole once across runs; then "cold" is cold only on the first run.
 - open (cold): a fresh process runs `tracekit view FILE --screenshot` with an
   empty cache: Python start, imports, unpickle, analysis, window, first paint.
 - open (warm): the same with the columnar cache filled by the cold run.
-- in-process: loading (cache) + analysis (restored from the cache: tracekit/analysis_cache.py),
+- in-process: loading (cache) + analysis (restored from the cache: tracekit/io/cache/memo.py),
   building the tab, first paint; and their sum, from open_file to the painted window.
 - pan: the view shifted by 2% of its width per frame; each frame re-queries
   the visible range (about one point per pixel) and repaints. Whole trace,

@@ -142,7 +142,7 @@ class MainWindow(QMainWindow):
     def open_picking_window(self, path):
         """Open `path`; a big one first gets a quick first pass and the window picker (gui/window_picker.py).
         Returns the tab's loading view, or None when the picker was cancelled."""
-        from tracekit.survey import survey
+        from tracekit.analysis.survey import survey
 
         from .window_picker import is_big, pick_window
 

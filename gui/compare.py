@@ -15,7 +15,7 @@ from tracekit.analysis.categories import categorize
 from tracekit.analysis.diff import diff
 from tracekit.analysis.replay import replay
 from tracekit.analysis.sites import allocation_where
-from tracekit.render_diff import change_text, relative, signed
+from tracekit.render.diff import change_text, relative, signed
 
 from .palette import category_color, fmt_bytes
 

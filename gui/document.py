@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import tracekit
-from tracekit import analysis_cache
-from tracekit.file_report import code_stamp
+from tracekit.io.cache import memo
+from tracekit.io.cache.folder import code_stamp
 from tracekit.analysis.categories import categorize
 from tracekit.analysis.live import has_timeline, live_by_site
 from tracekit.analysis.sites import allocation_sites, allocation_where, site_frames, site_info
@@ -57,11 +57,11 @@ class Document:
         whole = trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache,
                                       window=window)
         streamed = "streamed_window" in whole.meta  # only the window was read (a big file, not cached)
-        stored = analysis_cache.restore(whole, path) if use_cache and not streamed else None
+        stored = memo.restore(whole, path) if use_cache and not streamed else None
         if window:
             trace = select(whole, window)
         if use_cache:
-            stored = analysis_cache.restore(trace, path, window, code=_CODE)
+            stored = memo.restore(trace, path, window, code=_CODE)
         tell(0.7, "replaying allocations")
         replays = replay(trace)
         tell(0.75, "classifying memory")
@@ -85,9 +85,9 @@ class Document:
                 doc.has_timeline(d)
             tell(0.97, "keeping the analysis for the next open")
             if window:
-                analysis_cache.store(whole, path)
+                memo.store(whole, path)
             extra = {"report": report, "xs": doc._xs, "kept": doc._kept, "where": doc._where}
-            analysis_cache.store(trace, path, window, extra=extra, code=_CODE)
+            memo.store(trace, path, window, extra=extra, code=_CODE)
         return doc
 
     # ---- devices and report ----------------------------------------------

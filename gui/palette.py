@@ -5,10 +5,10 @@ common kinds of colour blindness; the same category always has the same colour.
 """
 from __future__ import annotations
 
-from tracekit.analysis.units import fmt_bytes  # noqa: F401  (re-exported for the widgets)
+from tracekit.units import fmt_bytes  # noqa: F401  (re-exported for the widgets)
 
 # The colours live in tracekit (the notebook picture uses them too); re-exported for the widgets.
-from tracekit.palette import (  # noqa: F401
+from tracekit.render.palette import (  # noqa: F401
     BLACK, BLUE, CATEGORY_COLORS, EXTRA_COLORS, FINDING_COLORS, GREEN, GREY, HIGHLIGHT_COLOR, ORANGE, PHASE_COLORS,
     PURPLE, RESERVED_COLOR, RESERVED_FILL, SKY, VERMILLION, YELLOW, category_color)
 

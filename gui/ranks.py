@@ -1,6 +1,6 @@
 """The rank dashboard: every rank's allocated memory as small multiples on one scale, the outlier
 highlighted, the imbalance in words; click a rank to open its file. Built from the per-rank
-summaries (tracekit.ranks.open_ranks), so hundreds of ranks need no file parsed."""
+summaries (tracekit.analysis.rank_pool.open_ranks), so hundreds of ranks need no file parsed."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QGridLayout, QLabel, QScrollArea, QVBoxLayout, QWidget
 
-from tracekit.render_ranks import imbalance_lines
+from tracekit.render.ranks import imbalance_lines
 
 from .palette import BLUE, VERMILLION, fmt_bytes
 
@@ -48,7 +48,7 @@ class RankPlot(pg.PlotWidget):
 
 
 class RankDashboard(QWidget):
-    """Small multiples of a job's ranks. `table`: what tracekit.ranks.open_ranks(..., with_curves=True) returns."""
+    """Small multiples of a job's ranks. `table`: what tracekit.analysis.rank_pool.open_ranks(..., with_curves=True) returns."""
 
     open_file = Signal(str)
 
@@ -83,7 +83,7 @@ class RankDashboard(QWidget):
 
 def start_ranks(window, folder):
     """A dashboard tab for a folder (or list) of rank files, read off the GUI thread."""
-    from tracekit.ranks import open_ranks
+    from tracekit.analysis.rank_pool import open_ranks
 
     from .background import BackgroundTab
 

@@ -1,5 +1,5 @@
 """The open dialog's window picker: after a big file is chosen, what a quick first pass knows about it
-(tracekit.survey) and a choice of how much of it to open: the whole file, an entry range, the last N
+(tracekit.analysis.survey) and a choice of how much of it to open: the whole file, an entry range, the last N
 seconds, or iterations a..b (a tracekit.analysis.window.Window)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleS
                                QRadioButton, QSpinBox, QVBoxLayout)
 
 from tracekit.analysis.window import Window
-from tracekit.survey import Survey
+from tracekit.analysis.survey import Survey
 
 BIG_BYTES = 200 * 2**20  # files this large (or with this many entries) get the picker before they open
 BIG_ENTRIES = 2_000_000

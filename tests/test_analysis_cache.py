@@ -1,4 +1,4 @@
-"""The analysis kept beside a cached trace (tracekit/analysis_cache.py): restored, it gives exactly what
+"""The analysis kept beside a cached trace (tracekit/io/cache/memo.py): restored, it gives exactly what
 computing gives; it never outlives its trace, its window or its code; a damaged one is a miss."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import tracekit
-from tracekit import analysis_cache, cachefiles, file_report
+from tracekit.io.cache import folder as cachefiles
+from tracekit.io.cache import memo as analysis_cache
 from tracekit.analysis.categories import categorize
 from tracekit.analysis.phases import phases
 from tracekit.analysis.replay import replay
@@ -81,14 +82,14 @@ def test_it_goes_with_its_trace_code_and_window(tmp_path, cache_dir, monkeypatch
     build_report(t)
     assert analysis_cache.store(t, p)
     assert analysis_cache.restore(tracekit.load(p), p, Window(first=3)) is None  # another window
-    monkeypatch.setattr(file_report, "_STAMP", "other code")
+    monkeypatch.setattr(cachefiles, "_STAMP", "other code")
     assert analysis_cache.restore(tracekit.load(p), p) is None
     monkeypatch.undo()
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(cache_dir))
     monkeypatch.setattr(cachefiles, "RACY_S", 0.0)
     assert analysis_cache.restore(tracekit.load(p), p) == {}
     os.unlink(cachefiles._file(cachefiles.known_key(p)))  # the trace's entry goes: so does its analysis
-    from tracekit.io import cache
+    from tracekit.io.cache import traces as cache
 
     cache.evict(cache.max_bytes())
     assert not list(cache_dir.glob("*.tkm"))
@@ -137,7 +138,7 @@ def test_analyses_of_older_code_are_dropped_when_a_new_one_is_stored(tmp_path, c
     assert analysis_cache.store(t, p, code=" viewer=2")
     assert len(list(cache_dir.glob("*.tkm"))) == 1  # the viewer changed: its older entries cannot be read
     assert analysis_cache.restore(tracekit.load(p), p, code=" viewer=2") == {}
-    monkeypatch.setattr(file_report, "_STAMP", "other tracekit")
+    monkeypatch.setattr(cachefiles, "_STAMP", "other tracekit")
     assert analysis_cache.store(t, p)
     assert len(list(cache_dir.glob("*.tkm"))) == 1
 

@@ -15,7 +15,7 @@ import pytest
 import tracekit
 from tracekit.analysis.replay import replay
 from tracekit.errors import TracekitError
-from tracekit.io import cache
+from tracekit.io.cache import traces as cache
 
 from .conftest import ROOT, SAMPLES, fixture
 from .synth import MiB, Sim
@@ -304,14 +304,14 @@ def test_metadata_codec_is_exact():
 @pytest.fixture
 def not_racy(monkeypatch):
     """Files written a moment ago may be fingerprinted (tests cannot wait for the clock)."""
-    from tracekit import cachefiles
+    from tracekit.io.cache import folder as cachefiles
 
     monkeypatch.setattr(cachefiles, "RACY_S", 0.0)
 
 
 def _hashed_bytes(monkeypatch):
     """A list that counts the bytes key_for hashes from here on."""
-    from tracekit import cachefiles
+    from tracekit.io.cache import folder as cachefiles
 
     seen = []
     real = cachefiles.hashlib.sha256
@@ -421,7 +421,7 @@ def test_the_cached_report_is_the_computed_one(cache_dir, name, options):
 def test_the_stored_report_is_what_is_served(tmp_path, cache_dir):
     """A stored report is used (its content is printed, with this file's name), and only under its name:
     other options, other code, or an edited file compute a new one."""
-    from tracekit import cachefiles, file_report
+    from tracekit.io.cache import folder as cachefiles
 
     p = tmp_path / "a.pickle"
     p.write_bytes(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle").read_bytes())
@@ -435,11 +435,11 @@ def test_the_stored_report_is_what_is_served(tmp_path, cache_dir):
     served = json.loads(_report("--json", q, cache_dir=cache_dir))
     assert served["findings"] == ["marker"] and served["file"] == str(q)
     assert json.loads(_report("--json", q, "--from", "3", cache_dir=cache_dir))["findings"] != ["marker"]
-    file_report._STAMP, stamp = "other code", file_report.code_stamp()
+    cachefiles._STAMP, stamp = "other code", cachefiles.code_stamp()
     try:
         assert json.loads(_report("--json", q, cache_dir=cache_dir))["findings"] == first["findings"]
     finally:
-        file_report._STAMP = stamp
+        cachefiles._STAMP = stamp
     with open(q, "ab") as f:
         f.write(b"\n")  # bytes after the pickle's STOP: the same trace, another file
     assert json.loads(_report("--json", q, cache_dir=cache_dir))["findings"] == first["findings"]

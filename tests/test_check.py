@@ -112,7 +112,7 @@ def test_budgets_that_are_not_sizes_are_one_line_exit_2(leak_loop, value, messag
 
 
 def test_size_parsing_against_independent_arithmetic():
-    from tracekit.analysis.units import parse_bytes
+    from tracekit.units import parse_bytes
 
     cases = {"0": 0, "1048576": 2**20, "1e9": 10**9, "2GiB": 2 * 2**30, "1.5GiB": 3 * 2**29, "512 MB": 512 * 10**6,
              "0.5KiB": 512, "1.5kb": 1500, " 7 B ": 7, ".5MiB": 2**19, "9223372036854775807": 2**63 - 1,

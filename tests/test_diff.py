@@ -12,8 +12,7 @@ from click.testing import CliRunner
 import tracekit
 from tracekit.analysis.diff import diff, noise_bytes, pair_devices, peak_sites
 from tracekit.cli import cli
-from tracekit.render import diff_text
-from tracekit.render_diff import relative
+from tracekit.render.diff import diff_text, relative
 
 from .conftest import SAMPLES
 from .oracle import naive_replay

@@ -1,4 +1,4 @@
-"""The open dialog's quick first pass (tracekit.survey) and window picker (gui/window_picker.py), offscreen."""
+"""The open dialog's quick first pass (tracekit.analysis.survey) and window picker (gui/window_picker.py), offscreen."""
 from __future__ import annotations
 
 import os
@@ -16,10 +16,10 @@ from PySide6.QtCore import QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
 import tracekit  # noqa: E402
-from tracekit import cachefiles  # noqa: E402
+from tracekit.io.cache import folder as cachefiles  # noqa: E402
 from tracekit.analysis.window import Window, select  # noqa: E402
 from tracekit.io.unpickle import restricted_load  # noqa: E402
-from tracekit.survey import BYTES_PER_ENTRY, survey  # noqa: E402
+from tracekit.analysis.survey import BYTES_PER_ENTRY, survey  # noqa: E402
 from tracekit_gui import window_picker  # noqa: E402
 from tracekit_gui.app import MainWindow, wait_loaded  # noqa: E402
 from tracekit_gui.window_picker import WindowPicker  # noqa: E402

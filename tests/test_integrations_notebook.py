@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tracekit
-from tracekit.palette import category_color
-from tracekit.png import rgb, timeline_pixels, timeline_png
+from tracekit.render.palette import category_color
+from tracekit.render.png import rgb, timeline_pixels, timeline_png
 
 from .conftest import SAMPLES
 
@@ -102,7 +102,7 @@ def test_cell_magic_in_a_real_kernel(tmp_path):
     (d,) = rec.report()["devices"]
     assert d["label"] == "cpu" and len(rec.recorder["iterations"]) == 3
     assert d["categories_at_peak"].get("parameter", 0) >= 512 * 512 * 4  # the model's weight, tagged
-    from tracekit.analysis.units import fmt_bytes
+    from tracekit.units import fmt_bytes
 
     assert f"peak {fmt_bytes(d['peak_allocated_bytes'])} allocated" in page
     assert "".join(o.get("text", "") for o in nb.cells[3].outputs) == "Recording True\n"

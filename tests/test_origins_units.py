@@ -187,7 +187,7 @@ def test_cuda_profiler_steps_aside_for_the_users_profiler():
 
 
 def test_module_lines_text():
-    from tracekit.render_modules import module_lines
+    from tracekit.render.modules import module_lines
 
     rows = [{"module": f"layers.{i}.mlp", "pass": "forward", "bytes_at_peak": 1 << 20, "peak_bytes": 2 << 20}
             for i in range(2)]

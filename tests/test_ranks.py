@@ -13,7 +13,7 @@ import tracekit
 from tracekit.analysis.ranks import assign_ranks, imbalance, is_summary, rank_of_name, summarize
 from tracekit.cli import cli
 from tracekit.io.rank_files import rank_files, read_summary, summary_path
-from tracekit.ranks import open_ranks
+from tracekit.analysis.rank_pool import open_ranks
 
 from .oracle import naive_replay
 

@@ -86,7 +86,7 @@ def test_warmup_gradients_are_freed_in_trace(runs):
 
 
 def test_add_preexisting_frees_before_reuse():
-    from tracekit.record.cpu import add_preexisting_frees, final_segments
+    from tracekit.record.entries import add_preexisting_frees, final_segments
 
     def e(action, addr, size, t):
         return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": [],

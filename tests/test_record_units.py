@@ -7,7 +7,7 @@ import pytest
 
 from tracekit.io.unpickle import restricted_load
 from tracekit.io.write import write_snapshot
-from tracekit.record.cpu import final_segments, to_entries
+from tracekit.record.entries import final_segments, to_entries
 from tracekit.record.marks import Marks, metadata_string, parse_metadata
 from tracekit.record.recorder import expand_path
 from tracekit.record.script import NotPython, parse_python_command

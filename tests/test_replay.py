@@ -236,7 +236,7 @@ def test_cache_keeps_to_its_size_limit(tmp_path, monkeypatch):
     for p in paths[1:]:
         time.sleep(0.01)
         tracekit.load(p)
-    from tracekit.io import cache
+    from tracekit.io.cache import folder as cache
 
     kept = {f.stem for f in cache_dir.glob("*.tkc")}
     keys = [cache.key_for(str(p), os.stat(p)) for p in paths]

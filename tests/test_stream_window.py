@@ -180,7 +180,7 @@ def test_bad_entries_outside_the_window_are_refused_as_when_reading_it_all(tmp_p
 
 
 def test_a_small_file_is_read_whole_and_cached_a_big_one_only_its_window(tmp_path, monkeypatch):
-    import tracekit.io
+    import tracekit.io.reading
 
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))
     p = tmp_path / "s.pickle"
@@ -190,7 +190,7 @@ def test_a_small_file_is_read_whole_and_cached_a_big_one_only_its_window(tmp_pat
     assert "streamed_window" in load(str(p), window=w, use_cache=False).meta
     for f in (tmp_path / "cache").iterdir():
         f.unlink()
-    monkeypatch.setattr(tracekit.io, "WINDOW_READ_BYTES", p.stat().st_size)
+    monkeypatch.setattr(tracekit.io.reading, "WINDOW_READ_BYTES", p.stat().st_size)
     assert "streamed_window" in load(str(p), window=w).meta
     whole = load(str(p))
     assert "streamed_window" not in whole.meta and len(whole.events) == 18
@@ -202,7 +202,7 @@ def test_the_survey_of_a_big_file_never_opened_comes_from_the_scanner(tmp_path, 
     import re
     import shutil
 
-    from tracekit import survey as survey_mod
+    from tracekit.analysis import survey as survey_mod
     from tracekit.io.unpickle import restricted_load
 
     monkeypatch.setenv("TRACEKIT_CACHE_DIR", str(tmp_path / "cache"))

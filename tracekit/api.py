@@ -80,9 +80,9 @@ class Recording(Trace):
 
     def summary(self, rules=None) -> str:
         """The text of `tracekit report`."""
-        from .render import trace_report_text
+        from .render import reporter
 
-        return trace_report_text(self, self.report(rules))
+        return reporter("report", "text").render(self.report(rules), trace=self)
 
     def query(self, sql: str):
         """Run SQL over the tables `allocations`, `events` and `timeline` (DuckDB if installed, else SQLite)."""
@@ -98,7 +98,7 @@ class Recording(Trace):
         return "```\n" + self.summary() + "```\n"
 
     def _repr_html_(self):
-        from .notebook import summary_html
+        from .integrations.notebook_view import summary_html
 
         return summary_html(self)
 

@@ -8,7 +8,7 @@ not add up: after one change the peak may move elsewhere.
 from __future__ import annotations
 
 from ..model import Trace
-from .units import fmt_bytes
+from ..units import fmt_bytes
 
 # Advice is given for a category holding at least this share of the peak.
 SHARES = {"activation": 0.25, "optimizer_state": 0.15, "training_state": 0.40, "parameter": 0.30, "spike": 0.10}

@@ -19,7 +19,7 @@ from .categories import ACTIVATION, categorize
 from .phases import phases
 from .replay import replay
 from .sites import allocation_sites, site_info
-from .units import fmt_bytes
+from ..units import fmt_bytes
 
 MAX_GROUPS = 5
 

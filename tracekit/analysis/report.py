@@ -175,7 +175,7 @@ def shares(by_category: dict, limit=4) -> str:
 
 
 def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
-    from .units import fmt_bytes
+    from ..units import fmt_bytes
 
     p = rep.peak_index
     stacks = top_stacks(trace, rep, p, limit=5)
@@ -202,7 +202,7 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
     an OOM, the first and last entries) are not measured. None if reserved is unknown.
     """
     from ..model import SEGMENT_ALLOC, SEGMENT_MAP
-    from .units import fmt_bytes
+    from ..units import fmt_bytes
 
     if rep.reserved is None or rep.n == 0 or not rep.reserved.any():
         return None
@@ -240,7 +240,7 @@ def oom_findings(trace: Trace, rep: DeviceReplay, rules=None) -> list[dict]:
     """Each out-of-memory entry: the request, what the device had free, what was live by site and category."""
     from .categories import categorize
     from .timeline import categories_at
-    from .units import fmt_bytes
+    from ..units import fmt_bytes
 
     ev = trace.events
     sl = rep.events

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TracekitError
-from .units import parse_bytes
+from ..units import parse_bytes
 
 KEYS = {"category", "file", "function", "line", "metadata", "min_size", "max_size", "only"}
 

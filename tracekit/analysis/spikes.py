@@ -16,7 +16,7 @@ from ..model import Trace
 from .phases import phases, when
 from .replay import DeviceReplay, replay
 from .sites import group_sites, public
-from .units import fmt_bytes
+from ..units import fmt_bytes
 
 MIN_SHARE = 0.10  # of the device's peak
 MIN_BYTES = 64 * 1024

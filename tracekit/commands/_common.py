@@ -1,8 +1,6 @@
 """Options and helpers shared by the commands that open files."""
 from __future__ import annotations
 
-import json
-
 import click
 
 file_argument = click.argument("file", type=click.Path(dir_okay=True, path_type=str))
@@ -71,5 +69,10 @@ def open_trace(path, no_cache=False, window=None):
     return trace
 
 
-def echo_json(obj):
-    click.echo(json.dumps(obj, indent=2))
+def show(kind: str, result, as_json: bool = False, nl: bool = True, **context):
+    """Print `result` (a `kind` result: report, info, diff, ranks, estimate, whatif, check) with its reporter
+    from tracekit.render: one JSON object with --json, else text. `context` goes to the text reporter."""
+    from ..render import reporter
+
+    click.echo(reporter(kind, "json" if as_json else "text").render(result, **({} if as_json else context)), nl=nl)
+

@@ -11,9 +11,9 @@ import sys
 
 import click
 
-from ..analysis.units import fmt_bytes, parse_bytes
+from ..units import parse_bytes
 from ..errors import TracekitError
-from ._common import file_argument, json_option, no_cache_option, open_trace, rules_option
+from ._common import file_argument, json_option, no_cache_option, open_trace, rules_option, show
 
 
 class BudgetError(TracekitError):
@@ -54,6 +54,8 @@ def _budgets(ctx, param, values):
 @no_cache_option
 def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_cache):
     """Fail (exit 1) when a recording FILE is over its memory budget."""
+    from ..analysis.budget import over_budget
+    from ..analysis.categories import CATEGORIES as CATEGORY_NAMES
     from ..analysis.report import build_report
 
     trace = open_trace(file, no_cache)
@@ -65,9 +67,7 @@ def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_
                           f"(known: {', '.join(sorted(known))})")
     problems = over_budget(report, max_peak, max_reserved, budgets, no_leaks)
     if as_json:
-        import json
-
-        click.echo(json.dumps({"file": file, "ok": not problems, "problems": problems}, indent=2))
+        show("check", {"file": file, "ok": not problems, "problems": problems}, as_json=True)
     elif problems:
         click.echo(f"{file}: over budget", err=False)
         for p in problems:
@@ -76,36 +76,3 @@ def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_
         click.echo(f"{file}: within budget")
     sys.exit(1 if problems else 0)
 
-
-from ..analysis.categories import CATEGORIES as CATEGORY_NAMES  # noqa: E402
-
-
-def over_budget(report, max_peak, max_reserved, budgets, no_leaks) -> list[dict]:
-    """What is over budget, as [{"what", "device", "bytes", "limit", "message"}]."""
-    out = []
-
-    def add(what, d, got, limit, text):
-        out.append({"what": what, "device": d["device"], "bytes": got, "limit": limit,
-                    "message": f"{d['label']}: {text} {fmt_bytes(got)} > {fmt_bytes(limit)} "
-                               f"(over by {fmt_bytes(got - limit)})"})
-
-    for d in report["devices"]:
-        if max_peak is not None and (d["peak_allocated_bytes"] or 0) > max_peak:
-            add("peak", d, d["peak_allocated_bytes"], max_peak, "peak allocated")
-            top = (d.get("top_stacks_at_peak") or [{}])[0]
-            if top.get("where"):
-                out[-1]["message"] += f"; largest site at the peak: {fmt_bytes(top['bytes'])} from {top['where']}"
-        if max_reserved is not None and (d["peak_reserved_bytes"] or 0) > max_reserved:
-            add("reserved", d, d["peak_reserved_bytes"], max_reserved, "peak reserved")
-        at_peak = d.get("categories_at_peak", {})
-        for name, limit in budgets.items():
-            got = at_peak.get(name, 0)
-            if got > limit:
-                add(name, d, got, limit, f"{name} at the peak")
-    if no_leaks:
-        labels = {d["device"]: d["label"] for d in report["devices"]}
-        for f in report["findings"]:
-            if f["kind"] == "leak":
-                out.append({"what": "leak", "device": f["device"], "bytes": f["bytes"], "limit": 0,
-                            "message": f"{labels.get(f['device'], f['device'])}: leak: {f['summary']}"})
-    return out

@@ -6,7 +6,7 @@ import os
 
 import click
 
-from ..io.cache import cache_dir
+from ..io.cache.folder import cache_dir
 from .view import window_problem
 
 
@@ -55,11 +55,9 @@ def command(output, steps, backend, no_open):
     click.echo(f"tracekit demo: wrote {written}", err=True)
     if no_open:
         return
-    from ..cli import main as cli_main
-
     why = viewer_problem()
-    if why is None:
-        return cli_main(["view", written])
-    if why != "no display":
+    if why is not None and why != "no display":
         click.echo(f"tracekit demo: {why}; showing the text report instead", err=True)
-    return cli_main(["report", written])
+    ctx = click.get_current_context()
+    group = ctx.find_root().command  # the tracekit group: its commands come with the same error guard
+    return ctx.invoke(group.get_command(ctx, "view" if why is None else "report"), files=(written,))

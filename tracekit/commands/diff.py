@@ -2,8 +2,7 @@
 import click
 
 from ..analysis.diff import diff
-from ..render import diff_text
-from ._common import echo_json, json_option, no_cache_option, open_trace, rules_option
+from ._common import json_option, no_cache_option, open_trace, rules_option, show
 
 
 @click.command("diff")
@@ -22,7 +21,4 @@ def command(a, b, as_json, rules, no_cache):
     result = diff(open_trace(a, no_cache), open_trace(b, no_cache), rules)
     if not result["devices"]:
         raise click.ClickException("the two files have no device in common")
-    if as_json:
-        echo_json(result)
-    else:
-        click.echo(diff_text(result), nl=False)
+    show("diff", result, as_json, nl=as_json)

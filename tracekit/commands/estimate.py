@@ -6,7 +6,7 @@ import functools
 import click
 
 from ..errors import TracekitError
-from ._common import echo_json, json_option
+from ._common import json_option, show
 
 class Count(click.ParamType):
     """A parameter count: 8030261248, 8.03e9, 8.03B, 350M, 65k."""
@@ -177,7 +177,7 @@ def command(as_json, deepspeed_table, nodes, list_presets, **kw):
     tracekit estimate --params 7.5B --precision mixed --optimizer adam --zero 3 --dp 64
     """
     from ..analysis.estimate import estimate, preset_names
-    from ..render_estimate import deepspeed_rows, estimate_text
+    from ..render.estimate import deepspeed_rows
 
     if list_presets:
         click.echo("\n".join(preset_names()))
@@ -191,6 +191,6 @@ def command(as_json, deepspeed_table, nodes, list_presets, **kw):
         out = est.to_dict()
         if ds is not None:
             out["deepspeed"] = ds
-        echo_json(out)
+        show("estimate", out, as_json=True)
     else:
-        click.echo(estimate_text(est, ds))
+        show("estimate", est, deepspeed=ds)

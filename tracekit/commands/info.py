@@ -2,8 +2,7 @@
 import click
 
 from ..analysis.info import file_info
-from ..render import info_text
-from ._common import echo_json, file_argument, json_option, no_cache_option, open_trace, window_of, window_options
+from ._common import file_argument, json_option, no_cache_option, open_trace, show, window_of, window_options
 
 
 @click.command("info")
@@ -14,7 +13,4 @@ from ._common import echo_json, file_argument, json_option, no_cache_option, ope
 def command(file, as_json, no_cache, **window):
     """Format facts about a memory FILE: what it holds and how complete it is."""
     info = file_info(open_trace(file, no_cache, window_of(window)))
-    if as_json:
-        echo_json(info)
-    else:
-        click.echo(info_text(info), nl=False)
+    show("info", info, as_json, nl=as_json)

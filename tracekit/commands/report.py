@@ -2,7 +2,7 @@
 files: one row per rank and the imbalance between ranks."""
 import click
 
-from ._common import (echo_json, json_option, no_cache_option, open_trace, rules_option, window_line, window_of,
+from ._common import (json_option, no_cache_option, open_trace, rules_option, show, window_line, window_of,
                       window_options)
 from .estimate import report_options, report_spec
 
@@ -35,30 +35,31 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
         if any(v not in (None, False, ()) for v in estimate_knobs.values()):
             raise click.UsageError("--estimate-config and its knobs apply to one FILE, not to several ranks")
         return _ranks(files, as_json, rules, no_cache, jobs, no_summaries)
-    from ..file_report import file_report
+    from ..io.cache.reports import file_report
 
     spec = report_spec(estimate_knobs)
-    report, trace = file_report(files[0], open_trace, not no_cache, window, rules, spec, want_trace=not as_json)
+    report, trace = file_report(files[0], open_trace, _analyse, not no_cache, window, rules, spec, want_trace=not as_json)
     if as_json:
-        echo_json(report)
+        show("report", report, as_json=True)
     else:
-        from ..render import trace_report_text
-
         if trace.meta.get("window"):
             click.echo(window_line(trace))
-        click.echo(trace_report_text(trace, {k: v for k, v in report.items() if k != "window"}))
+        show("report", {k: v for k, v in report.items() if k != "window"}, trace=trace)
+
+
+def _analyse(trace, **options):
+    """The report of a trace (imported here, so that a report served from the cache never loads the analysis)."""
+    from ..analysis.report import build_report
+
+    return build_report(trace, **options)
 
 
 def _ranks(files, as_json, rules, no_cache, jobs, no_summaries):
     from ..errors import TracekitError
-    from ..ranks import open_ranks
-    from ..render import ranks_text
+    from ..analysis.rank_pool import open_ranks
 
     table = open_ranks(files, jobs=jobs, use_summaries=not no_summaries, use_cache=not no_cache, rules=rules)
-    if as_json:
-        echo_json(table)
-    else:
-        click.echo(ranks_text(table), nl=False)
+    show("ranks", table, as_json, nl=as_json)
     if table["errors"]:
         raise TracekitError(f"{len(table['errors'])} of {table['files']} files could not be read: "
                             + "; ".join(e["error"] for e in table["errors"][:3]))

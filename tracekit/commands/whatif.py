@@ -6,12 +6,12 @@ from dataclasses import replace
 import click
 
 from ..errors import TracekitError
-from ._common import echo_json, json_option, no_cache_option, open_trace
+from ._common import json_option, no_cache_option, open_trace, show
 from .estimate import model_options, overrides_from, setup_options, shape_from
 
 
 def _budget(ctx, param, value):
-    from ..analysis.units import parse_bytes
+    from ..units import parse_bytes
 
     try:
         return parse_bytes(value)
@@ -68,7 +68,6 @@ def command(files, budget, by, sizes, as_json, no_cache, **kw):
     from ..analysis.estimate.measured import recorded_setup
     from ..analysis.estimate.shapes import ModelShape
     from ..analysis.estimate.whatif import whatif
-    from ..render_estimate import whatif_text
 
     if len(files) > 2:
         raise TracekitError("whatif takes one or two recordings")
@@ -90,10 +89,7 @@ def command(files, budget, by, sizes, as_json, no_cache, **kw):
     shape = shape or (rshape if isinstance(rshape, ModelShape) else None)
     setup = replace(rsetup or _default_setup(), **overrides_from(kw)).check() if shape is not None else None
     result = whatif(points, budget, by, shape, setup)
-    if as_json:
-        echo_json(result)
-    else:
-        click.echo(whatif_text(result))
+    show("whatif", result, as_json)
 
 
 def _default_setup():

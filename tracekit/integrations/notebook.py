@@ -43,7 +43,7 @@ def parse(line: str):
 
 def run_cell(ipython, line: str, cell: str):
     """Record `cell` in `ipython`'s namespace; returns the Recording (None if nothing was recorded)."""
-    import tracekit
+    from tracekit.api import load
     from tracekit.record import Recorder
 
     try:
@@ -70,12 +70,12 @@ def run_cell(ipython, line: str, cell: str):
     if not rec.written:
         print("tracekit: nothing was recorded (see the warnings above)")
         return None
-    recording = tracekit.load(rec.written, use_cache=False)
+    recording = load(rec.written, use_cache=False)
     ns["_tracekit"] = recording
     if not opts.quiet:
         from IPython.display import HTML, display
 
-        from tracekit.notebook import summary_html
+        from .notebook_view import summary_html
 
         display(HTML(summary_html(recording, rules=opts.rules)))
         print(f"recorded to {rec.written}" + (" (the cell raised)" if not result.success else ""))

@@ -48,7 +48,7 @@ def _settings(item):
     peak, leaks = item.get_closest_marker("limit_peak_memory"), item.get_closest_marker("no_memory_leaks")
     if peak is None and leaks is None:
         return None
-    from ..analysis.units import parse_bytes
+    from ..units import parse_bytes
 
     limit = category = None
     device = None
@@ -117,9 +117,9 @@ def pytest_pyfunc_call(pyfuncitem):
 def check(path, limit, device, category, leaks) -> str:
     """The explanation of what is over budget or leaking in a recording ("" when all is well)."""
     from ..analysis.report import build_report
-    from ..commands.check import over_budget
+    from ..analysis.budget import over_budget
     from ..io import load
-    from ..render import finding_lines
+    from ..render.text import finding_lines
 
     trace = load(path, use_cache=False)
     report = build_report(trace)
@@ -138,7 +138,7 @@ def check(path, limit, device, category, leaks) -> str:
             continue
         cats = sorted(((c, b) for c, b in (d.get("categories_at_peak") or {}).items() if b), key=lambda kv: -kv[1])
         from ..analysis.frames import where
-        from ..analysis.units import fmt_bytes
+        from ..units import fmt_bytes
 
         if cats:
             out.append(f"  {d['label']} at the peak, by category: "
@@ -156,7 +156,7 @@ def check(path, limit, device, category, leaks) -> str:
 def _category_over(trace, devices, category, limit) -> list[dict]:
     """A category's own peak (its most bytes at any entry, not only at the overall peak) over `limit`."""
     from ..analysis.timeline import category_series
-    from ..analysis.units import fmt_bytes
+    from ..units import fmt_bytes
 
     out = []
     for d in devices:

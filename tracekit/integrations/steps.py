@@ -74,7 +74,7 @@ class StepRecorder:
 def summary_line(path) -> str:
     """`tracekit: PATH: 3 steps, peak 1.2 GiB on cuda:0 (activation 55%, parameter 20%, ...); findings: ...`."""
     from ..analysis.report import build_report, shares
-    from ..analysis.units import fmt_bytes
+    from ..units import fmt_bytes
     from ..io import load
 
     trace = load(path, use_cache=False)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import os
 
-from .cpu import _frames_key, frame_list
+from .entries import _frames_key, frame_list
 
 BACKWARD_RANGE = "autograd::engine::evaluate_function: "
 MAX_FORWARD = 1 << 20  # forward ops remembered (their backward may come in a later profiler session)
@@ -192,7 +192,7 @@ class CudaProfiler:
     def _start_session(self):
         from torch.profiler import ProfilerActivity, profile
 
-        from .cpu import quiet_stderr
+        from .entries import quiet_stderr
 
         # No stacks: the allocator records each allocation's Python stack already (_StackedAllocations).
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=False, with_stack=False,
@@ -205,7 +205,7 @@ class CudaProfiler:
         prof, self._prof = self._prof, None
         if prof is None:
             return
-        from .cpu import quiet_stderr
+        from .entries import quiet_stderr
 
         with self._watch.ours(), quiet_stderr():
             prof.stop()

@@ -8,14 +8,14 @@ profiler's own results are dropped. The ring keeps the newest rows worth
 PyTorch's allocator history keeps its newest entries. What must outlive the
 ring is kept beside it, bounded by what is live rather than by how long the
 run was: the blocks live now (the final segments) and the state of the
-storages that existed before recording (`cpu.PreexistingFrees`).
+storages that existed before recording (`entries.PreexistingFrees`).
 """
 from __future__ import annotations
 
 import bisect
 from collections import deque
 
-from .cpu import PreexistingFrees, allocation_entries, free_entries, frame_list, segment
+from .entries import PreexistingFrees, allocation_entries, free_entries, frame_list, segment
 
 
 class Ring:

@@ -1,8 +1,9 @@
 """Plain-text rendering of the report and info dicts for the terminal."""
 from __future__ import annotations
 
-from .analysis.frames import where
-from .analysis.units import fmt_bytes
+from ..analysis.frames import where
+from ..units import fmt_bytes
+from . import Reporter
 
 
 def _rows(pairs, indent="  ") -> list[str]:
@@ -65,14 +66,14 @@ def report_text(report: dict, t0_by_device=None) -> str:
             out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}  {why.get(c, '')}".rstrip()) for c, b in cats if b],
                          indent="    ")
         out += _phase_rows(d)
-        if d.get("estimate"):  # predicted vs measured (render_estimate.py)
-            from .render_estimate import comparison_lines
+        if d.get("estimate"):  # predicted vs measured (render/estimate.py)
+            from .estimate import comparison_lines
             out += comparison_lines(d["estimate"])
         if d["top_stacks_at_peak"]:
             out.append("  live at the peak, by allocation site:")
             out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {_site(s)}")
                           for s in d["top_stacks_at_peak"]], indent="    ")
-        from .render_modules import module_lines  # per module (issue 11)
+        from .modules import module_lines  # per module (issue 11)
         out += module_lines(d.get("modules"))
         out.append("")
     others = [f for f in report["findings"] if f["kind"] != "peak"]
@@ -86,7 +87,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
 
 def trace_report_text(trace, report: dict) -> str:
     """`report_text` with times as seconds since the trace's first timed entry (the viewer's time base)."""
-    from .analysis.timeline import time_origin
+    from ..analysis.timeline import time_origin
 
     t0 = time_origin(trace)
     return report_text(report, t0_by_device={d: t0 for d in trace.devices})
@@ -172,15 +173,22 @@ def info_text(info: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def diff_text(result: dict) -> str:
-    """`tracekit diff` as text (render_diff.py)."""
-    from .render_diff import diff_text as text
+class ReportText(Reporter):
+    """The report as the terminal shows it. Context: `t0_by_device` {device: time_us of the trace's first
+    entry} for times in seconds (or `trace`, to take it from the trace, as the viewer does)."""
 
-    return text(result)
+    kind, format = "report", "text"
+
+    def render(self, report, t0_by_device=None, trace=None) -> str:
+        if trace is not None:
+            return trace_report_text(trace, report)
+        return report_text(report, t0_by_device)
 
 
-def ranks_text(table: dict) -> str:
-    """`tracekit report DIR` as text (render_ranks.py)."""
-    from .render_ranks import ranks_text as text
+class InfoText(Reporter):
+    """`tracekit info` as text."""
 
-    return text(table)
+    kind, format = "info", "text"
+
+    def render(self, info) -> str:
+        return info_text(info)

@@ -1,23 +1,23 @@
 """Open a many-rank job: each rank's summary (read from beside its file, else computed in a process pool),
-then one row per rank and the imbalance (analysis/ranks.py). What `tracekit report DIR` and the
-viewer's rank dashboard call."""
+then one row per rank and the imbalance (ranks.py, pure functions over the summaries). What
+`tracekit report DIR` and the viewer's rank dashboard call."""
 from __future__ import annotations
 
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
-from .analysis.ranks import is_summary, rank_table
-from .errors import TracekitError
-from .io.rank_files import rank_files, read_summary
+from ..errors import TracekitError
+from ..io.rank_files import rank_files, read_summary
+from .ranks import is_summary, rank_table
 
 MEMORY_PER_FILE_BYTE = 8  # rough peak memory of opening a file, per byte of it (for sizing the pool)
 
 
 def summarize_file(path: str, use_cache: bool = True, rules=None) -> tuple[dict | None, str | None]:
     """(summary, None), or (None, one line saying why the file could not be read)."""
-    from .analysis.ranks import summarize
-    from .io import load
+    from ..io import load
+    from .ranks import summarize
 
     try:
         return summarize(load(path, use_cache=use_cache), rules), None

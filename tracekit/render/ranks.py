@@ -1,8 +1,9 @@
 """Plain-text rendering of a many-rank report: one row per rank, then the imbalance."""
 from __future__ import annotations
 
-from .analysis.units import fmt_bytes
-from .render_diff import relative
+from ..units import fmt_bytes
+from . import Reporter
+from .diff import relative
 
 MIN_COLUMN_SHARE = 0.01  # a category gets a column when it holds this much of some rank's peak
 
@@ -74,3 +75,12 @@ def _short(path: str, n: int = 40) -> str:
 def _workers(table) -> str:
     w = table.get("workers") or 0
     return f" by {w} processes" if w > 1 else ""
+
+
+class RanksText(Reporter):
+    """`tracekit report DIR` as text: one row per rank, the imbalance and the outlier."""
+
+    kind, format = "ranks", "text"
+
+    def render(self, table) -> str:
+        return ranks_text(table)

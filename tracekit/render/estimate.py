@@ -1,7 +1,8 @@
 """Plain-text rendering of estimates, of predicted vs measured, and of what-if answers."""
 from __future__ import annotations
 
-from .analysis.units import fmt_bytes
+from ..units import fmt_bytes
+from . import Reporter
 
 
 def _gb(n) -> str:
@@ -9,7 +10,7 @@ def _gb(n) -> str:
 
 
 def estimate_text(est, deepspeed=None) -> str:
-    from .analysis.estimate.shapes import ModelShape, gpt_style_params
+    from ..analysis.estimate.shapes import ModelShape, gpt_style_params
 
     s, shape = est.setup, est.shape
     out = [f"{shape.name}: {est.params:,} parameters ({est.params / 1e9:.3g} B), "
@@ -63,8 +64,8 @@ def estimate_text(est, deepspeed=None) -> str:
 
 def deepspeed_rows(est, nodes=1) -> dict:
     """DeepSpeed's estimate_zero{2,3}_model_states_mem_needs_all_live table for this model and --dp GPUs."""
-    from .analysis.estimate import deepspeed
-    from .errors import TracekitError
+    from ..analysis.estimate import deepspeed
+    from ..errors import TracekitError
 
     s = est.setup
     if nodes < 1 or s.dp % nodes:
@@ -147,3 +148,21 @@ def whatif_text(r: dict) -> str:
                        f"{fits:<11}  {lv['lever']}")
     out += [f"  - {a}" for a in r["levers_assumptions"]]
     return "\n".join(out) + "\n"
+
+
+class EstimateText(Reporter):
+    """`tracekit estimate` as text (`deepspeed`: DeepSpeed's estimator rows beside it, deepspeed_rows)."""
+
+    kind, format = "estimate", "text"
+
+    def render(self, est, deepspeed=None) -> str:
+        return estimate_text(est, deepspeed)
+
+
+class WhatifText(Reporter):
+    """`tracekit whatif` as text."""
+
+    kind, format = "whatif", "text"
+
+    def render(self, result) -> str:
+        return whatif_text(result)

@@ -1,7 +1,7 @@
 """The report's per-module section (analysis/modules.py)."""
 from __future__ import annotations
 
-from .analysis.units import fmt_bytes
+from ..units import fmt_bytes
 
 
 def module_lines(table: dict | None) -> list[str]:

@@ -3,7 +3,7 @@
 The analyses memoise their results on the trace they analyse (analysis/memo.py). Once the viewer has
 analysed a file, `store` writes that memo (replay, categories, phases, sites, the timeline's step
 functions) and the report to one entry under the file's key, the window and tracekit's code
-(file_report.code_stamp), in the columns' layout (io/cache.py: arrays memory-mapped on read, CRCs).
+(folder.code_stamp), in the columns' layout (traces.py: arrays memory-mapped on read, CRCs).
 `restore` puts it back on a freshly loaded trace, so the same calls find their results instead of
 computing them. Values are dataclasses defined in tracekit, numpy arrays (object arrays of strings too),
 slices and plain data; a memo entry holding anything else is left out (computed again when asked for).
@@ -18,10 +18,9 @@ import tempfile
 
 import numpy as np
 
-from . import cachefiles
-from .file_report import code_stamp
-from .io import cache
-from .model import Trace
+from ...model import Trace
+from . import folder, traces
+from .folder import code_stamp
 
 SUFFIX = ".tkm"
 
@@ -36,20 +35,20 @@ def _name(window, code="") -> str:
 
 def _file(key, window, code="") -> str:
     digest = hashlib.sha256(_name(window, code).encode()).hexdigest()[:16]
-    return os.path.join(cachefiles.cache_dir(), f"{key}-{digest}{SUFFIX}")
+    return os.path.join(folder.cache_dir(), f"{key}-{digest}{SUFFIX}")
 
 
 def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
     """Write `trace`'s memo (and `extra`, plain data such as the report) for `path` cut to `window`;
-    `code` names the code that made `extra` when it is not tracekit's (file_report.code_stamp(folder)).
+    `code` names the code that made `extra` when it is not tracekit's (folder.code_stamp(package folder)).
     Only while the trace's own entry is cached; failures are ignored (the cache is an optimisation)."""
-    key = cachefiles.known_key(path) or cachefiles.key_for(path)
-    if not key or not os.path.isfile(cachefiles._file(key)):
+    key = folder.known_key(path) or folder.key_for(path)
+    if not key or not os.path.isfile(folder._file(key)):
         return False
     arrays, seen, entries = {}, {}, []
     for k, v in list(trace.__dict__.get("_memo", {}).items()):
         try:
-            entries.append([cache.encode(k), _enc(v, arrays, seen)])
+            entries.append([traces.encode(k), _enc(v, arrays, seen)])
         except (Unstorable, TypeError):
             continue
     try:
@@ -58,64 +57,64 @@ def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
         return False
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=cachefiles.cache_dir(), suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=folder.cache_dir(), suffix=".tmp")
         os.close(fd)
-        cache.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc})
+        traces.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc})
         os.replace(tmp, _file(key, window, code))
         _drop_older(key, code)
         tmp = None
-        cache.evict(cache.max_bytes())
+        traces.evict(traces.max_bytes())
         return True
-    except (OSError, ValueError, TypeError, cache.Odd, MemoryError):
+    except (OSError, ValueError, TypeError, folder.Odd, MemoryError):
         return False
     finally:
         if tmp:
-            cachefiles._unlink(tmp)
+            folder._unlink(tmp)
 
 
 def restore(trace: Trace, path, window=None, code=""):
     """Put the stored memo back on `trace` (freshly loaded from `path`, cut to `window`) and return the
     stored `extra`; None (nothing changed) when there is none or it is odd (then it is deleted)."""
-    key = cachefiles.known_key(path)
+    key = folder.known_key(path)
     if not key:
         return None
     fn = _file(key, window, code)
     if not os.path.isfile(fn):
         return None
     try:
-        head, arrays = cache.unpack(fn)
+        head, arrays = traces.unpack(fn)
         if head.get("name") != _name(window, code) or not isinstance(head.get("memo"), list):
-            raise cache.Odd("another entry")
+            raise folder.Odd("another entry")
         memo = {}
         for k, v in head["memo"]:
-            k = cache.decode(k)
+            k = traces.decode(k)
             if not (isinstance(k, tuple) and len(k) == 3 and str(k[0]).startswith("tracekit.")):
-                raise cache.Odd("not a memo key")
+                raise folder.Odd("not a memo key")
             memo[k] = _dec(v, arrays)
         extra = _dec(head.get("extra"), arrays)
     except Exception:  # whatever is wrong with it, it is a miss
-        cachefiles._unlink(fn)
+        folder._unlink(fn)
         return None
     mine = trace.__dict__.setdefault("_memo", {})
     for k, v in memo.items():
         mine.setdefault(k, v)
-    cachefiles._touch(cachefiles._file(key))
+    folder._touch(folder._file(key))
     return extra
 
 
 def _drop_older(key, code) -> None:
     """Delete this trace's stored analyses made by other versions of the code (they can never be read)."""
-    d = cachefiles.cache_dir()
+    d = folder.cache_dir()
     current = [f'"analysis code={code_stamp()}{c} window='.encode() for c in ("", code)]
     for name in os.listdir(d):
         if name.startswith(key + "-") and name.endswith(SUFFIX):
             try:
-                with cachefiles.open_regular(os.path.join(d, name)) as f:
+                with folder.open_regular(os.path.join(d, name)) as f:
                     head = f.read(4096)
             except OSError:
                 continue
             if not any(c in head for c in current):
-                cachefiles._unlink(os.path.join(d, name))
+                folder._unlink(os.path.join(d, name))
 
 
 # -- values <-> JSON + arrays: every dict in the JSON is a tag ----------------------------------------
@@ -142,7 +141,7 @@ def _enc(v, arrays, seen):
     if type(v) in (dict, set, frozenset) or type(v) is bytes:
         if type(v) is dict:
             return {"~d": [[_enc(k, arrays, seen), _enc(x, arrays, seen)] for k, x in v.items()]}
-        return {"~p": cache.encode(v)}
+        return {"~p": traces.encode(v)}
     if dataclasses.is_dataclass(v) and not isinstance(v, (type, Trace)):
         cls = type(v)
         if not cls.__module__.startswith("tracekit.") or not hasattr(v, "__dict__"):
@@ -172,17 +171,17 @@ def _dec(v, arrays):
     if "~d" in v:
         return {_dec(k, arrays): _dec(x, arrays) for k, x in v["~d"]}
     if "~p" in v:
-        return cache.decode(v["~p"])
+        return traces.decode(v["~p"])
     if "~c" in v:
         module, qualname = v["~c"].split(":")
         if not module.startswith("tracekit."):
-            raise cache.Odd(module)
+            raise folder.Odd(module)
         cls = importlib.import_module(module)
         for part in qualname.split("."):
             cls = getattr(cls, part)
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-            raise cache.Odd(qualname)
+            raise folder.Odd(qualname)
         obj = object.__new__(cls)
         obj.__dict__.update({k: _dec(x, arrays) for k, x in v["f"].items()})
         return obj
-    raise cache.Odd("unknown tag")
+    raise folder.Odd("unknown tag")

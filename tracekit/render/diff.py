@@ -1,7 +1,8 @@
 """Plain-text rendering of `tracekit diff`: what changed beyond noise, read at a glance."""
 from __future__ import annotations
 
-from .analysis.units import fmt_bytes
+from ..units import fmt_bytes
+from . import Reporter
 
 
 def relative(c: dict) -> str:
@@ -135,3 +136,12 @@ def _finding_lines(f: dict) -> list[str]:
         out.append(f"  {'changed':<9} [{r['kind']}{' ' + r['label'] if r.get('label') else ''}] "
                    f"{fmt_bytes(r['bytes']['a'])} -> {fmt_bytes(r['bytes']['b'])}, {change_text(r['bytes'])}{where}")
     return (["Findings (other than the peak)"] + out) if out else ["Findings: the same in both"]
+
+
+class DiffText(Reporter):
+    """`tracekit diff` as text: what changed beyond noise."""
+
+    kind, format = "diff", "text"
+
+    def render(self, result) -> str:
+        return diff_text(result)

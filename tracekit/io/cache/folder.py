@@ -1,6 +1,7 @@
 """The cache folder's files and their names, without numpy: where the folder is, the key of a file's
-content (remembered under the file's fingerprint, see io/cache.py), and JSON results stored beside a
-cached trace. Light on purpose: a `report --json` served from the cache imports only this."""
+content (remembered under the file's fingerprint, see traces.py), JSON results stored beside a
+cached trace, and the stamp of tracekit's own code that results are keyed on. Light on purpose: a
+`report --json` served from the cache imports only this and reports.py."""
 from __future__ import annotations
 
 import hashlib
@@ -48,7 +49,7 @@ def open_regular(path):
 
 def key_for(path, stat=None) -> str | None:
     """Identity of the file's current content (a hash of all of it), or None if it cannot be read.
-    Remembered under the file's fingerprint (see io/cache.py), so a warm open hashes 128 KiB.
+    Remembered under the file's fingerprint (see traces.py), so a warm open hashes 128 KiB.
     `stat` is not used (the open file's own fstat is: it cannot change between stat and read)."""
     try:
         with open_regular(path) as f:
@@ -179,3 +180,30 @@ def _unlink(fn) -> bool:
         return True
     except OSError:
         return False
+
+
+_STAMP = None
+_STAMPS = {}
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tracekit/
+
+
+def code_stamp(root=None) -> str:
+    """A hash of the name, size and mtime of every module of the installed tracekit package (or of the
+    package folder `root`, for code outside tracekit whose results are stored too: the viewer's)."""
+    global _STAMP
+    if root is None and _STAMP is not None:
+        return _STAMP
+    folder0 = root or PACKAGE_DIR
+    if folder0 not in _STAMPS:
+        h = hashlib.sha256(str(VERSION).encode())
+        for folder, dirs, files in os.walk(folder0):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith((".py", ".so", ".pyd", ".toml", ".json")):
+                    st = os.stat(os.path.join(folder, name))
+                    h.update(f"{os.path.relpath(os.path.join(folder, name), folder0)} {st.st_size} {st.st_mtime_ns}\n"
+                             .encode())
+        _STAMPS[folder0] = h.hexdigest()[:16]
+    if root is None:
+        _STAMP = _STAMPS[folder0]
+    return _STAMPS[folder0]

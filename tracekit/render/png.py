@@ -9,7 +9,8 @@ import zlib
 
 import numpy as np
 
-from .model import Trace
+from ..model import Trace
+from . import Reporter
 from .palette import RESERVED_COLOR, category_color
 
 BACKGROUND, AXIS = (255, 255, 255), (120, 120, 120)
@@ -40,7 +41,7 @@ def timeline_pixels(trace: Trace, device: int, width=720, height=200, rules=None
     bottom; reserved memory is a dark line above. x is time when the file has
     times, else entry order. `top_bytes` is the value of the top edge.
     """
-    from .analysis.timeline import category_series
+    from ..analysis.timeline import category_series
 
     s = category_series(trace, device, max_points=4 * width, rules=rules)
     names = s.names
@@ -79,3 +80,17 @@ def timeline_pixels(trace: Trace, device: int, width=720, height=200, rules=None
 
 def timeline_png(trace: Trace, device: int, width=720, height=200, rules=None) -> bytes:
     return encode(timeline_pixels(trace, device, width, height, rules)[0])
+
+
+class TimelinePng(Reporter):
+    """A device's memory over time, stacked by category, as PNG bytes: `render(trace, device=0, width, height,
+    rules)`; `picture(...)` also gives the top of the picture in bytes and the categories drawn."""
+
+    kind, format = "timeline", "png"
+
+    def render(self, trace, device=0, width=720, height=200, rules=None) -> bytes:
+        return self.picture(trace, device, width, height, rules)[0]
+
+    def picture(self, trace, device=0, width=720, height=200, rules=None):
+        img, top, names = timeline_pixels(trace, device, width, height, rules)
+        return encode(img), top, names

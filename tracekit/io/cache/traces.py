@@ -41,10 +41,10 @@ import zlib
 
 import numpy as np
 
-from ..cachefiles import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _unlink, cache_dir,  # noqa: F401
+from .folder import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _unlink, cache_dir,  # noqa: F401
                           key_for, open_regular, result, store_result)
-from ..model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
-from .limits import env_number
+from ...model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
+from ..limits import env_number
 
 MAGIC = b"TKCACHE6"
 _PRE = struct.Struct("<8sQI")  # magic, head length, head CRC-32
@@ -63,7 +63,7 @@ DTYPES = {
     "bl": {"device": _I32, "segment": _I32, "addr": _U64, "size": _I64, "requested_size": _I64,
            "state": _I8, "stack_id": _I32},
 }
-_BESIDE = (".json", ".tkm")  # results stored beside a trace: file_report.py, analysis_cache.py
+_BESIDE = (".json", ".tkm")  # results stored beside a trace: reports.py, memo.py
 COLUMNS = {f"{p}_{n}": dtype for p, fields in DTYPES.items() for n, dtype in fields.items()}
 
 

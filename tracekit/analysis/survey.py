@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from . import cachefiles
-from .analysis.units import fmt_bytes
+from ..units import fmt_bytes
+from ..io.cache import folder
 
 # A pickled trace entry with a short Python stack takes about this many bytes (a 1M-entry tile of the
 # real newest-format snapshot is 124 MB); a file with deeper stacks has fewer entries than estimated.
@@ -86,15 +86,15 @@ class Survey:
 def survey(path) -> Survey:
     """The quick first pass over `path` (see the module docstring). Raises OSError if it cannot be read."""
     path = os.fsdecode(os.fspath(path))
-    with cachefiles.open_regular(path) as f:
+    with folder.open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         compressed = f.read(2) == GZIP_MAGIC
-    key = cachefiles.known_key(path)
+    key = folder.known_key(path)
     trace = None
     if key:
-        from .io import cache
+        from ..io.cache import traces
 
-        trace = cache.read(key, path)
+        trace = traces.read(key, path)
     if trace is None and size * (10 if compressed else 1) >= SCAN_BYTES:
         devices = _scanned(path)
         if devices is not None:
@@ -106,9 +106,9 @@ def survey(path) -> Survey:
 
 def _scanned(path) -> list[DeviceSurvey] | None:
     """The devices as the scanner's first pass sees them (None: it cannot read the file)."""
-    from .analysis.phases import metadata_iteration
-    from .io import first_pass
-    from .model import NO_TIME
+    from .phases import metadata_iteration
+    from ..io.reading import first_pass
+    from ..model import NO_TIME
 
     trace = first_pass(path)
     if trace is None:
@@ -136,8 +136,8 @@ def _scanned(path) -> list[DeviceSurvey] | None:
 def _devices(trace) -> list[DeviceSurvey]:
     import numpy as np
 
-    from .analysis.phases import phases
-    from .model import NO_TIME
+    from .phases import phases
+    from ..model import NO_TIME
 
     its = phases(trace)
     out = []

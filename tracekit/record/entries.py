@@ -1,0 +1,276 @@
+"""Trace entries and segments as the CUDA allocator writes them, built from torch.profiler events.
+
+Shared by the CPU backend (cpu.py), its ring of converted chunks (ring.py) and backward attribution
+(origins.py): the Python frames of a profiler event (innermost first), `alloc`/`free_*` entries of a
+block that is its own segment, the frees of storages that existed before recording (which the profiler
+never reports), and the final segments. There is no caching allocator on the CPU, so each allocation is
+its own segment: a ``segment_alloc`` precedes each ``alloc`` and a ``segment_free`` follows each
+``free_completed`` (reserved == allocated at every time). Device 0 is the CPU.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import sys
+
+CPU_DEVICE = 0
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Hide what the profiler's C++ side prints on fd 2 when it starts and stops
+    ("USDT: ... profiler_start"), so a recorded script's stderr stays its own."""
+    try:
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def allocation_events(kineto_results, with_ops=False):
+    """[(time_ns, order, ptr, size, frames_key)] of CPU allocations (size > 0) and frees (size < 0).
+
+    frames_key is a tuple of (filename, line, name), innermost first, shared by
+    equal stacks so that the written file stores each stack once.
+    """
+    from torch._C._profiler import _EventType
+
+    py_tags = (_EventType.PyCall, _EventType.PyCCall)
+    torch_op = _EventType.TorchOp
+    allocation = _EventType.Allocation
+    interned = {}
+    out = []
+    # Depth-first walk carrying the Python frames above each node (outermost first).
+    todo = [(root, (), ()) for root in reversed(kineto_results.experimental_event_tree())]
+    while todo:
+        node, pyframes, ops = todo.pop()
+        tag = node.tag
+        if tag in py_tags:
+            pyframes = pyframes + ((node, tag),)
+            ops = ()
+        elif tag == torch_op and with_ops:
+            ops = ops + (node.name,)
+        elif tag == allocation:
+            ef = node.extra_fields
+            if ef.device.type == "cpu" and ef.alloc_size != 0 and ef.ptr:
+                key = _frames_key(pyframes, ops, _EventType.PyCall)
+                key = interned.setdefault(key, key)
+                out.append((node.start_time_ns, len(out), ef.ptr, ef.alloc_size, key))
+        children = node.children
+        for child in reversed(children):
+            todo.append((child, pyframes, ops))
+    out.sort(key=lambda e: (e[0], e[1]))
+    return out
+
+
+def _frames_key(pyframes, ops, pycall_tag):
+    """Python frames innermost first, like a traceback read upwards.
+
+    `pyframes` are the profiler's Python nodes above an allocation, outermost
+    first. A PyCall node is one Python frame: `callsite` is that frame (its
+    def line, or for a frame already running when profiling began, the line it
+    was at), `caller` is the frame it was called from, at the calling line. A
+    PyCCall node is a C function called from the frame `caller`; it makes no
+    frame of its own.
+
+    So the chain is read from the callers: each PyCall node contributes its
+    caller. The innermost node adds the line the allocation came from: a C
+    call's caller (the line that called it), or a Python function's own frame
+    at its def line (the profiler does not know the current line). A C call
+    with Python nodes inside it (exec, a C function calling back into Python,
+    the autograd engine running Python hooks) adds nothing: the frame that
+    called it is the caller of the Python call inside it, already written.
+    The outermost node, a frame already running when profiling began with
+    nothing below it, reports itself as its caller; that duplicate is dropped.
+    """
+    frames = [("", 0, op) for op in reversed(ops)]
+    last = len(pyframes) - 1
+    for i in range(last, -1, -1):
+        node, tag = pyframes[i]
+        ef = node.extra_fields
+        c = ef.caller
+        caller = (c.file_name, c.line_number, c.function_name)
+        if tag != pycall_tag:  # a C call
+            if i == last:
+                frames.append(caller)
+            continue
+        cs = ef.callsite
+        own = (cs.file_name, cs.line_number, cs.function_name)
+        if i == last:
+            frames.append(own)
+        if i == 0 and own == caller:
+            continue  # the bottom frame, its own caller
+        frames.append(caller)
+    return tuple(frames)
+
+
+def to_entries(events, metadata=()):
+    """Trace entries (dicts) from allocation events; metadata [(time_us, str)] tags each entry."""
+    meta_times = [t for t, _ in metadata]
+    frame_lists = {}
+    entries = []
+    for time_ns, _, ptr, size, key in events:
+        t = time_ns // 1000
+        frames = frame_lists.get(key)
+        if frames is None:
+            frames = frame_lists[key] = frame_list(key)
+        i = bisect.bisect_right(meta_times, t) - 1
+        meta = metadata[i][1] if i >= 0 else ""
+        if size > 0:
+            entries += allocation_entries(ptr, size, t, frames, meta)
+        else:
+            entries += free_entries(ptr, -size, t, frames, meta)
+    return entries
+
+
+def frame_list(key):
+    return [{"filename": f, "line": l, "name": n} for f, l, n in key]
+
+
+def allocation_entries(addr, size, t, frames, meta):
+    """What the CUDA allocator writes for a block that is its own segment: segment_alloc, alloc."""
+    return [_entry("segment_alloc", addr, size, t, frames, meta), _entry("alloc", addr, size, t, frames, meta)]
+
+
+def free_entries(addr, size, t, frames, meta):
+    return [_entry(action, addr, size, t, frames, meta) for action in ("free_requested", "free_completed",
+                                                                       "segment_free")]
+
+
+class PreexistingFrees:
+    """When the trace frees the storages [(addr, size, frames)] that were live when recording began.
+
+    The profiler never reports the free of a block allocated before it
+    started. Fed the trace's allocations and frees in time order, this says
+    (`inserts`) when each pre-existing storage was freed:
+
+    - at `freed[addr]` (the time its death was seen, on the entries' clock),
+    - but no later than the first traced allocation that overlaps its bytes
+      (the memory was free again by then),
+    - and not at all when the trace already frees it (a free at its address
+      before any allocation there) or neither is known (still live).
+    """
+
+    def __init__(self, preexisting):
+        self.spans = sorted((a, s) for a, s, _ in preexisting)
+        self._starts = [a for a, _ in self.spans]
+        self._addrs = set(self._starts)
+        self._sizes = dict(self.spans)
+        self._first_reuse = {}  # addr -> time_us of the first traced alloc overlapping it
+        self._traced_free = set()
+        self._touched = set()  # pre-existing addresses the trace allocates or frees at
+
+    def allocated(self, addr, size, t):
+        if not self.spans:
+            return
+        spans = self.spans
+        j = bisect.bisect_left(self._starts, addr + size) - 1
+        while j >= 0 and spans[j][0] + spans[j][1] > addr:
+            self._first_reuse.setdefault(spans[j][0], t)
+            j -= 1
+        if addr in self._addrs:
+            self._touched.add(addr)
+
+    def freed(self, addr, size, t):
+        if addr in self._addrs:
+            self._touched.add(addr)
+            if addr not in self._first_reuse:
+                if size == self._sizes[addr]:
+                    self._traced_free.add(addr)
+                else:  # not this storage's free: a block allocated there unseen (between two profiler sessions)
+                    self._first_reuse[addr] = t
+
+    def touched(self, addr):
+        return addr in self._touched
+
+    def inserts(self, freed, metadata=()):
+        """[(time_us, addr, size, metadata string)] of the frees to write, in time order."""
+        meta_times = [t for t, _ in metadata]
+        out = []
+        for addr, size in self.spans:
+            if addr in self._traced_free:
+                continue
+            t = freed.get(addr)
+            r = self._first_reuse.get(addr)
+            if r is not None:
+                t = r if t is None else min(t, r)
+            if t is None:
+                continue
+            k = bisect.bisect_right(meta_times, t) - 1
+            out.append((t, addr, size, metadata[k][1] if k >= 0 else ""))
+        out.sort(key=lambda x: x[:2])
+        return out
+
+
+def add_preexisting_frees(entries, preexisting, freed, metadata=()):
+    """`entries` with the free entries of each pre-existing storage freed (see `PreexistingFrees`).
+
+    They go before every entry of the same or a later `time_us`, so the
+    pairs the trace writes at one time stay together.
+    """
+    if not preexisting:
+        return entries
+    state = PreexistingFrees(preexisting)
+    for e in entries:
+        if e["action"] == "alloc":
+            state.allocated(e["addr"], e["size"], e["time_us"])
+        elif e["action"] == "free_completed":
+            state.freed(e["addr"], e["size"], e["time_us"])
+    inserts = state.inserts(freed, metadata)
+    if not inserts:
+        return entries
+    times = [e["time_us"] for e in entries]
+    out, prev = [], 0
+    for t, addr, size, meta in inserts:
+        pos = bisect.bisect_left(times, t)
+        out.extend(entries[prev:pos])
+        out.extend(free_entries(addr, size, t, [], meta))
+        prev = pos
+    out.extend(entries[prev:])
+    return out
+
+
+def _entry(action, addr, size, time_us, frames, meta):
+    return {
+        "action": action, "addr": addr, "size": size, "stream": 0,
+        "time_us": time_us, "frames": frames, "user_metadata": meta,
+    }
+
+
+def final_segments(entries, preexisting=()):
+    """One synthesized segment per block live at the end of `entries`.
+
+    Live at the end: what the trace allocates and does not free, plus the
+    `preexisting` storages [(addr, size, frames)] that the trace never frees.
+    """
+    live = {}  # addr -> (size, frames)
+    seen = set()  # a pre-existing storage whose address the trace touches was freed in it
+    for e in entries:
+        addr = e["addr"]
+        if e["action"] == "alloc":
+            live[addr] = (e["size"], e["frames"])
+        elif e["action"] == "free_completed":
+            live.pop(addr, None)
+        seen.add(addr)
+    for addr, size, frames in preexisting:
+        if addr not in seen:
+            live[addr] = (size, frames)
+    return [segment(addr, size, frames) for addr, (size, frames) in sorted(live.items())]
+
+
+def segment(addr, size, frames):
+    block = {"address": addr, "size": size, "requested_size": size, "state": "active_allocated", "frames": frames}
+    return {
+        "device": CPU_DEVICE, "address": addr, "total_size": size, "allocated_size": size,
+        "active_size": size, "requested_size": size, "stream": 0, "segment_type": "cpu",
+        "segment_pool_id": (0, 0), "is_expandable": False, "frames": frames, "blocks": [block],
+    }
