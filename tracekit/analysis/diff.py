@@ -95,10 +95,10 @@ def keyed_changes(xs: dict, ys: dict, noise: int, key: str, limit: int = TOP_ROW
         ca, cb = xs.get(name, {}), ys.get(name, {})
         c = change(sum(ca.values()), sum(cb.values()), noise)
         if c["significant"]:
-            moved = {k: cb.get(k, 0) - ca.get(k, 0) for k in set(ca) | set(cb)}
+            moved = {k: cb.get(k, 0) - ca.get(k, 0) for k in sorted(set(ca) | set(cb))}
             rows.append({key: name, "category": max(moved, key=lambda k: moved[k] * (1 if c["change"] > 0 else -1)),
                          **c})
-    return sorted(rows, key=lambda r: -abs(r["change"]))[:limit]
+    return sorted(rows, key=lambda r: (-abs(r["change"]), str(r[key])))[:limit]  # ties by name: the same every run
 
 
 def peak_sites(trace: Trace, device: int) -> dict:
