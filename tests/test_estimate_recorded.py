@@ -91,7 +91,10 @@ def test_predicted_within_tolerance(recordings, name):
     for cat in ("parameter", "gradient", "optimizer_state"):
         assert abs(measured[cat] - predicted[cat]) <= 0.01 * max(predicted[cat], 1), (cat, measured, predicted)
     assert predicted["activation"] > 0
-    assert abs(measured["activation"] - predicted["activation"]) <= 0.15 * predicted["activation"]
+    # what autograd saves, tensor by tensor (autocast included); LoRA's first layer keeps less (its input needs no
+    # gradient), which the formula does not follow
+    tolerance = 0.05 if "lora" in name else 0.01
+    assert abs(measured["activation"] - predicted["activation"]) <= tolerance * predicted["activation"]
 
 
 def test_recorder_stores_what_the_estimate_needs(recordings):

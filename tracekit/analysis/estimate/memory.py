@@ -38,8 +38,9 @@ HOPPER_WORKSPACE = 32 * MiB  # torch's cuBLAS workspace per handle and stream on
 OTHER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8", every other GPU
 
 # when a line is live (see MOMENTS)
-ALWAYS, SAVED, LOSS_BWD, BWD_END, OPT_STEP, RECOMPUTE, GRADS, HELD = (
-    "always", "saved", "loss backward", "end of backward", "optimizer step", "recompute", "gradients", "held")
+ALWAYS, SAVED, LOSS_FWD, LOSS_BWD, BWD_END, OPT_STEP, RECOMPUTE, GRADS, HELD = (
+    "always", "saved", "loss forward", "loss backward", "end of backward", "optimizer step", "recompute",
+    "gradients", "held")
 # model types whose embeddings go through dropout (embd_pdrop, embedding_dropout)
 EMBED_DROPOUT = {"gpt2", "gpt_neo", "gpt_bigcode", "gptj", "codegen", "phi", "starcoder2", ""}
 
@@ -114,14 +115,15 @@ class Line:
 # the moments of a training step, and which lines are live at each (gradients also before backward when
 # accumulating over micro-batches: see _moments)
 MOMENTS = {
-    "train": [("forward end", (ALWAYS, HELD, SAVED)),
+    "train": [("loss forward", (ALWAYS, HELD, SAVED, LOSS_FWD)),
               ("loss backward", (ALWAYS, HELD, SAVED, LOSS_BWD)),
               ("end of backward", (ALWAYS, HELD, GRADS, BWD_END, RECOMPUTE)),
               ("optimizer step", (ALWAYS, HELD, GRADS, OPT_STEP))],
-    "inference": [("forward", (ALWAYS, HELD, SAVED, LOSS_BWD, BWD_END, OPT_STEP, RECOMPUTE, GRADS))],
+    "inference": [("forward", (ALWAYS, HELD, SAVED, LOSS_FWD, LOSS_BWD, BWD_END, OPT_STEP, RECOMPUTE, GRADS))],
 }
 MOMENT_TEXT = {
-    "forward end": "the forward pass has ended: everything saved for backward is live",
+    "loss forward": "the forward pass's end, in the loss: everything saved for backward, and the logits' fp32 "
+                    "copy while the log-softmax is made",
     "loss backward": "backward begins: the loss's gradients (vocabulary-wide, fp32) on top of the saved tensors",
     "end of backward": "backward has ended: every gradient is live, the saved tensors are freed",
     "optimizer step": "the optimizer step: gradients, states and the step's temporaries",
@@ -155,7 +157,7 @@ class Estimate:
         out = []
         accumulating = self.setup.mode == "train" and self.setup.grad_accum > 1
         for name, live in MOMENTS[self.setup.mode]:
-            if accumulating and name in ("forward end", "loss backward"):
+            if accumulating and name in ("loss forward", "loss backward"):
                 live = live + (GRADS,)
             per = {c: 0 for c in CATEGORIES}
             for ln in self.lines:
@@ -650,6 +652,10 @@ def _activations(est: Estimate):
     if shape.model_type == "gemma2":
         est.add("activation", tokens * V * c / s.tp,
                 "Gemma-2's final logit soft-capping: tanh of the logits, kept for backward", when=SAVED)
+    if c != 4:
+        est.add("temporary", tokens * V * 4 / s.tp,
+                "the loss's fp32 copy of the logits (logits.float()), freed once the log-softmax is made, "
+                "batch × seq × vocab × 4 B", when=LOSS_FWD)
     est.add("temporary", 2 * tokens * V * 4 / s.tp,
             "the loss's backward: gradients of the log-softmax's output and input, 2 × batch × seq × vocab × 4 B",
             when=LOSS_BWD)
