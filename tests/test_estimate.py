@@ -201,7 +201,7 @@ def test_inference_kv_cache():
     blocks = estimate(shape, Setup(mode="inference", precision="bf16", batch=2, seq=100, generate=28,
                                    kv_block_size=100))
     kv = 32 * 2 * 8 * 128 * 128 * 2 * 2
-    assert gen.per_gpu["activation"] - base.per_gpu["activation"] == kv
+    assert gen.per_gpu["kv_cache"] - base.per_gpu["kv_cache"] == kv
     unused = [ln.bytes for ln in blocks.lines if ln.formula.startswith("KV cache blocks")]
     assert unused == [32 * 2 * 8 * 128 * 72 * 2 * 2]  # 200-token blocks hold 72 unused slots
 

@@ -95,3 +95,13 @@ def test_quant_without_precision_is_fp16(capsys):
     unquantized = 2 * v * h + (2 * layers + 1) * h
     assert fp32["per_gpu"]["total"] - auto["per_gpu"]["total"] == unquantized * 2
     assert any("without --precision" in a for a in auto["assumptions"])
+
+
+def test_generation_peak_and_kv_cache():
+    """Greedy generate() in bf16 with a KV cache: the cache's bytes exactly, the peak (the prompt's forward) within 2%."""
+    t = TRUTH["qwen2_generate_b2_p256_n128.pickle.gz"]
+    est = estimate(from_hf_config(t["config"]), Setup(mode="inference", precision="bf16", batch=t["batch"],
+                                                      seq=t["prompt"], generate=t["new_tokens"]))
+    assert est.per_gpu["kv_cache"] == t["kv_bytes_final"]
+    assert est.per_gpu["parameter"] == t["param_bytes"]
+    assert abs(est.per_gpu["total"] - t["max_allocated"]) <= 0.02 * t["max_allocated"]

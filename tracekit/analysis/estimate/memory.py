@@ -692,7 +692,12 @@ def _inference_activations(est: Estimate):
             f"one forward, no grad (nothing is saved, so intermediates are temporaries): residual stream and its "
             f"input (2 × {h} × {B} B) + the widest intermediate ({widest:g} B) per token, "
             f"batch {s.batch} × seq {s.seq}")
-    est.add("temporary", tokens * shape.vocab * B / s.tp, f"logits, batch × seq × vocab {shape.vocab:,} × {B} B")
+    if s.generate:  # generate() asks for the last position's logits only (logits_to_keep=1), copied to fp32
+        est.add("temporary", s.batch * shape.vocab * (B + 4) / s.tp,
+                f"logits of the last position only (generate's logits_to_keep=1) and their fp32 copy, "
+                f"batch × vocab {shape.vocab:,} × ({B} + 4) B")
+    else:
+        est.add("temporary", tokens * shape.vocab * B / s.tp, f"logits, batch × seq × vocab {shape.vocab:,} × {B} B")
     if s.generate:
         length = s.seq + s.generate
         held = length
@@ -702,7 +707,7 @@ def _inference_activations(est: Estimate):
         kv = shape.layers * per_tok * B / s.tp
         what = ("compressed kv (kv_lora_rank + rope dims)" if shape.mla else
                 f"2 × kv-heads {shape.n_kv} × head-dim {shape.d_head}")
-        est.add("activation", s.batch * length * kv,
+        est.add("kv_cache", s.batch * length * kv,
                 f"KV cache: layers × {what} × (seq + {s.generate}) × batch × {B} B")
         if held > length:
             est.add("other", s.batch * (held - length) * kv,
