@@ -74,7 +74,8 @@ def test_cuda_fixture_configs_match_truth(name):
 
 
 def test_the_issue_figures():
-    """The counts the issue found wrong: Falcon-7B +57%, Mixtral -84.5%, OPT-1.3B -0.32%, Phi-2 -0.03%, OPT's positions."""
+    """The counts the issue found wrong: Falcon-7B +57%, Mixtral -84.5%, OPT-1.3B -0.32%, Phi-2 -0.03%, and OPT's
+    learned positions."""
     opt = from_hf_config(TRUTH["opt_amp_adamw_b4_s256.pickle.gz"]["config"])
     assert opt.params() == 35_824_640 and opt.positions == 1024 + 2
     assert from_hf_config(CONFIGS["falcon-7b"]).params() == 6_921_720_704
@@ -121,7 +122,8 @@ CASES = {
     "phi": [dict(NOHEAD, num_key_value_heads=4), dict(NOHEAD, num_key_value_heads=2, qk_layernorm=True,
                                                       partial_rotary_factor=0.4)],
     "persimmon": [dict(NOHEAD), dict(NOHEAD, qk_layernorm=False)],
-    "gpt_neox": [dict(NOHEAD), dict(NOHEAD, use_parallel_residual=False, attention_bias=False, tie_word_embeddings=True)],
+    "gpt_neox": [dict(NOHEAD),
+                 dict(NOHEAD, use_parallel_residual=False, attention_bias=False, tie_word_embeddings=True)],
     "stablelm": [dict(SMALL), dict(SMALL, use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True,
                                    num_key_value_heads=2)],
     "cohere": [dict(SMALL), dict(SMALL, use_qk_norm=True, num_key_value_heads=2, attention_bias=True)],

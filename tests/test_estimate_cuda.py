@@ -78,7 +78,8 @@ def test_report_puts_the_moment_beside_the_recording(tmp_path, capsys):
     assert sum(g["bytes"] for g in e["gap_at_peak"]) == e["peak_difference"]
     rows = {r["category"]: r for r in e["categories"]}
     assert rows["gradient"]["predicted_at_peak"] == 0 and rows["gradient"]["predicted"] > 0
-    assert abs(rows["activation"]["predicted_at_peak"] - rows["activation"]["at_peak"]) <= 0.01 * rows["activation"]["at_peak"]
+    act = rows["activation"]
+    assert abs(act["predicted_at_peak"] - act["at_peak"]) <= 0.01 * act["at_peak"]
 
 
 # -- quantized loading: the unquantized parts as transformers loads them --------------------------------------------
@@ -98,7 +99,8 @@ def test_quant_without_precision_is_fp16(capsys):
 
 
 def test_generation_peak_and_kv_cache():
-    """Greedy generate() in bf16 with a KV cache: the cache's bytes exactly, the peak (the prompt's forward) within 2%."""
+    """Greedy generate() in bf16 with a KV cache: the cache's bytes exactly, the peak (the prompt's forward)
+    within 2%."""
     t = TRUTH["qwen2_generate_b2_p256_n128.pickle.gz"]
     est = estimate(from_hf_config(t["config"]), Setup(mode="inference", precision="bf16", batch=t["batch"],
                                                       seq=t["prompt"], generate=t["new_tokens"]))

@@ -17,7 +17,7 @@ moments, with its composition. Every line carries its formula.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from ...errors import TracekitError
 from ..categories import CATEGORIES
@@ -439,7 +439,8 @@ def _norm_terms(shape: ModelShape, s: Setup, width: int, where: str, frozen: boo
     # 16-bit input: the fp32 copy (saved by pow and by x * rsqrt), the normalized value for the weight's gradient
     kept = 4 if shape.norm_fp32 else c  # Gemma keeps it fp32 until after the weight; Llama casts it back first
     return [(f"{where} RMSNorm: the fp32 copy of its input, rsqrt"
-             + ("" if frozen else f", the normalized value ({kept * 8}-bit)"), 4 * width + 4 + (0 if frozen else kept * width))]
+             + ("" if frozen else f", the normalized value ({kept * 8}-bit)"),
+             4 * width + 4 + (0 if frozen else kept * width))]
 
 
 def _stream_saved(shape: ModelShape, s: Setup) -> bool:
@@ -482,7 +483,8 @@ def _attention_terms(shape: ModelShape, s: Setup, lora) -> list[tuple[str, float
                           ((4 + c) if c == 2 else 4) * heads * s.seq))
             terms.append(("attention output (o_proj's input)", c * o))
             return terms
-        terms.append(("attention output" + (" and its contiguous copy" if c == 2 else ""), (2 if c == 2 else 1) * c * o))
+        terms.append(("attention output" + (" and its contiguous copy" if c == 2 else ""),
+                      (2 if c == 2 else 1) * c * o))
         terms.append(("attention log-sum-exp (fp32, per head)", 4 * heads))
         return terms
     if shape.qk_norm:
@@ -632,7 +634,8 @@ def _activations(est: Estimate):
     if shape.final_norm:
         tail += _norm_terms(shape, s, h, "final", frozen)
     if not frozen:
-        tail.append(("the output layer's input" + (" (its 16-bit cast)" if s.precision == "amp" else ""), c * shape.emb))
+        tail.append(("the output layer's input" + (" (its 16-bit cast)" if s.precision == "amp" else ""),
+                     c * shape.emb))
     if dropout and shape.model_type in EMBED_DROPOUT:
         tail.append(("embedding dropout mask (1 B)", h))
     tail = [(w, b) for w, b in tail if b]
@@ -686,8 +689,8 @@ def _inference_activations(est: Estimate):
     shape, s = est.shape, est.setup
     B, h = compute_bytes(s.precision), shape.hidden
     tokens = s.batch * s.seq
-    widest = max(shape.heads * s.seq if s.attention == "eager" else 0,
-                 (3 if shape.gated else 2) * (shape.expert_ffn * shape.top_k if shape.experts else shape.d_ff)) * B / s.tp
+    ffn = shape.expert_ffn * shape.top_k if shape.experts else shape.d_ff
+    widest = max(shape.heads * s.seq if s.attention == "eager" else 0, (3 if shape.gated else 2) * ffn) * B / s.tp
     est.add("temporary", tokens * (2 * h * B + widest),
             f"one forward, no grad (nothing is saved, so intermediates are temporaries): residual stream and its "
             f"input (2 × {h} × {B} B) + the widest intermediate ({widest:g} B) per token, "

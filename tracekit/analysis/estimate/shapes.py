@@ -197,7 +197,9 @@ class ModelShape:
     def mlp_linears(self, ffn=None, bias=None, prefix="") -> list[tuple[str, int, int, bool]]:
         h, f = self.hidden, ffn or self.d_ff
         b = self.mlp_bias if bias is None else bias
-        up = [(prefix + "gate_proj", h, f, b), (prefix + "up_proj", h, f, b)] if self.gated else [(prefix + "up_proj", h, f, b)]
+        up = [(prefix + "up_proj", h, f, b)]
+        if self.gated:
+            up.insert(0, (prefix + "gate_proj", h, f, b))
         return up + [(prefix + "down_proj", f, h, b)]
 
     def linears(self) -> list[tuple[str, int, int, bool]]:
@@ -571,7 +573,8 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
                             "the estimator covers those (Llama, Mistral, Qwen, Gemma, Phi, Falcon, GPT-2, OPT, ...)")
     c = _Cfg(cfg, name)
     if mt == "mpt":
-        hidden, layers, heads = c.int("d_model", default=2048), c.int("n_layers", default=24), c.int("n_heads", default=16)
+        hidden, layers = c.int("d_model", default=2048), c.int("n_layers", default=24)
+        heads = c.int("n_heads", default=16)
     else:
         hidden = c.int("hidden_size", "n_embd", "d_model", "n_embed")
         layers = c.int("num_hidden_layers", "n_layer", "num_layers", "n_layers")
