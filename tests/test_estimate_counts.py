@@ -141,6 +141,7 @@ CASES = {
                          first_k_dense_replace=1, q_lora_rank=None, **MLA),
                     dict(MOE, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
                          first_k_dense_replace=0, q_lora_rank=24, attention_bias=True, mlp_bias=True, **MLA)],
+    "gpt_oss": [dict(MOE, num_local_experts=4), dict(MOE, num_local_experts=4, attention_bias=False)],
     "deepseek_v3": [dict(MOE, n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
                          first_k_dense_replace=1, q_lora_rank=24, n_group=1, topk_group=1, **MLA)],
 }

@@ -567,8 +567,8 @@ def activation_terms(shape: ModelShape, s: Setup, moe: bool = False) -> list[tup
     if _stream_saved(shape, s):
         terms.append((f"residual stream: {residuals} sum{'s' if residuals > 1 else ''} per layer in "
                        f"{'fp32' if r == 4 else '16-bit'}, kept by the next norm", residuals * r * h))
-    pre = 1 if shape.parallel_residual and shape.norms == 1 else (0 if shape.model_type == "olmo2" else 2)
-    post = max(0, shape.norms - 2) if shape.model_type != "olmo2" else 2
+    pre = 1 if shape.parallel_residual and shape.norms == 1 else (0 if shape.norm_layout == "post" else 2)
+    post = {"post": 2, "sandwich": 2}.get(shape.norm_layout, 0)
     for i in range(pre):
         terms += _norm_terms(shape, s, h, "pre-attention" if i == 0 else "pre-MLP", frozen)
     for i in range(post):  # Gemma-2/3, OLMo-2: norms on the attention and MLP outputs (16-bit in, fp32 copy kept)

@@ -54,7 +54,8 @@ class ModelShape:
     fused_qkv: bool = False  # one matrix for q, k, v: matters to Adafactor's state and to what attention keeps
     fused_gate_up: bool = False  # Phi-3
     parallel_residual: bool = False  # attention and MLP read the same normalized input(s)
-    norms: int = 2  # hidden-wide norms per layer (1: parallel blocks with one; 4: Gemma-2/3)
+    norms: int = 2  # hidden-wide norms per layer (1: parallel blocks with one; 4: Gemma-2/3, GLM-4)
+    norm_layout: str = "pre"  # pre (before attention and MLP) | post (after them: OLMo-2) | sandwich (both)
     final_norm: bool = True
     embed_norm: bool = False  # BLOOM: a LayerNorm right after the token embedding
     embed_dim: int = 0  # OPT's word_embed_proj_dim (0: hidden); projections in and out when it differs
@@ -64,6 +65,9 @@ class ModelShape:
     expert_ffn: int = 0  # each expert's intermediate size
     shared_ffn: int = 0  # shared expert(s) intermediate size in all (0: none)
     shared_gate: bool = False  # Qwen2-MoE: a sigmoid gate (hidden -> 1) on the shared expert
+    expert_bias: bool = False  # gpt-oss: the experts' matrices have biases
+    router_bias: bool = False  # gpt-oss
+    attn_sinks: bool = False  # gpt-oss: one learned attention sink per head
     moe_start: int = 0  # layers before it are dense (DeepSeek's first_k_dense_replace)
     moe_step: int = 1  # every moe_step-th layer is MoE (Qwen's decoder_sparse_step)
     moe_skip: tuple = ()  # layers kept dense (Qwen's mlp_only_layers)
@@ -216,9 +220,9 @@ class ModelShape:
             out += [(n, i, o, b, L - moe) for n, i, o, b in self.mlp_linears()]
         if moe:
             f, h = self.expert_ffn or self.d_ff, self.hidden
-            out += [("experts." + n, i, o, False, moe * self.experts)
+            out += [("experts." + n, i, o, self.expert_bias, moe * self.experts)
                     for n, i, o, _ in ModelShape.mlp_linears(replace(self, activation="swiglu"), f, False)]
-            out.append(("router", h, self.experts, False, moe))
+            out.append(("router", h, self.experts, self.router_bias, moe))
             if self.shared_ffn:
                 out += [("shared_expert." + n, i, o, b, moe)  # a dense MLP: DeepSeek-V2's takes mlp_bias
                         for n, i, o, b in ModelShape.mlp_linears(replace(self, activation="swiglu"),
@@ -242,7 +246,7 @@ class ModelShape:
 
     def layer_norms_params(self) -> int:
         """One layer's norms: the hidden-wide ones, q/k norms and MLA's latent norms."""
-        n = self.norms * self.norm_params() + self.qk_norm_params()
+        n = self.norms * self.norm_params() + self.qk_norm_params() + (self.heads if self.attn_sinks else 0)
         if self.mla:
             n += self.kv_lora_rank + self.q_lora_rank  # RMSNorms over the compressed kv and q
         return n
@@ -316,11 +320,14 @@ TIED_DEFAULT = {"llama": False, "mistral": False, "ministral": False, "mixtral":
                 "qwen2_moe": False, "qwen3": False, "qwen3_moe": False, "phi": False, "phi3": False,
                 "phimoe": False, "gpt_neox": False, "gptj": False, "codegen": False, "olmo": False, "olmo2": False,
                 "olmoe": False, "stablelm": False, "persimmon": False, "deepseek_v2": False, "deepseek_v3": False,
-                "granite": False, "helium": False, "smollm3": True, "gemma": True,
+                "granite": False, "helium": False, "smollm3": True, "glm": False, "glm4": False, "nemotron": False,
+                "gpt_oss": False, "exaone4": False, "seed_oss": False, "olmo3": False, "hunyuan_v1_dense": False,
+                "arcee": False, "gemma": True,
                 "gemma2": True, "gemma3_text": True, "cohere": True, "starcoder2": True, "gpt2": True,
                 "gpt_neo": True, "gpt_bigcode": True, "opt": True, "bloom": True, "falcon": True, "mpt": True}
 LLAMA_LIKE = {"llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "granite",
-              "helium", "smollm3", "olmo", "olmo2", "olmoe", "gemma", "gemma2", "gemma3_text", "phi3",
+              "helium", "smollm3", "glm", "glm4", "nemotron", "gpt_oss", "exaone4", "seed_oss", "olmo3",
+              "hunyuan_v1_dense", "arcee", "olmo", "olmo2", "olmoe", "gemma", "gemma2", "gemma3_text", "phi3",
               "phimoe", "cohere", "stablelm", "starcoder2", "deepseek_v2", "deepseek_v3"}
 OTHER = {"gpt2", "gpt_neo", "gpt_bigcode", "gptj", "codegen", "gpt_neox", "opt", "bloom", "falcon", "mpt", "phi",
          "persimmon"}
@@ -344,8 +351,9 @@ DROPOUT_DEFAULT = {"gpt2": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop":
                    "gpt_bigcode": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1},
                    "opt": {"dropout": 0.1}}
 ATTENTION_BIAS = {"llama", "granite", "helium", "smollm3", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmoe", "cohere",
-                  "gemma", "gemma2", "gemma3_text", "phimoe", "deepseek_v2", "deepseek_v3", ""}
-MLP_BIAS = {"llama", "granite", "helium", "smollm3", "deepseek_v2", ""}
+                  "gemma", "gemma2", "gemma3_text", "phimoe", "deepseek_v2", "deepseek_v3", "glm", "glm4", "nemotron",
+                  "gpt_oss", "seed_oss", "olmo3", "hunyuan_v1_dense", "arcee", ""}
+MLP_BIAS = {"llama", "granite", "helium", "smollm3", "deepseek_v2", "nemotron", "seed_oss", "arcee", ""}
 # model types that are not decoder-only language models: refused with a clear line rather than miscounted
 NOT_DECODERS = {"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "bert", "roberta", "deberta",
                 "deberta-v2", "distilbert", "albert", "electra", "xlm-roberta", "whisper", "vit", "clip",
@@ -408,12 +416,31 @@ def _llama_like(c: _Cfg, mt: str, s: dict):
     """Llama and the families written like it: RMSNorm, q/k/v/o, gated MLP, rotary; each family's quirks."""
     s.update(norm="rmsnorm", activation="swiglu",
              act_fn=str(c.raw("hidden_activation", "hidden_act", default=ACT_DEFAULT.get(mt, "silu"))).lower())
-    bias = c.flag("attention_bias") if mt in ATTENTION_BIAS else False
+    bias = (c.flag("attention_bias", default=mt in ("glm", "glm4", "seed_oss", "gpt_oss"))  # their class defaults
+            if mt in ATTENTION_BIAS else False)
     s.update(qkv_bias=bias, out_bias=bias, mlp_bias=c.flag("mlp_bias") if mt in MLP_BIAS else False)
     if mt in ("qwen2", "qwen2_moe"):
         s["qkv_bias"] = True  # Qwen2: q, k, v with bias, o without
-    if mt == "helium":
-        s["out_bias"] = False
+    if mt in ("helium", "glm", "glm4"):
+        s["out_bias"] = False  # q, k, v take attention_bias, o none
+    if mt in ("glm", "glm4"):
+        s.update(fused_gate_up=True, rotary=float(c.rope("partial_rotary_factor", 0.5)))
+        if mt == "glm4":
+            s.update(norms=4, norm_layout="sandwich")  # post_self_attn and post_mlp norms too
+    if mt == "seed_oss":
+        s["out_bias"] = c.flag("attention_out_bias")
+    if mt in ("nemotron", "arcee"):
+        s.update(activation=s["act_fn"])  # a plain MLP (up, down) with relu2
+    if mt == "nemotron":
+        s.update(norm="layernorm", rotary=float(c.rope("partial_rotary_factor", 0.5)))
+    if mt == "gpt_oss":
+        s.update(attn_sinks=True, expert_bias=True, router_bias=True)
+    if mt in ("exaone4", "hunyuan_v1_dense"):
+        s["qk_norm"] = "head"
+    if mt in ("olmo2", "olmo3", "exaone4"):
+        s.update(norm_layout="post")
+    if mt in ("gemma2", "gemma3_text"):
+        s["norm_layout"] = "sandwich"
     if mt == "stablelm":
         s.update(norm="layernorm", qkv_bias=c.flag("use_qkv_bias"), activation="swiglu")
         if c.flag("qk_layernorm"):
@@ -432,7 +459,7 @@ def _llama_like(c: _Cfg, mt: str, s: dict):
             s["qk_norm"] = "per-head"
     if mt == "olmo":
         s["norm"] = "none"  # OLMo's LayerNorm has no parameters
-    if mt in ("olmo2", "olmoe"):
+    if mt in ("olmo2", "olmoe", "olmo3"):
         s["qk_norm"] = "full"  # post-norms (post_attention, post_feedforward): still two per layer
     if mt in ("qwen3", "qwen3_moe", "gemma3_text"):
         s["qk_norm"] = "head"
@@ -452,9 +479,10 @@ def _llama_like(c: _Cfg, mt: str, s: dict):
 
 
 def _moe(c: _Cfg, mt: str, s: dict):
-    if mt in ("mixtral", "phimoe"):
-        s.update(experts=c.int("num_local_experts", "num_experts", default=8 if mt == "mixtral" else 16),
-                 top_k=c.int("num_experts_per_tok", default=2), expert_ffn=s["ffn"])
+    if mt in ("mixtral", "phimoe", "gpt_oss"):
+        s.update(experts=c.int("num_local_experts", "num_experts", default={"mixtral": 8, "phimoe": 16}.get(mt, 128)),
+                 top_k=c.int("num_experts_per_tok", "experts_per_token", default=4 if mt == "gpt_oss" else 2),
+                 expert_ffn=s["ffn"])
     elif mt == "olmoe":
         s.update(experts=c.int("num_experts", "num_local_experts", default=64),
                  top_k=c.int("num_experts_per_tok", default=8), expert_ffn=s["ffn"])
@@ -605,7 +633,7 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
             notes.append(f"{key} not in the config: transformers' default for {family}, {default}")
     if family in LLAMA_LIKE or not family:
         _llama_like(c, family, s)
-        if family in ("mixtral", "phimoe", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
+        if family in ("mixtral", "phimoe", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"):
             _moe(c, family, s)
     else:
         s["head_dim"] = 0
@@ -631,6 +659,10 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
                      f"{'GPT-2' if gpt_named else 'Llama'}-style decoder formula")
     else:
         counted = f"the formula for model_type {mt!r}"
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method"):
+        notes.append(f"the config's quantization_config ({quant.get('quant_method')}) is not applied: weights "
+                     "priced at --precision (bitsandbytes: --quant)")
     if s.get("dropout") and s["dropout"] > 0:
         notes.append(f"dropout {s['dropout']} from the config (in training its masks count as activations)")
     try:
