@@ -29,7 +29,8 @@ def estimate_text(est, deepspeed=None) -> str:
     if s.zero or s.dp > 1 or s.tp > 1:
         knobs.append(f"ZeRO-{s.zero}, dp {s.dp}, tp {s.tp}")
     out.append("  " + ", ".join(knobs))
-    for where, title in (("gpu", "Per GPU, each category when it is held"), ("cpu", "Per CPU (offloaded)")):
+    for where, title in (("gpu", "Per GPU, by category (not all live at once: see the moments below)"),
+                         ("cpu", "Per CPU (offloaded)")):
         per = est.held(where)
         if where == "cpu" and not per["total"]:
             continue
