@@ -118,9 +118,15 @@ def test_bitsandbytes_8bit(name, mib):
 def test_napkin_rule():
     shape = ParamCount(100_000_000)
     weights = estimate(shape, Setup(mode="inference", precision="fp32")).per_gpu["total"]
-    momentum = estimate(shape, Setup(precision="fp32", optimizer="sgd-momentum")).per_gpu["total"]
-    adam = estimate(shape, Setup(precision="fp32", optimizer="adam")).per_gpu["total"]
-    assert (weights, momentum, adam) == (400_000_000, 1_200_000_000, 1_600_000_000)
+    momentum = estimate(shape, Setup(precision="fp32", optimizer="sgd-momentum"))
+    adam = estimate(shape, Setup(precision="fp32", optimizer="adam"))
+    states = [sum(e.held()[c] for c in ("parameter", "gradient", "optimizer_state")) for e in (momentum, adam)]
+    assert (weights, *states) == (400_000_000, 1_200_000_000, 1_600_000_000)
+    # the peak: SGD's step is in place; foreach Adam's step adds sqrt(exp_avg_sq) for every parameter (fp32)
+    assert momentum.per_gpu["total"] == 1_200_000_000 and momentum.peak_moment["name"] == "end of backward"
+    assert adam.per_gpu["total"] == 2_000_000_000 and adam.peak_moment["name"] == "optimizer step"
+    fused = estimate(shape, Setup(precision="fp32", optimizer="adam", fused_optimizer=True))
+    assert fused.per_gpu["total"] == 1_600_000_000
 
 
 def _reference(name, cfg):
@@ -181,7 +187,7 @@ def test_checkpointing_and_flash_shrink_activations():
     for ck in ("none", "selective", "full"):
         for att in ("eager", "flash"):
             s = Setup(precision="bf16", batch=1, seq=4096, checkpointing=ck, attention=att)
-            acts[ck, att] = estimate(shape, s).per_gpu["activation"]
+            acts[ck, att] = estimate(shape, s).held()["activation"]
     assert acts["none", "eager"] > acts["selective", "eager"] > acts["full", "eager"]
     assert acts["none", "flash"] < acts["none", "eager"]
     # full checkpointing keeps each layer's input: seq × hidden × 2 B × 32 layers (+ one layer and the loss)
@@ -195,8 +201,9 @@ def test_inference_kv_cache():
     blocks = estimate(shape, Setup(mode="inference", precision="bf16", batch=2, seq=100, generate=28,
                                    kv_block_size=100))
     kv = 32 * 2 * 8 * 128 * 128 * 2 * 2
-    assert gen.per_gpu["activation"] - base.per_gpu["activation"] == kv
-    assert blocks.per_gpu["other"] == 32 * 2 * 8 * 128 * 72 * 2 * 2  # 200-token blocks hold 72 unused slots
+    assert gen.per_gpu["kv_cache"] - base.per_gpu["kv_cache"] == kv
+    unused = [ln.bytes for ln in blocks.lines if ln.formula.startswith("KV cache blocks")]
+    assert unused == [32 * 2 * 8 * 128 * 72 * 2 * 2]  # 200-token blocks hold 72 unused slots
 
 
 def test_offload_and_tp():

@@ -29,7 +29,8 @@ def test_bars_follow_the_knobs(qtbot):
     panel.attention.setCurrentText("eager")
     panel.batch.setValue(2)
     panel.seq.setValue(1024)
-    expected = estimate(load_shape("llama-3-8b"), Setup(precision="mixed", optimizer="adam", batch=2, seq=1024))
+    expected = estimate(load_shape("llama-3-8b"), Setup(precision="mixed", optimizer="adam", batch=2, seq=1024,
+                                                        attention="eager"))
     assert panel.result.per_gpu == expected.per_gpu
     drawn = panel.bars["predicted"]
     assert all(drawn[c] == expected.per_gpu[c] for c in drawn)

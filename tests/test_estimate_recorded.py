@@ -22,13 +22,16 @@ from tests.estimate_models import GPT2, Llama, with_lora  # noqa: E402
 
 V = 1024
 LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": V, "tie_word_embeddings": False}
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": V, "tie_word_embeddings": False,
+         "_attn_implementation": "eager"}  # the plain-torch Llama computes attention eagerly
 MHA3 = dict(LLAMA, num_key_value_heads=4, num_hidden_layers=3)
 LORA = dict(LLAMA, num_hidden_layers=4)
+# GPT-2's shapes with the GELU these plain-torch models call (F.gelu, tanh or exact), not GPT-2's gelu_new
 GPT2_TIED = {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 64, "vocab_size": V,
-             "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+             "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "activation_function": "gelu_pytorch_tanh"}
 TINY = {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 2048,
-        "tie_word_embeddings": False}
+        "tie_word_embeddings": False, "activation_function": "gelu", "attn_pdrop": 0.0, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0}
 
 CASES = {  # name: (model factory, config, optimizer factory, estimator's optimizer, dtype, precision, batch, seq)
     "llama_gqa_adam": (lambda: Llama(LLAMA), LLAMA, lambda p: torch.optim.Adam(p), "adam", torch.float32, "fp32",
@@ -82,12 +85,16 @@ def test_predicted_within_tolerance(recordings, name):
     _, cfg, _, kind, _, precision, batch, seq = CASES[name]
     trace = recordings[name]
     measured = measured_max(trace, trace.devices[0])
-    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq, **SETUP.get(name, {}))
-    predicted = estimate(from_hf_config(cfg), setup).per_gpu
+    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq, attention="eager", cublas_workspace=0,
+                  loss_only=True, **SETUP.get(name, {}))  # the step keeps only the loss; CPU: no cuBLAS
+    predicted = estimate(from_hf_config(cfg), setup).held("gpu")  # each category when held, as measured_max
     for cat in ("parameter", "gradient", "optimizer_state"):
         assert abs(measured[cat] - predicted[cat]) <= 0.01 * max(predicted[cat], 1), (cat, measured, predicted)
     assert predicted["activation"] > 0
-    assert abs(measured["activation"] - predicted["activation"]) <= 0.15 * predicted["activation"]
+    # what autograd saves, tensor by tensor (autocast included); LoRA's first layer keeps less (its input needs no
+    # gradient), which the formula does not follow
+    tolerance = 0.05 if "lora" in name else 0.01
+    assert abs(measured["activation"] - predicted["activation"]) <= tolerance * predicted["activation"]
 
 
 def test_recorder_stores_what_the_estimate_needs(recordings):
@@ -175,9 +182,13 @@ def test_whatif_fit_predicts_a_third_recording(batches, capsys):
     cfg = pytest.importorskip("json").dumps(LLAMA)
     path = str(batches[12]) + ".json"
     open(path, "w").write(cfg)
-    main(["whatif", batches[12], "--budget", "1MiB", "--config", path, "--json", "--no-cache"])
+    # --loss-only: the recorded step keeps only the loss, not the logits
+    main(["whatif", batches[12], "--budget", "1MiB", "--config", path, "--loss-only", "--json", "--no-cache"])
     lv = {x["lever"].split(":")[0]: x for x in json.loads(capsys.readouterr().out)["levers"]}
-    assert abs(lv["gradient accumulation"]["saves_bytes"] - 6 * f["per_unit_bytes"]) <= 0.05 * 6 * f["per_unit_bytes"]
+    # half the micro-batch's activations, less the gradients now held while the second micro-batch runs forward
+    grads = load(batches[12], use_cache=False).recorder["model"]["trainable_parameter_bytes"]
+    expected = 6 * f["per_unit_bytes"] - grads
+    assert abs(lv["gradient accumulation"]["saves_bytes"] - expected) <= 0.05 * expected
     assert not any(x["fits"] for x in lv.values())
 
 

@@ -54,9 +54,9 @@ def _knob(*decls, **attrs):
 
 KNOBS = [
     _knob("--mode", type=click.Choice(["train", "inference"]), default="train", show_default=True),
-    _knob("--precision", type=click.Choice(["fp32", "amp", "mixed", "bf16", "fp16"]), default="fp32",
-          show_default=True, help="amp: autocast, fp32 weights; mixed: 16-bit weights + fp32 master "
-          "(DeepSpeed/Megatron); bf16/fp16: pure 16-bit."),
+    _knob("--precision", type=click.Choice(["fp32", "amp", "mixed", "bf16", "fp16"]),
+          help="amp: autocast, fp32 weights; mixed: 16-bit weights + fp32 master (DeepSpeed/Megatron); "
+          "bf16/fp16: pure 16-bit. Default fp32, or fp16 with --quant (as transformers loads bitsandbytes models)."),
     _knob("--optimizer", type=click.Choice(["none", "sgd", "sgd-momentum", "adam", "adamw", "adam8bit",
           "adafactor"]), default="adamw", show_default=True),
     _knob("--quant", type=click.Choice(["none", "8bit", "4bit"]), default="none", show_default=True),
@@ -69,9 +69,14 @@ KNOBS = [
     _knob("--grad-accum", type=int, default=1, show_default=True),
     _knob("--checkpointing", type=click.Choice(["none", "selective", "full"]), default="none",
           show_default=True),
-    _knob("--attention", type=click.Choice(["eager", "flash"]), default="eager", show_default=True,
-          help="eager materializes the score matrix; flash (fused/SDPA) does not."),
+    _knob("--attention", type=click.Choice(["eager", "sdpa", "flash"]), default="sdpa", show_default=True,
+          help="transformers' attn_implementation: eager materializes the score matrix; sdpa (its default) "
+          "and flash (flash_attention_2) do not."),
     _knob("--dropout", type=float, help="Dropout probability (default: the config's, else 0)."),
+    _knob("--loss-only", is_flag=True, help="The training loop keeps only the loss, not the model's output "
+          "(Hugging Face's Trainer): its logits are freed before backward."),
+    _knob("--fused-optimizer", is_flag=True, help="torch.optim's fused=True (default foreach: one state-sized "
+          "temporary during Adam's step)."),
     _knob("--zero", type=click.IntRange(0, 3), default=0, show_default=True),
     _knob("--dp", type=int, default=1, show_default=True, help="Data-parallel size."),
     _knob("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size."),
@@ -125,7 +130,7 @@ def overrides_from(kw) -> dict:
     for decls, _ in KNOBS:
         knob = decls[0].lstrip("-").replace("-", "_")
         value = kw.get(knob)
-        if value is None or (knob == "double_quant" and not value):
+        if value is None or (knob in ("double_quant", "fused_optimizer", "loss_only") and not value):
             continue
         if knob == "lora_targets":
             value = tuple(t.strip() for t in value.split(",") if t.strip())

@@ -43,7 +43,11 @@ def hf_config(model) -> dict | None:
         d = to_dict()
     except Exception:
         return None
-    return {k: v for k, v in d.items() if isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str)))}
+    out = {k: v for k, v in d.items() if isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str)))}
+    attn = getattr(cfg, "_attn_implementation", None)  # not in to_dict(); what `estimate` needs for attention
+    if isinstance(attn, str):
+        out.setdefault("_attn_implementation", attn)
+    return out
 
 
 def input_shape(args, kwargs) -> list | None:

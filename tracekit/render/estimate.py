@@ -15,6 +15,8 @@ def estimate_text(est, deepspeed=None) -> str:
     s, shape = est.setup, est.shape
     out = [f"{shape.name}: {est.params:,} parameters ({est.params / 1e9:.3g} B), "
            f"{est.trainable_params:,} trainable"]
+    if isinstance(shape, ModelShape):
+        out.append(f"  counted by {shape.counted_by}: {shape.describe()}")
     knobs = [s.mode, f"precision {s.precision}"]
     if s.mode == "train":
         knobs.append(f"optimizer {s.optimizer}")
@@ -28,8 +30,9 @@ def estimate_text(est, deepspeed=None) -> str:
     if s.zero or s.dp > 1 or s.tp > 1:
         knobs.append(f"ZeRO-{s.zero}, dp {s.dp}, tp {s.tp}")
     out.append("  " + ", ".join(knobs))
-    for where, title in (("gpu", "Per GPU"), ("cpu", "Per CPU (offloaded)")):
-        per = est.per(where)
+    for where, title in (("gpu", "Per GPU, by category (not all live at once: see the moments below)"),
+                         ("cpu", "Per CPU (offloaded)")):
+        per = est.held(where)
         if where == "cpu" and not per["total"]:
             continue
         out += ["", title]
@@ -42,7 +45,20 @@ def estimate_text(est, deepspeed=None) -> str:
                 continue
             out.append(f"  {cat:<16} {fmt_bytes(per[cat]):>11}")
             out += [f"    {fmt_bytes(ln.bytes):>13}  {ln.formula}" for ln in lines]
-        out.append(f"  {'total':<16} {fmt_bytes(per['total']):>11}  ({_gb(per['total'])}, {per['total']:,} bytes)")
+        if where == "cpu":
+            out.append(f"  {'total':<16} {fmt_bytes(per['total']):>11}  ({_gb(per['total'])}, {per['total']:,} bytes)")
+            continue
+        moments, peak = est.moments(), est.peak_moment
+        shown = [c for c in per if c != "total" and any(m["per_gpu"][c] for m in moments)]
+        out += ["", "Moments of the " + ("step" if s.mode == "train" else "forward") + " (live bytes; the peak is "
+                "the largest, not the sum of each category's largest)",
+                "  " + f"{'':<20}" + "".join(f"{c[:11]:>12}" for c in shown) + f"{'total':>12}"]
+        for m in moments:
+            mark = "peak " if m is peak or m["name"] == peak["name"] else ""
+            out.append(f"  {(mark + m['name'])[:20]:<20}" + "".join(f"{fmt_bytes(m['per_gpu'][c]):>12}" for c in shown)
+                       + f"{fmt_bytes(m['per_gpu']['total']):>12}")
+        out.append(f"  {'peak':<16} {fmt_bytes(peak['per_gpu']['total']):>11}  ({_gb(peak['per_gpu']['total'])}, "
+                   f"{peak['per_gpu']['total']:,} bytes) at '{peak['name']}': {peak['what']}")
     notes = list(est.assumptions)
     if isinstance(shape, ModelShape):
         napkin = gpt_style_params(shape)
@@ -93,15 +109,18 @@ def comparison_lines(e: dict) -> list[str]:
     what = f"{s['precision']}, " + (s["optimizer"] if s["mode"] == "train" else "inference") + (
         f", batch {s['batch']} × seq {s['seq']}" if s["seq"] else "")
     out = [f"  predicted vs measured ({e['model']}: {e['params']:,} params; {what}):",
-           f"    {'':<16} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12}"]
+           f"    {'':<16} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12} "
+           f"{'predicted at peak':>18}"]
     for r in e["categories"]:
         if r["predicted"] or r["measured"]:
             ratio = r["difference"] / r["predicted"] if r["predicted"] else None
             share = f" ({ratio:+.1%})" if ratio and abs(ratio) < 10 else ""
             out.append(f"    {r['category']:<16} {fmt_bytes(r['predicted']):>11} {fmt_bytes(r['measured']):>11} "
-                       f"{_signed(r['difference']):>11} {fmt_bytes(r['at_peak']):>12}{share}")
+                       f"{_signed(r['difference']):>11} {fmt_bytes(r['at_peak']):>12} "
+                       f"{fmt_bytes(r.get('predicted_at_peak', r['predicted'])):>18}{share}")
+    moment = f", predicted at '{e['predicted_peak_moment']}'" if e.get("predicted_peak_moment") else ""
     out.append(f"    {'total':<16} {fmt_bytes(e['predicted_total']):>11} {fmt_bytes(e['peak_allocated']):>11} "
-               f"{_signed(e['peak_difference']):>11}   (measured: the peak allocated)")
+               f"{_signed(e['peak_difference']):>11}   (the peak: measured allocated{moment})")
     if e["gap_at_peak"]:
         out.append("    the difference at the peak:")
         out += [f"      {_signed(g['bytes']):>11}  {g['what']}" for g in e["gap_at_peak"]]

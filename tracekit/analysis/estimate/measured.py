@@ -2,9 +2,11 @@
 
 The setup comes from what our recorder stored (parameter count and dtypes,
 trainable parameters, optimizer class and defaults, the batch shape, a
-Hugging Face config when the model has one) or from the user
-(`report --estimate-config`). Measured is each category's largest live
-bytes over the recording; the gap at the peak is split by category, plus
+Hugging Face config and its attention implementation when the model has
+one) or from the user (`report --estimate-config`). Measured is each
+category's largest live bytes over the recording, beside each category's
+predicted bytes when held; the predicted peak (the largest moment of the
+step) is compared with the measured peak, category by category, plus
 what the allocator adds (reserved but unused) and what a recording cannot
 see (CUDA context, NCCL).
 """
@@ -40,8 +42,10 @@ def recorded_setup(trace: Trace):
         notes.append(f"optimizer {opt.get('class')} is not one the estimator knows: no state predicted")
     shape_in = model.get("input_shape") or []
     batch, seq = (shape_in[0], shape_in[1]) if len(shape_in) == 2 else (1, 0)
-    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq)
     cfg = model.get("config")
+    attention = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash"}.get(
+        str((cfg or {}).get("_attn_implementation") or "sdpa"), "sdpa")
+    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq, attention=attention)
     if cfg:
         try:
             shape = from_hf_config(cfg, name=cfg.get("_name_or_path") or model.get("class", "model"))
@@ -104,15 +108,19 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
     if isinstance(shape, ParamCount) and setup.seq:
         setup = replace(setup, seq=0)
     est = estimate(shape, setup)
-    predicted = est.per_gpu
+    held, at_predicted_peak = est.held("gpu"), est.per_gpu
     measured = measured_max(trace, device, rules)
     at_peak = summary.get("categories_at_peak", {})
-    cats = [c for c in predicted if c != "total"] + [c for c in measured if c not in predicted]
-    rows = [{"category": c, "predicted": predicted.get(c, 0), "measured": measured.get(c, 0),
-             "at_peak": at_peak.get(c, 0), "difference": measured.get(c, 0) - predicted.get(c, 0)} for c in cats]
+    cats = [c for c in held if c != "total"] + [c for c in measured if c not in held]
+    # predicted (each category when held) vs measured (its largest live bytes); and the predicted peak moment's
+    # composition vs the measured peak's
+    rows = [{"category": c, "predicted": held.get(c, 0), "measured": measured.get(c, 0),
+             "predicted_at_peak": at_predicted_peak.get(c, 0), "at_peak": at_peak.get(c, 0),
+             "difference": measured.get(c, 0) - held.get(c, 0)} for c in cats]
     peak = summary["peak_allocated_bytes"]
-    gap = [{"what": f"{r['category']} at the peak vs predicted", "bytes": r["at_peak"] - r["predicted"]}
-           for r in rows if r["at_peak"] != r["predicted"]]
+    gap = [{"what": f"{r['category']} at the peak vs predicted at the peak ({est.peak_moment['name']})",
+            "bytes": r["at_peak"] - r["predicted_at_peak"]}
+           for r in rows if r["at_peak"] != r["predicted_at_peak"]]
     cpu = (trace.recorder or {}).get("backend") == "cpu" or summary.get("label") == "cpu"
     reserved_unused = None if cpu else summary.get("fragmentation_at_peak_bytes")
     rounding = None if cpu else _rounding_at_peak(trace, device, summary["peak_event_index"])
@@ -120,8 +128,9 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
                "a recording cannot see them (typically 0.3-1 GiB per process)") if not cpu else None
     return {"model": shape.name, "params": est.params, "trainable_params": est.trainable_params,
             "setup": est.to_dict()["setup"], "measured_is": "each category's largest live bytes in the recording",
-            "categories": rows, "predicted_total": predicted["total"], "peak_allocated": peak,
-            "peak_difference": peak - predicted["total"], "gap_at_peak": gap, "not_visible": outside,
+            "categories": rows, "predicted_total": at_predicted_peak["total"],
+            "predicted_peak_moment": est.peak_moment["name"], "peak_allocated": peak,
+            "peak_difference": peak - at_predicted_peak["total"], "gap_at_peak": gap, "not_visible": outside,
             "allocator_rounding_at_peak": rounding, "reserved_unused_at_peak": reserved_unused,
             "notes": notes, "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}
 

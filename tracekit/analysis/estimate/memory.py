@@ -3,11 +3,17 @@
 Model states follow the ZeRO paper (Rajbhandari et al. 2020): 16-bit weights
 and gradients plus K bytes of optimizer state per parameter (K = 12 for
 mixed-precision Adam: fp32 master weights, momentum, variance), sharded over
-the data-parallel ranks by stage. Activations follow Korthikanti et al. 2022
-("Reducing Activation Recomputation in Large Transformer Models"), term by
-term, generalised to grouped-query attention, gated MLPs, any FFN width and
-dtype: what autograd saves for backward in each layer. Every line carries the
-formula it used, so a user can check it by hand.
+the data-parallel ranks by stage. Activations are what autograd saves for
+backward, tensor by tensor as Hugging Face's decoder layers create them
+(after Korthikanti et al. 2022, generalised to grouped-query attention,
+gated MLPs, mixture-of-experts layers, any width and dtype), with what
+autocast really keeps: an fp32 residual stream and fp32 norms, one 16-bit
+copy of a linear's input per linear, 16-bit copies of the weights.
+
+The peak is a moment, not a sum of maxima: each line says when it is live
+(always, saved for backward, at the loss's backward, at the end of backward,
+during the optimizer step), and the estimate is the largest of the step's
+moments, with its composition. Every line carries its formula.
 """
 from __future__ import annotations
 
@@ -15,18 +21,28 @@ from dataclasses import asdict, dataclass, field
 
 from ...errors import TracekitError
 from ..categories import CATEGORIES
-from .shapes import ModelShape, ParamCount
+from .shapes import ACT_SAVED, ModelShape, ParamCount
 
 PRECISIONS = ("fp32", "amp", "mixed", "bf16", "fp16")
 OPTIMIZERS = ("none", "sgd", "sgd-momentum", "adam", "adamw", "adam8bit", "adafactor")
 STATES = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adam8bit": 2, "adafactor": 0}
 QUANT = ("none", "8bit", "4bit")
 CHECKPOINTING = ("none", "selective", "full")
-ATTENTION = ("eager", "flash")
+ATTENTION = ("eager", "sdpa", "flash")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BNB_8BIT_BLOCK = 2048  # bitsandbytes 8-bit optimizers: one fp32 absmax per block of state
 BNB_8BIT_MIN = 4096  # smaller tensors keep 32-bit state
 NF4_BLOCK = 64  # bitsandbytes 4-bit: one absmax per 64 weights
+MiB = 2**20
+HOPPER_WORKSPACE = 32 * MiB  # torch's cuBLAS workspace per handle and stream on sm90 (CublasHandlePool.cpp)
+OTHER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8", every other GPU
+
+# when a line is live (see MOMENTS)
+ALWAYS, SAVED, LOSS_FWD, LOSS_BWD, BWD_END, OPT_STEP, RECOMPUTE, GRADS, HELD = (
+    "always", "saved", "loss forward", "loss backward", "end of backward", "optimizer step", "recompute",
+    "gradients", "held")
+# model types whose embeddings go through dropout (embd_pdrop, embedding_dropout)
+EMBED_DROPOUT = {"gpt2", "gpt_neo", "gpt_bigcode", "gptj", "codegen", "phi", "starcoder2", ""}
 
 
 @dataclass(frozen=True)
@@ -34,7 +50,7 @@ class Setup:
     """How the model is run. Sizes are per micro-batch; `seq` 0 leaves activations out."""
 
     mode: str = "train"  # train | inference
-    precision: str = "fp32"  # see PRECISIONS
+    precision: str = ""  # see PRECISIONS; "": fp32, or fp16 with --quant (transformers' bitsandbytes default)
     optimizer: str = "adamw"
     quant: str = "none"
     quant_double: bool = False  # 4-bit: double quantization of the absmax
@@ -44,7 +60,7 @@ class Setup:
     seq: int = 0
     grad_accum: int = 1
     checkpointing: str = "none"
-    attention: str = "eager"
+    attention: str = "sdpa"  # transformers' default attn_implementation
     dropout: float | None = None  # None: the model's
     zero: int = 0
     dp: int = 1
@@ -53,6 +69,15 @@ class Setup:
     offload_optimizer: bool = False
     generate: int = 0  # inference: new tokens held in the KV cache
     kv_block_size: int = 0  # PagedAttention-style fixed-size cache blocks
+    fused_optimizer: bool = False  # torch.optim's fused=True (default: foreach on CUDA)
+    loss_only: bool = False  # the loop keeps only the loss, not the model's output (Hugging Face's Trainer)
+    cublas_workspace: int = HOPPER_WORKSPACE  # per cuBLAS handle; OTHER_WORKSPACE below Hopper
+    precision_given: bool = field(default=True, compare=False)
+
+    def __post_init__(self):
+        if not self.precision:
+            object.__setattr__(self, "precision", "fp16" if self.quant != "none" else "fp32")
+            object.__setattr__(self, "precision_given", False)
 
     def check(self):
         for name, value, allowed in (("mode", self.mode, ("train", "inference")),
@@ -69,6 +94,8 @@ class Setup:
                 raise TracekitError(f"--{name.replace('_', '-')} must be at least 1")
         if self.seq < 0 or self.lora_rank < 0 or self.generate < 0 or self.kv_block_size < 0:
             raise TracekitError("--seq, --lora-rank, --generate and --kv-block-size cannot be negative")
+        if self.cublas_workspace < 0:
+            raise TracekitError("the cuBLAS workspace cannot be negative")
         if self.offload_param and self.zero != 3:
             raise TracekitError("--offload-param cpu needs --zero 3 (only ZeRO-3 partitions parameters)")
         if self.mode == "train" and self.quant != "none" and not self.lora_rank:
@@ -82,6 +109,26 @@ class Line:
     bytes: int
     formula: str
     where: str = "gpu"  # gpu | cpu
+    when: str = ALWAYS  # see MOMENTS
+
+
+# the moments of a training step, and which lines are live at each (gradients also before backward when
+# accumulating over micro-batches: see _moments)
+MOMENTS = {
+    "train": [("loss forward", (ALWAYS, HELD, SAVED, LOSS_FWD)),
+              ("loss backward", (ALWAYS, HELD, SAVED, LOSS_BWD)),
+              ("end of backward", (ALWAYS, HELD, GRADS, BWD_END, RECOMPUTE)),
+              ("optimizer step", (ALWAYS, HELD, GRADS, OPT_STEP))],
+    "inference": [("forward", (ALWAYS, HELD, SAVED, LOSS_FWD, LOSS_BWD, BWD_END, OPT_STEP, RECOMPUTE, GRADS))],
+}
+MOMENT_TEXT = {
+    "loss forward": "the forward pass's end, in the loss: everything saved for backward, and the logits' fp32 "
+                    "copy while the log-softmax is made",
+    "loss backward": "backward begins: the loss's gradients (vocabulary-wide, fp32) on top of the saved tensors",
+    "end of backward": "backward has ended: every gradient is live, the saved tensors are freed",
+    "optimizer step": "the optimizer step: gradients, states and the step's temporaries",
+    "forward": "one forward pass",
+}
 
 
 @dataclass
@@ -93,16 +140,42 @@ class Estimate:
     lines: list = field(default_factory=list)
     assumptions: list = field(default_factory=list)
 
-    def add(self, category, nbytes, formula, where="gpu"):
-        self.lines.append(Line(category, int(round(nbytes)), formula, where))
+    def add(self, category, nbytes, formula, where="gpu", when=ALWAYS):
+        self.lines.append(Line(category, int(round(nbytes)), formula, where, when))
 
-    def per(self, where="gpu") -> dict:
+    def held(self, where="gpu") -> dict:
+        """Each category's bytes when it is held (its lines summed), whatever the moment; "total" sums them."""
         out = {c: 0 for c in CATEGORIES}
         for ln in self.lines:
             if ln.where == where:
                 out[ln.category] = out.get(ln.category, 0) + ln.bytes
         out["total"] = sum(out.values())
         return out
+
+    def moments(self) -> list[dict]:
+        """[{name, what, per_gpu: {category: bytes, total}}] for the step's moments, in order."""
+        out = []
+        accumulating = self.setup.mode == "train" and self.setup.grad_accum > 1
+        for name, live in MOMENTS[self.setup.mode]:
+            if accumulating and name in ("loss forward", "loss backward"):
+                live = live + (GRADS,)
+            per = {c: 0 for c in CATEGORIES}
+            for ln in self.lines:
+                if ln.where == "gpu" and ln.when in live:
+                    per[ln.category] = per.get(ln.category, 0) + ln.bytes
+            per["total"] = sum(per.values())
+            out.append({"name": name, "what": MOMENT_TEXT[name], "per_gpu": per})
+        return out
+
+    @property
+    def peak_moment(self) -> dict:
+        """The largest moment (the first of equals)."""
+        ms = self.moments()
+        return max(ms, key=lambda m: (m["per_gpu"]["total"], -ms.index(m)))
+
+    def per(self, where="gpu") -> dict:
+        """GPU: the composition at the peak moment (its total is the predicted peak); CPU: what is held there."""
+        return dict(self.peak_moment["per_gpu"]) if where == "gpu" else self.held(where)
 
     @property
     def per_gpu(self) -> dict:
@@ -113,8 +186,12 @@ class Estimate:
         return self.per("cpu")
 
     def to_dict(self) -> dict:
-        return {"model": self.shape.to_dict(), "setup": asdict(self.setup), "per_gpu": self.per_gpu,
-                "per_cpu": self.per_cpu, "params": self.params, "trainable_params": self.trainable_params,
+        setup = asdict(self.setup)
+        setup["lora_targets"] = list(self.setup.lora_targets)
+        return {"model": self.shape.to_dict(), "setup": setup, "per_gpu": self.per_gpu,
+                "per_cpu": self.per_cpu, "held_gpu": self.held("gpu"), "peak_moment": self.peak_moment["name"],
+                "moments": self.moments(), "params": self.params, "trainable_params": self.trainable_params,
+                "counted_by": getattr(self.shape, "counted_by", ""),
                 "lines": [asdict(ln) for ln in self.lines], "assumptions": list(self.assumptions)}
 
 
@@ -124,12 +201,17 @@ def weight_bytes(precision: str) -> int:
 
 
 def compute_bytes(precision: str) -> int:
-    """Bytes of an activation value."""
+    """Bytes of an activation value a matmul makes."""
     return 4 if precision == "fp32" else 2
 
 
+def stream_bytes(precision: str) -> int:
+    """Bytes of the residual stream: fp32 under autocast (fp32 embeddings; adding a 16-bit output promotes)."""
+    return 4 if precision in ("fp32", "amp") else 2
+
+
 def estimate(shape: ModelShape, setup: Setup) -> Estimate:
-    """Predicted bytes per GPU (and per CPU when offloading) by category, with the formula of each line."""
+    """Predicted bytes per GPU (and per CPU when offloading) by category and moment, with the formula of each line."""
     setup.check()
     if setup.tp > 1 and (shape.heads % setup.tp or shape.n_kv % setup.tp and shape.n_kv >= setup.tp):
         raise TracekitError(f"--tp {setup.tp} does not divide the {shape.heads} attention heads")
@@ -140,6 +222,10 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     trainable = _trainable(shape, setup)
     est = Estimate(shape, setup, shape.params(), trainable)
     est.assumptions += list(shape.notes)
+    if not setup.precision_given and setup.quant != "none":
+        est.assumptions.append(f"--quant {setup.quant} without --precision: the parts bitsandbytes leaves "
+                               "unquantized in fp16, as transformers loads them (its torch_dtype default with "
+                               "bitsandbytes)")
     _parameters(est)
     if setup.mode == "train":
         _gradients(est)
@@ -151,17 +237,39 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     if setup.seq:
         tokens = setup.batch * setup.seq
         est.add("input", tokens * 8, "batch × seq × 8 (int64 token ids; labels passed to the model add as much)")
+        handles = 2 if setup.mode == "train" else 1
+        if setup.cublas_workspace:
+            est.add("other", handles * setup.cublas_workspace,
+                    f"cuBLAS workspace: {handles} × {setup.cublas_workspace / MiB:g} MiB (torch allocates one per "
+                    "cuBLAS handle and stream, handles are per thread: "
+                    + ("the forward's and autograd's backward thread's" if handles == 2 else "the forward's")
+                    + (", Hopper's default size)" if setup.cublas_workspace == HOPPER_WORKSPACE else ")"))
+    m = est.peak_moment
+    if setup.mode == "train":
+        est.assumptions.append(f"the peak is the moment '{m['name']}' ({m['what']}); each step's moments: "
+                               + ", ".join(f"{x['name']} {x['per_gpu']['total'] / 2**30:.3g} GiB"
+                                           for x in est.moments()))
+        est.assumptions.append("zero_grad(set_to_none=True) (torch's default) after each step: no gradients "
+                               "live before backward" + (" except the ones accumulated over micro-batches"
+                                                         if setup.grad_accum > 1 else ""))
     return est
 
 
 # -- model states ----------------------------------------------------------------
-def _lora_params(shape: ModelShape, setup: Setup) -> int:
-    targets = ALL_LINEAR if "all-linear" in setup.lora_targets else setup.lora_targets
-    mats = [(i, o) for name, i, o, _ in shape.linears() if name in targets]
+def _lora_matrices(shape: ModelShape, setup: Setup) -> list[tuple[str, int, int, int]]:
+    """(name, in, out, how many) of the matrices LoRA adapts: attention and dense MLPs (and shared experts);
+    transformers 5 keeps routed experts as fused parameters, not nn.Linear, so PEFT does not adapt them."""
+    targets = set(ALL_LINEAR if "all-linear" in setup.lora_targets else setup.lora_targets)
+    mats = [(n.rsplit(".", 1)[-1], i, o, c) for n, i, o, _, c in shape.matrices()
+            if n.rsplit(".", 1)[-1] in targets and not n.startswith(("experts.", "router"))]
     if not mats:
         raise TracekitError(f"--lora-targets {','.join(setup.lora_targets)} matches none of "
-                            f"{', '.join(n for n, *_ in shape.linears())}")
-    return shape.layers * setup.lora_rank * sum(i + o for i, o in mats)
+                            f"{', '.join(dict.fromkeys(n for n, *_ in shape.linears()))}")
+    return mats
+
+
+def _lora_params(shape: ModelShape, setup: Setup) -> int:
+    return setup.lora_rank * sum((i + o) * c for _, i, o, c in _lora_matrices(shape, setup))
 
 
 def _trainable(shape, setup) -> int:
@@ -181,7 +289,7 @@ def _parameters(est: Estimate):
         nbytes, formula = n * w / s.tp, f"{n:,} params × {w} B{tp}"
     else:
         lin = shape.linear_params()
-        rows = shape.layers * sum(o for _, _, o, _ in shape.linears()) if isinstance(shape, ModelShape) else 0
+        rows = (sum(o * c for _, _, o, _, c in shape.matrices()) if isinstance(shape, ModelShape) else 0)
         if s.quant == "8bit":
             qbytes, qtext = lin + 4 * rows, f"{lin:,} linear weights × 1 B (int8) + {rows:,} rows × 4 B (fp32 scale)"
         else:
@@ -195,7 +303,7 @@ def _parameters(est: Estimate):
         nbytes = (qbytes + rest * w) / s.tp
         formula = f"{qtext} + {rest:,} others (embeddings, output layer, norms, biases) × {w} B{tp}"
         est.assumptions.append("bitsandbytes keeps the embeddings, the output layer (lm_head), norms and "
-                               f"biases in {w * 8}-bit; only the layers' nn.Linear weights are quantized")
+                               f"biases in {w * 8}-bit; only the layers' matmul weights are quantized")
     if s.zero == 3 and s.dp > 1:
         nbytes, formula = nbytes / s.dp, f"({formula}) / dp {s.dp} (ZeRO-3)"
         est.assumptions.append("ZeRO-3 also gathers each layer's full weights while it runs "
@@ -219,15 +327,20 @@ def _shard(stage_needed: int, s: Setup) -> tuple[int, str]:
 
 
 def _gradients(est: Estimate):
-    s, n = est.setup, est.trainable_params
+    s, n, shape = est.setup, est.trainable_params, est.shape
     g = 4 if s.lora_rank else weight_bytes(s.precision)
     div, text = _shard(2, s)
     tp = s.tp if not s.lora_rank else 1
     formula = f"{n:,} trainable × {g} B{f' / tp {tp}' if tp > 1 else ''}{text}"
-    est.add("gradient", n * g / div / tp, formula)
+    est.add("gradient", n * g / div / tp, formula, when=GRADS)
     if s.grad_accum > 1:
         est.assumptions.append(f"gradient accumulation over {s.grad_accum} micro-batches keeps the gradients "
                                "between micro-batches; activations are per micro-batch")
+    if isinstance(shape, ModelShape) and shape.tied and not s.lora_rank and div == 1:
+        vh = shape.vocab * shape.emb
+        est.add("temporary", vh * g / tp,
+                f"tied embedding: the input embedding's gradient ({shape.vocab:,} × {shape.emb} × {g} B) made "
+                "while the output layer's is held, then added to it (AccumulateGrad)", when=BWD_END)
 
 
 def _optimizer(est: Estimate):
@@ -264,21 +377,30 @@ def _optimizer(est: Estimate):
         est.add("gradient", n * 4 / div / tp, f"fp32 gradient copy for the CPU optimizer: {n:,} × 4 B{text}", "cpu")
     else:
         est.add("optimizer_state", nbytes / div / tp, formula)
+        # torch.optim's Adam/AdamW on CUDA default to foreach: _multi_tensor_adam takes the square root of every
+        # exp_avg_sq at once (torch._foreach_sqrt), one state-sized list, before addcdiv
+        if (s.optimizer in ("adam", "adamw") and not s.fused_optimizer and s.precision != "mixed"
+                and s.zero == 0):
+            est.add("temporary", n * e / div / tp,
+                    f"optimizer step: foreach Adam's sqrt(exp_avg_sq) for all {n:,} trainable at once × {e} B "
+                    "(torch.optim's default on CUDA; fused=True has none)", when=OPT_STEP)
     if s.optimizer in ("adam", "adamw", "adafactor"):
         est.assumptions.append("optimizer 'step' counters (one small tensor per parameter) are not counted")
+    if s.precision == "mixed" or s.zero:
+        est.assumptions.append("mixed precision / ZeRO: the optimizer is DeepSpeed's or Megatron's fused one "
+                               "(no step temporaries counted)")
 
 
 def _small_tensor_params(shape: ModelShape) -> int:
     """Parameters in tensors under bitsandbytes' 8-bit minimum: norms and biases."""
     small = 0
-    for _, i, o, b in shape.linears():
+    for _, i, o, b, c in shape.matrices():
         if i * o < BNB_8BIT_MIN:
-            small += i * o
+            small += i * o * c
         if b and o < BNB_8BIT_MIN:
-            small += o
-    small *= shape.layers
+            small += o * c
     norm = shape.hidden if shape.hidden < BNB_8BIT_MIN else 0
-    norms = (2 * shape.layers + 1) * norm * (2 if shape.norm == "layernorm" else 1)
+    norms = (shape.norms * shape.layers + 1) * norm * (2 if shape.norm == "layernorm" else 1)
     return small + norms
 
 
@@ -286,141 +408,310 @@ def _adafactor_elements(shape: ModelShape, s: Setup) -> int:
     """torch.optim.Adafactor: rows + columns for each matrix (as the model fuses them), the full size for vectors."""
     mats = {name: (i, o) for name, i, o, _ in shape.linears()}
     groups = [[n] for n in mats]
-    if shape.fused_qkv:
+    if shape.fused_qkv and "q_proj" in mats:
         groups = [["q_proj", "k_proj", "v_proj"]] + [g for g in groups if g[0] not in ("q_proj", "k_proj", "v_proj")]
     if shape.fused_gate_up and shape.gated:
         groups = [["gate_proj", "up_proj"]] + [g for g in groups if g[0] not in ("gate_proj", "up_proj")]
     per_layer = sum(mats[g[0]][0] + sum(mats[n][1] for n in g) for g in groups)
-    per_layer += sum(o for _, _, o, b in shape.linears() if b) + 2 * shape.norm_params()
-    if shape.qk_norm:
-        per_layer += 2 * shape.norm_params(shape.d_head)
-    n = shape.layers * per_layer + (shape.vocab + shape.hidden) + shape.norm_params()
+    per_layer += sum(o for _, _, o, b in shape.linears() if b) + shape.layer_norms_params()
+    n = shape.layers * per_layer + (shape.vocab + shape.emb) + (shape.norm_params() if shape.final_norm else 0)
     if shape.positions:
         n += shape.positions + shape.hidden
     if not shape.tied:
-        n += shape.vocab + shape.hidden
+        n += shape.vocab + shape.emb
     return n
 
 
 # -- activations -------------------------------------------------------------------
-def activation_terms(shape: ModelShape, s: Setup) -> list[tuple[str, float]]:
-    """(what, bytes per token) saved for backward in one layer, after checkpointing and tensor parallelism."""
-    B, h, tp = compute_bytes(s.precision), shape.hidden, s.tp
-    hq, kv = shape.heads * shape.d_head, shape.n_kv * shape.d_head
+def _lora_set(s: Setup):
+    return set(ALL_LINEAR if "all-linear" in s.lora_targets else s.lora_targets) if s.lora_rank else None
+
+
+def _norm_terms(shape: ModelShape, s: Setup, width: int, where: str, frozen: bool) -> list[tuple[str, float]]:
+    """What one norm saves besides its input (the residual stream, counted where it is made)."""
+    p = s.precision
+    if shape.norm in ("layernorm", "layernorm-nobias", "none"):
+        return [(f"{where} LayerNorm: mean and rstd (fp32)", 8)]
+    c = compute_bytes(p)
+    if p in ("fp32", "amp"):  # the input is fp32: x.to(float32) is x itself, saved as the stream
+        return [(f"{where} RMSNorm: rsqrt" + ("" if frozen else " and the normalized value in fp32"),
+                 4 + (0 if frozen else 4 * width))]
+    # 16-bit input: the fp32 copy (saved by pow and by x * rsqrt), the normalized value for the weight's gradient
+    kept = 4 if shape.norm_fp32 else c  # Gemma keeps it fp32 until after the weight; Llama casts it back first
+    return [(f"{where} RMSNorm: the fp32 copy of its input, rsqrt"
+             + ("" if frozen else f", the normalized value ({kept * 8}-bit)"),
+             4 * width + 4 + (0 if frozen else kept * width))]
+
+
+def _stream_saved(shape: ModelShape, s: Setup) -> bool:
+    """Does the norm reading the residual stream keep that tensor itself for backward?"""
+    return shape.norm != "rmsnorm" or s.precision in ("fp32", "amp")
+
+
+def _linear_inputs(shape: ModelShape, s: Setup, consumers: list[str], width: int, what: str,
+                   lora) -> list[tuple[str, float]]:
+    """The input a group of linears reading the same tensor keeps for their weights' gradients. Without autocast
+    it is that tensor, kept once; under autocast each linear casts it to 16 bits itself and keeps its own copy
+    (autocast caches casts of leaf tensors that require grad, i.e. the weights, not of activations)."""
+    keeping = [n for n in consumers if lora is None or n in lora]
+    if not keeping:
+        return []
+    if s.precision == "amp":
+        return [(f"{what}: {len(keeping)} 16-bit cast{'s' if len(keeping) > 1 else ''} of the input "
+                 f"({', '.join(keeping)}; autocast casts per linear)", 2 * width * len(keeping))]
+    return [(f"{what}: the input (kept once for {', '.join(keeping)})", compute_bytes(s.precision) * width)]
+
+
+def eager_attention(s: Setup) -> bool:
+    return s.attention == "eager"
+
+
+def _attention_terms(shape: ModelShape, s: Setup, lora) -> list[tuple[str, float]]:
+    c, tp = compute_bytes(s.precision), s.tp
+    q, kv, v, o = shape.q_width / tp, shape.kv_width / tp, shape.v_width / tp, shape.o_width / tp
+    heads = shape.heads / tp
+    terms = []
+    if shape.mla:  # DeepSeek: the latent q and kv pass through RMSNorms; kv_b_proj's output stays (v is its view)
+        lq, lkv, hh = shape.q_lora_rank, shape.kv_lora_rank, shape.heads / tp
+        norm = 4 + (c if s.precision != "fp32" else 4)
+        terms.append(("MLA: the latent q and kv norms (fp32 copy and normalized value)", norm * (lq + lkv)))
+        terms.append(("MLA: kv_b_proj's output (k without rotary, and v)",
+                      c * hh * (shape.qk_nope_dim + shape.v_head_dim)))
+        terms.append(("MLA: q and k assembled (cat of the rotated and unrotated parts)", 2 * c * q))
+        if eager_attention(s):
+            terms.append(("attention scores: softmax in fp32" + (f" and its {c * 8}-bit copy" if c == 2 else ""),
+                          ((4 + c) if c == 2 else 4) * heads * s.seq))
+            terms.append(("attention output (o_proj's input)", c * o))
+            return terms
+        terms.append(("attention output" + (" and its contiguous copy" if c == 2 else ""),
+                      (2 if c == 2 else 1) * c * o))
+        terms.append(("attention log-sum-exp (fp32, per head)", 4 * heads))
+        return terms
+    if shape.qk_norm:
+        per = 4 + (c if s.precision != "fp32" else 4)
+        terms.append((f"q and k norms: the fp32 copy and the normalized value", per * (q + kv)))
+    if eager_attention(s):
+        terms.append(("q, k, v" + (" (k and v repeated to every head: repeat_kv copies)" if kv < q else ""),
+                      c * 3 * q))
+        score = (4 + c) if c == 2 else 4
+        if s.checkpointing != "selective":
+            terms.append(("attention scores: softmax in fp32" + (f" and its {c * 8}-bit copy" if c == 2 else "")
+                          + " (heads × seq)", score * heads * s.seq))
+            drop = shape.dropout if s.dropout is None else s.dropout
+            if drop and shape.model_type not in ("opt",):
+                terms.append(("attention dropout: mask (1 B) and output", (1 + c) * heads * s.seq))
+        if lora is None or "o_proj" in lora:  # kept by o_proj only (a frozen one keeps no input)
+            terms.append(("attention output (the transpose's contiguous copy, o_proj's input)", c * o))
+        return terms
+    fused_view = shape.fused_qkv and not shape.mla
+    if fused_view:
+        roped = shape.rotary > 0
+        terms.append(("fused q, k, v output (v" + (" and, unrotated, q, k" if not roped else "")
+                      + " are views of it, so it stays)", c * (q + 2 * kv)))
+        if roped:
+            terms.append(("rotated q, k (new tensors)", c * (q + kv)))
+    else:
+        terms.append(("q, k, v as attention keeps them (k, v not repeated: SDPA's enable_gqa / flash)",
+                      c * (q + kv + v)))
+    terms.append((f"attention output ({'flash' if s.attention == 'flash' else 'SDPA'}: o_proj reads it)", c * o))
+    # torch's flash kernel returns its output in the memory order of q: where q comes out of a concatenation
+    # (partial rotary's cat, MLA's q assembly) that order is (batch, heads, seq), and the model's
+    # transpose(1, 2).contiguous() copies it; the fp32 (memory-efficient) kernel writes (batch, seq, heads)
+    if c == 2 and 0 < shape.rotary < 1:
+        terms.append(("attention output's contiguous copy (q comes from a concatenation)", c * o))
+    terms.append(("attention log-sum-exp (fp32, per head)", 4 * heads))
+    return terms
+
+
+def _mlp_terms(shape: ModelShape, s: Setup, lora, moe: bool) -> list[tuple[str, float]]:
+    c, tp, h = compute_bytes(s.precision), s.tp, shape.hidden
+    act = shape.act
+    extra = ACT_SAVED.get(act, 1)
+    down = lora is None or "down_proj" in lora
+    if not moe:
+        f = shape.d_ff / tp
+        if shape.gated:
+            return [(f"gated MLP: gate (kept by {act}), {act}(gate), up" + (", their product" if down else "")
+                     + (f" (+{extra - 1} more kept by {act})" if extra > 1 else ""),
+                     (extra + 2 + down) * c * f)]
+        n = extra + (1 if down or act == "relu" else 0)
+        return [(f"MLP: {act} keeps {extra} tensor{'s' if extra != 1 else ''} as wide as the MLP"
+                 + (", its output feeds the down projection" if down else ""), n * c * f)]
+    fe = (shape.expert_ffn or shape.d_ff) / tp
+    k, E = shape.top_k, shape.experts
+    terms = [(f"router: softmax of {E} expert scores (fp32)", 4 * E),
+             (f"experts: per routed token-slot (top {k}): its input, gate_up, {act}(gate), the product, the output",
+              k * c * (2 * h + 4 * fe + (extra - 1) * fe))]
+    if s.precision == "amp":
+        terms.append(("router: 16-bit cast of its input", 2 * h))
+    if shape.shared_ffn:
+        fs = shape.shared_ffn / tp
+        terms.append(("shared expert: gate, act, up, product", (extra + 3) * c * fs))
+        if s.precision == "amp":
+            terms.append(("shared expert: 16-bit casts of its input (gate, up)", 2 * 2 * h))
+        if shape.shared_gate:
+            terms.append(("shared expert gate: sigmoid", c))
+    return terms
+
+
+def activation_terms(shape: ModelShape, s: Setup, moe: bool = False) -> list[tuple[str, float]]:
+    """(what, bytes per token) saved for backward in one layer (an MoE one with moe=True), as Hugging Face's
+    decoder layers make them, before checkpointing; divided by tensor parallelism where it shards."""
+    h = shape.hidden
+    r = stream_bytes(s.precision)
+    lora = _lora_set(s)
+    frozen = lora is not None  # LoRA: the norms' weights are frozen
     dropout = shape.dropout if s.dropout is None else s.dropout
-    lora = set(ALL_LINEAR if "all-linear" in s.lora_targets else s.lora_targets) if s.lora_rank else None
-
-    def saves_input(*names):  # a frozen linear does not keep its input for backward; a trained one does
-        return lora is None or bool(lora & set(names))
-
-    if shape.norm == "rmsnorm":
-        norm = (4 * h + (B * h if lora is None else 0),
-                "input in fp32" + (" + normalized (eager RMSNorm)" if lora is None else " (frozen weight)"))
+    terms = []
+    residuals = 1 if shape.parallel_residual else 2
+    if _stream_saved(shape, s):
+        terms.append((f"residual stream: {residuals} sum{'s' if residuals > 1 else ''} per layer in "
+                       f"{'fp32' if r == 4 else '16-bit'}, kept by the next norm", residuals * r * h))
+    pre = 1 if shape.parallel_residual and shape.norms == 1 else (0 if shape.norm_layout == "post" else 2)
+    post = {"post": 2, "sandwich": 2}.get(shape.norm_layout, 0)
+    for i in range(pre):
+        terms += _norm_terms(shape, s, h, "pre-attention" if i == 0 else "pre-MLP", frozen)
+    for i in range(post):  # Gemma-2/3, OLMo-2: norms on the attention and MLP outputs (16-bit in, fp32 copy kept)
+        terms += [(f"post-{'attention' if i == 0 else 'MLP'} norm: the fp32 copy of its input, rsqrt, the "
+                   "normalized value (fp32)", 4 * h + 4 + 4 * h)]
+    attn_in = ["q_a_proj" if shape.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"] if shape.mla else (
+        ["qkv_proj"] if shape.fused_qkv else ["q_proj", "k_proj", "v_proj"])
+    mlp_in = (["router", "gate_proj", "up_proj"] if shape.shared_ffn else ["router"]) if moe else (
+        ["gate_up_proj"] if shape.fused_gate_up else (["gate_proj", "up_proj"] if shape.gated else ["up_proj"]))
+    lora_names = None if lora is None else lora | ({"qkv_proj"} if lora & {"q_proj", "k_proj", "v_proj"} else set()) | (
+        {"gate_up_proj"} if lora & {"gate_proj", "up_proj"} else set())
+    if moe:
+        mlp_in = []  # the experts' and router's inputs are counted with them
+    if shape.parallel_residual and shape.norms == 1 and s.precision != "amp":
+        terms += _linear_inputs(shape, s, attn_in + mlp_in, h, "attention and MLP", lora_names)
     else:
-        norm = (B * h, "input")
-    kv_saved = hq if s.attention == "eager" else kv  # eager GQA repeats k and v to every head
-    n_norms = 1 if shape.parallel_residual and shape.norm == "layernorm" else 2
-    terms = [(f"{n_norms} norm{'s' if n_norms > 1 else ''}: {norm[1]}", n_norms * norm[0])]
-    if saves_input("q_proj", "k_proj", "v_proj"):
-        terms.append(("q, k, v projections' input", B * h))
-    terms.append(("q, k, v" + (" (k, v repeated to every head)" if s.attention == "eager" and kv < hq else ""),
-                  B * (hq + 2 * kv_saved) / tp))
-    if saves_input("o_proj"):
-        terms.append(("attention output (o_proj input)", B * hq / tp))
-    if saves_input("gate_proj", "up_proj"):
-        terms.append(("MLP input", B * h))
-    ff = shape.d_ff / tp
-    down = 1 if saves_input("down_proj") else 0
-    if shape.gated:
-        terms.append(("gated MLP: gate, act(gate), up" + (", product" if down else ""), (3 + down) * B * ff))
-    elif shape.activation == "relu":
-        terms.append(("MLP: relu output", B * ff))
-    else:
-        terms.append(("MLP: activation input" + (" and output" if down else ""), (1 + down) * B * ff))
+        terms += _linear_inputs(shape, s, attn_in, h, "attention", lora_names)
+        if mlp_in:
+            terms += _linear_inputs(shape, s, mlp_in, h, "MLP", lora_names)
+    terms += _attention_terms(shape, s, lora)
+    terms += _mlp_terms(shape, s, lora, moe)
     if lora:
         n_adapted = len([n for n, *_ in shape.linears() if n in lora])
         terms.append((f"LoRA: rank-{s.lora_rank} A outputs (fp32) of {n_adapted} adapted layers",
                        4 * s.lora_rank * n_adapted))
     if dropout:
-        terms.append(("2 residual dropout masks (1 B)", 2 * h))
-    if s.attention == "eager" and s.checkpointing == "none":
-        if B == 4:
-            terms.append(("attention scores: softmax (heads × seq)", B * shape.heads * s.seq / tp))
-        else:
-            terms.append((f"attention scores: softmax in fp32 and its {B * 8}-bit copy (heads × seq)",
-                           (4 + B) * shape.heads * s.seq / tp))
-        if dropout:
-            terms.append(("attention dropout: mask (1 B) and output", (1 + B) * shape.heads * s.seq / tp))
-    elif s.attention == "flash":
-        terms.append(("flash attention log-sum-exp (fp32)", 4 * shape.heads / tp))
-    return terms
+        terms.append((f"{residuals} residual dropout mask{'s' if residuals > 1 else ''} (1 B)", residuals * h))
+    return [(w, b) for w, b in terms if b]
 
 
 def _activations(est: Estimate):
     shape, s = est.shape, est.setup
-    B, h, L = compute_bytes(s.precision), shape.hidden, shape.layers
+    c, r, h, L, V = compute_bytes(s.precision), stream_bytes(s.precision), shape.hidden, shape.layers, shape.vocab
     tokens = s.batch * s.seq
     dropout = shape.dropout if s.dropout is None else s.dropout
-    terms = activation_terms(shape, s)
-    per_layer = sum(b for _, b in terms)
-    detail = "; ".join(f"{w} {b:g}" for w, b in terms)
-    if s.checkpointing == "full":
-        est.add("activation", tokens * B * h * L,
-                f"full checkpointing: each layer's input, batch {s.batch} × seq {s.seq} × {h} × {B} B × {L} layers")
-        full = activation_terms(shape, Setup(**{**asdict(s), "checkpointing": "none"}))
-        one = sum(b for _, b in full)
-        est.add("activation", tokens * one,
-                f"one layer recomputed during backward: batch × seq × {one:g} B/token")
-    else:
-        what = "selective checkpointing (attention scores recomputed), " if s.checkpointing == "selective" else ""
-        est.add("activation", tokens * per_layer * L,
-                f"{what}batch {s.batch} × seq {s.seq} × {L} layers × {per_layer:g} B/token ({detail})")
-    frozen = bool(s.lora_rank)  # LoRA: the norms' weights and the output layer are frozen
-    norm = (4 * h + (0 if frozen else B * h)) if shape.norm == "rmsnorm" else B * h
-    tail = norm + (0 if frozen else B * h) + (h if dropout else 0)
-    est.add("activation", tokens * tail, f"final norm and output layer input, batch × seq × {tail:g} B"
-            + (" (+ embedding dropout mask)" if dropout else ""))
-    est.add("activation", tokens * shape.vocab * 4 / s.tp,
-            f"loss: log-softmax of the logits in fp32, batch × seq × vocab {shape.vocab:,} × 4 B"
-            + (f" / tp {s.tp}" if s.tp > 1 else ""))
-    est.add("temporary", 2 * tokens * shape.vocab * 4 / s.tp,
-            "the loss's backward: gradients of the log-softmax and of the logits, 2 × batch × seq × vocab × 4 B")
-    if B != 4:
-        est.add("temporary", tokens * shape.vocab * B / s.tp,
-                f"the {B * 8}-bit logits before the fp32 upcast, batch × seq × vocab × {B} B")
-    est.assumptions.append("activations: what autograd saves in eager PyTorch per Korthikanti et al. 2022, "
-                           "without the CUDA caching allocator's rounding")
+    kinds = [(False, shape.dense_layers), (True, shape.moe_layers)]
+    for moe, count in kinds:
+        if not count:
+            continue
+        terms = activation_terms(shape, s, moe)
+        per_layer = sum(b for _, b in terms)
+        detail = "; ".join(f"{w} {b:g}" for w, b in terms)
+        label = "MoE layers" if moe else ("dense layers" if shape.experts else "layers")
+        if s.checkpointing == "full":
+            est.add("activation", tokens * r * h * count,
+                    f"full checkpointing: each layer's input, batch {s.batch} × seq {s.seq} × {h} × {r} B × "
+                    f"{count} {label}", when=SAVED)
+            if moe == (shape.moe_layers > 0):
+                est.add("activation", tokens * per_layer,
+                        f"one layer recomputed during backward: batch × seq × {per_layer:g} B/token ({detail})",
+                        when=RECOMPUTE)
+        else:
+            what = "selective checkpointing (attention scores recomputed), " if s.checkpointing == "selective" else ""
+            est.add("activation", tokens * per_layer * count,
+                    f"{what}batch {s.batch} × seq {s.seq} × {count} {label} × {per_layer:g} B/token ({detail})",
+                    when=SAVED)
+    # the embedding's output (layer 0's input), the final norm, the output layer's input
+    frozen = bool(s.lora_rank)
+    tail = [("the embedding's output (layer 0's input)" + (" + positions" if shape.positions else ""),
+             r * h if _stream_saved(shape, s) else 0)]
+    if shape.embed_norm:
+        tail.append(("embedding LayerNorm: its output, mean and rstd", r * h + 8))
+    if shape.final_norm:
+        tail += _norm_terms(shape, s, h, "final", frozen)
+    if not frozen:
+        tail.append(("the output layer's input" + (" (its 16-bit cast)" if s.precision == "amp" else ""),
+                     c * shape.emb))
+    if dropout and shape.model_type in EMBED_DROPOUT:
+        tail.append(("embedding dropout mask (1 B)", h))
+    tail = [(w, b) for w, b in tail if b]
+    est.add("activation", tokens * sum(b for _, b in tail),
+            "batch × seq × (" + " + ".join(f"{w} {b:g}" for w, b in tail) + ") B", when=SAVED)
+    # the loss: Hugging Face's ForCausalLMLoss upcasts the logits (logits.float()), cross_entropy keeps its log-softmax
+    est.add("activation", tokens * V * 4 / s.tp,
+            f"loss: log-softmax of the fp32 logits (ForCausalLMLoss upcasts them), batch × seq × vocab {V:,} × 4 B"
+            + (f" / tp {s.tp}" if s.tp > 1 else ""), when=SAVED)
+    if not s.loss_only:
+        est.add("activation", tokens * V * c / s.tp,
+                f"the logits ({c * 8}-bit), held by the model's output until the step ends (out = model(...); "
+                f"out.loss.backward()), batch × seq × vocab × {c} B", when=HELD)
+        est.assumptions.append(f"the loop keeps the model's output (its logits, {tokens * V * c / s.tp / 2**20:.1f} "
+                               "MiB) through the step, as `out = model(**batch); out.loss.backward()` does; one that "
+                               "keeps only the loss (Hugging Face's Trainer; --loss-only) peaks lower by that much")
+    if shape.model_type == "gemma2":
+        est.add("activation", tokens * V * c / s.tp,
+                "Gemma-2's final logit soft-capping: tanh of the logits, kept for backward", when=SAVED)
+    if c != 4:
+        est.add("temporary", tokens * V * 4 / s.tp,
+                "the loss's fp32 copy of the logits (logits.float()), freed once the log-softmax is made, "
+                "batch × seq × vocab × 4 B", when=LOSS_FWD)
+    est.add("temporary", 2 * tokens * V * 4 / s.tp,
+            "the loss's backward: gradients of the log-softmax's output and input, 2 × batch × seq × vocab × 4 B",
+            when=LOSS_BWD)
+    if s.precision == "amp":
+        mats = shape.linear_params() if s.checkpointing != "full" else 0
+        n = mats + V * shape.emb
+        est.add("activation", n * 2 / s.tp,
+                f"autocast's 16-bit copies of the matmul weights, kept for backward: {n:,} "
+                + ("(layers' linears and the output layer)" if mats else "(the output layer: checkpointed layers "
+                   "recast theirs when they recompute)") + " × 2 B", when=SAVED)
+    est.assumptions.append("activations: what autograd saves in Hugging Face's eager PyTorch code, tensor by "
+                           f"tensor ({s.attention} attention), without the CUDA caching allocator's rounding")
     if s.lora_rank:
         est.assumptions.append("LoRA: frozen linears keep no input for backward; the first layer (whose input "
                                "needs no gradient) is counted like the others")
     if s.precision == "amp":
-        n = shape.linear_params() + shape.vocab * shape.hidden
-        est.add("activation", n * 2 / s.tp, f"autocast's 16-bit copies of the matmul weights, kept for backward: "
-                                            f"{n:,} (layers' linears and the output layer) × 2 B")
-        est.assumptions.append("amp: activations counted at 2 B, though autocast leaves norms and the residual "
-                               "stream in fp32")
+        est.assumptions.append("amp: autocast keeps the residual stream and norms in fp32, casts each linear's "
+                               "input to 16 bits per linear, and caches one 16-bit copy of each weight")
+    if shape.experts:
+        est.assumptions.append("MoE: activations of transformers' expert loop, per routed token-slot (top-k); "
+                               "a grouped-GEMM kernel keeps about as much")
+    if s.attention != "eager":
+        est.assumptions.append("SDPA/flash: no padding mask, so transformers passes enable_gqa and k, v are "
+                               "not repeated to every head")
 
 
 def _inference_activations(est: Estimate):
     shape, s = est.shape, est.setup
     B, h = compute_bytes(s.precision), shape.hidden
     tokens = s.batch * s.seq
-    widest = max(shape.heads * s.seq if s.attention == "eager" else 0,
-                 (3 if shape.gated else 2) * shape.d_ff) * B / s.tp
+    ffn = shape.expert_ffn * shape.top_k if shape.experts else shape.d_ff
+    widest = max(shape.heads * s.seq if s.attention == "eager" else 0, (3 if shape.gated else 2) * ffn) * B / s.tp
     est.add("temporary", tokens * (2 * h * B + widest),
             f"one forward, no grad (nothing is saved, so intermediates are temporaries): residual stream and its "
             f"input (2 × {h} × {B} B) + the widest intermediate ({widest:g} B) per token, "
             f"batch {s.batch} × seq {s.seq}")
-    est.add("temporary", tokens * shape.vocab * B / s.tp, f"logits, batch × seq × vocab {shape.vocab:,} × {B} B")
+    if s.generate:  # generate() asks for the last position's logits only (logits_to_keep=1), copied to fp32
+        est.add("temporary", s.batch * shape.vocab * (B + 4) / s.tp,
+                f"logits of the last position only (generate's logits_to_keep=1) and their fp32 copy, "
+                f"batch × vocab {shape.vocab:,} × ({B} + 4) B")
+    else:
+        est.add("temporary", tokens * shape.vocab * B / s.tp, f"logits, batch × seq × vocab {shape.vocab:,} × {B} B")
     if s.generate:
         length = s.seq + s.generate
         held = length
         if s.kv_block_size:
             held = -(-length // s.kv_block_size) * s.kv_block_size
-        kv = 2 * shape.layers * shape.n_kv * shape.d_head * B / s.tp
-        est.add("activation", s.batch * length * kv,
-                f"KV cache: layers × 2 × kv-heads {shape.n_kv} × head-dim {shape.d_head} × (seq + {s.generate}) "
-                f"× batch × {B} B")
+        per_tok = (shape.kv_lora_rank + shape.qk_rope_dim) if shape.mla else 2 * shape.n_kv * shape.d_head
+        kv = shape.layers * per_tok * B / s.tp
+        what = ("compressed kv (kv_lora_rank + rope dims)" if shape.mla else
+                f"2 × kv-heads {shape.n_kv} × head-dim {shape.d_head}")
+        est.add("kv_cache", s.batch * length * kv,
+                f"KV cache: layers × {what} × (seq + {s.generate}) × batch × {B} B")
         if held > length:
             est.add("other", s.batch * (held - length) * kv,
                     f"KV cache blocks of {s.kv_block_size} tokens: {held - length} unused slots per sequence")
