@@ -1,0 +1,179 @@
+"""What the same request stream would have cost under other allocator settings.
+
+The trace's requests (alloc, free_requested, free_completed, the request that ran out
+of memory, the program's own empty_cache calls) are served by the model under a
+configuration of your choosing; the allocator's own decisions (which block, when to
+ask CUDA for a segment, when to give cached memory back and retry) are the model's.
+
+Where the trace begins with memory already held (a recording started after warm-up),
+the run starts either from that state as it was (`start="recorded"`: its segments stay,
+as when the setting is changed while a program runs) or from an empty allocator that
+first allocates the blocks held then, in address order (`start="rebuilt"`: as if the
+program had run under the setting from its start; the default). Both runs, under the
+recorded settings and under yours, start the same way, so they compare like for like.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
+                      SEGMENT_UNMAP, Trace)
+from .config import AllocatorConfig
+from .core import Allocator, Device, OutOfMemory
+from .state import HELD, PENDING, initial_state, load
+
+STARTS = ("rebuilt", "recorded")
+
+
+@dataclass
+class Run:
+    """One simulated run of a device's requests."""
+
+    config: AllocatorConfig
+    peak_reserved: int
+    peak_allocated: int
+    peak_reserved_index: int  # entry after which reserved first reached its peak (-1: before the first)
+    allocated_at_peak: int  # allocated bytes at that moment
+    largest_free_at_peak: int  # the largest cached free block then
+    segments_at_peak: list  # [(address, size, allocated bytes in it)] at that moment
+    final_reserved: int
+    device_allocs: int  # cudaMalloc calls and page mappings made during the trace
+    device_frees: int
+    retries: int  # times the allocator freed its cache and retried
+    ooms: list  # [{index, request_bytes}] requests that failed
+    failed_request: dict | None  # the recorded out-of-memory request: {index, request_bytes, fits}
+    events: list = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
+    reserved: np.ndarray = None  # int64 per entry
+    allocated: np.ndarray = None  # int64 per entry
+
+    @property
+    def fragmentation_at_peak(self) -> int:
+        return self.peak_reserved - self.allocated_at_peak
+
+
+def user_releases(action: np.ndarray) -> np.ndarray:
+    """Entry indices where the program itself gave cached memory back (torch.cuda.empty_cache): a run of
+    segment_free / segment_unmap not followed by the allocator asking for memory (segment_alloc /
+    segment_map) or failing (oom), which is what its own retries look like. Returns the first entry of each run."""
+    rel = np.isin(action, (SEGMENT_FREE, SEGMENT_UNMAP))
+    out = []
+    i, n = 0, len(action)
+    while i < n:
+        if rel[i]:
+            j = i
+            while j < n and rel[j]:
+                j += 1
+            if j >= n or action[j] not in (SEGMENT_ALLOC, SEGMENT_MAP, OOM):
+                out.append(i)
+            i = j
+        else:
+            i += 1
+    return np.asarray(out, np.int64)
+
+
+def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: AllocatorConfig,
+             start: str = "rebuilt", capacity=None, memory_fraction_bytes=None, total_memory=80 << 30,
+             follow_addresses=False, curves=False) -> Run:
+    """Serve the device's recorded requests with the model under `config`.
+
+    `recorded`: the settings the file was recorded with (they decide the state at the trace's start);
+    `capacity`: bytes CUDA would let this process reserve (None: no limit);
+    `memory_fraction_bytes`: torch.cuda.set_per_process_memory_fraction's cap in bytes (None: not set);
+    `follow_addresses`: give new segments the addresses the trace's own segment_alloc entries have, while
+    their sizes agree (the run then reproduces a recording address for address)."""
+    ev = trace.events
+    sl = ev.device_slice(device)
+    action = ev.action[sl]
+    addr, size, stream = ev.addr[sl].tolist(), ev.size[sl].tolist(), ev.stream[sl].tolist()
+    acts = action.tolist()
+    n = len(acts)
+
+    queue = []
+    if follow_addresses:
+        seg_rows = np.flatnonzero(action == SEGMENT_ALLOC).tolist()
+        queue = [(size[i], stream[i], addr[i]) for i in seg_rows]
+
+    def addresses(sz, st, small, expandable):
+        if queue and not expandable and queue[0][0] == sz and queue[0][1] == st:
+            return queue.pop(0)[2]
+        return None
+
+    dev = Device(capacity=capacity, total_memory=total_memory, addresses=addresses if follow_addresses else None)
+    init = initial_state(trace, device, recorded)
+    if start == "recorded":
+        alloc = Allocator(config, dev, memory_fraction_bytes)
+        live = load(alloc, init)
+    else:
+        alloc = Allocator(config, dev, memory_fraction_bytes)
+        live = {}
+        for h in sorted(init.held, key=lambda h: h.addr):
+            try:
+                b = alloc.malloc(max(h.requested, 1) if h.requested else h.size, h.stream)
+            except OutOfMemory:
+                continue
+            if h.state == PENDING:
+                alloc.free(b, completed=False)
+            live[h.addr] = b
+    alloc.log = log = []
+    alloc.peak_reserved = alloc.reserved
+    alloc.peak_allocated = alloc.allocated
+
+    releases = set(user_releases(action).tolist())
+    ooms, failed = [], None
+    peak_r, peak_i, at_peak_alloc = alloc.reserved, -1, alloc.allocated
+    largest_at_peak = alloc.largest_free()
+    segs_at_peak = _segments(alloc)
+    res_curve = np.zeros(n, np.int64) if curves else None
+    alloc_curve = np.zeros(n, np.int64) if curves else None
+    lost = set()
+    for i in range(n):
+        a = acts[i]
+        if a == ALLOC:
+            try:
+                live[addr[i]] = alloc.malloc(size[i], stream[i])
+            except OutOfMemory:
+                ooms.append({"index": i, "request_bytes": int(size[i])})
+                lost.add(addr[i])
+                live.pop(addr[i], None)
+        elif a == FREE_REQUESTED:
+            b = live.get(addr[i])
+            if b is not None:
+                alloc.free(b, completed=False)
+        elif a == FREE_COMPLETED:
+            b = live.pop(addr[i], None)
+            if b is not None:
+                if b.allocated:
+                    alloc.free(b)
+                else:
+                    alloc.complete_free(b)
+        elif i in releases:
+            alloc.release_cached()
+        elif a == OOM and failed is None:
+            try:
+                b = alloc.malloc(size[i], stream[i])
+                fits = True
+                alloc.free(b)
+            except OutOfMemory:
+                fits = False
+            failed = {"index": i, "request_bytes": int(size[i]), "fits": fits}
+        if alloc.reserved > peak_r:
+            peak_r, peak_i, at_peak_alloc = alloc.reserved, i, alloc.allocated
+            largest_at_peak = alloc.largest_free()
+            segs_at_peak = _segments(alloc)
+        if curves:
+            res_curve[i] = alloc.reserved
+            alloc_curve[i] = alloc.allocated
+    return Run(config=config, peak_reserved=peak_r, peak_allocated=alloc.peak_allocated, peak_reserved_index=peak_i,
+               allocated_at_peak=at_peak_alloc, largest_free_at_peak=largest_at_peak, segments_at_peak=segs_at_peak,
+               final_reserved=alloc.reserved,
+               device_allocs=sum(1 for e in log if e[0] in ("segment_alloc", "segment_map")),
+               device_frees=sum(1 for e in log if e[0] in ("segment_free", "segment_unmap")),
+               retries=alloc.retries, ooms=ooms, failed_request=failed,
+               events=[e for e in log if e[0] != "oom"], reserved=res_curve, allocated=alloc_curve)
+
+
+def _segments(alloc: Allocator) -> list:
+    return [(s["address"], s["total_size"], sum(b["size"] for b in s["blocks"] if b["state"] != "inactive"))
+            for s in alloc.snapshot()]
