@@ -28,6 +28,25 @@ from .core import Allocator, Block, Device
 from .state import InitialState, initial_state, load
 
 
+# why an entry could not be followed (the compiled loop counts them in this order)
+REASONS = (
+    "a new segment where the model had a cached block",
+    "segment of another size than the model asks for",
+    "request not at its new segment",
+    "best fit differs from the recorded address",
+    "no cached block in the model where the allocator found one",
+    "address outside the known free memory",
+    "recorded block smaller than the request",
+    "allocated twice without a free",
+    "free of an address not allocated",
+    "free_completed without free_requested",
+    "segment_free of a segment that is not free in the model",
+    "out of memory where the model had a cached block",
+    "segment_map of pages the model has mapped",
+    "segment_unmap of pages that are not free in the model",
+)
+
+
 @dataclass
 class AllocatorReplay:
     device: int
@@ -367,19 +386,24 @@ def _unmap(alloc: Allocator, addr, size) -> bool:
 
 
 def _compare_final(trace: Trace, device: int, alloc: Allocator) -> int:
-    """Blocks of the file's final segments that the replayed state does not have (address, size, state)."""
+    got = {}
+    for seg in alloc.snapshot():
+        for b in seg["blocks"]:
+            got[b["address"]] = (b["size"], b["state"])
+    return compare_final(trace, device, got, bool(alloc.segments or alloc.expandable))
+
+
+def compare_final(trace: Trace, device: int, got: dict, had_segments: bool) -> int:
+    """Blocks of the file's final segments that the replayed state does not have, by (address, size, state),
+    plus replayed blocks the file does not have; -1 when the file has no blocks to compare with."""
     blk = trace.blocks
     m = blk.device == device
     if not m.any():
-        return 0 if not alloc.segments and not alloc.expandable else -1
+        return 0 if not had_segments else -1
     from ...model import BLOCK_STATES
 
     want = {}
     for a, z, st in zip(blk.addr[m].tolist(), blk.size[m].tolist(), blk.state[m].tolist()):
         name = BLOCK_STATES[st]
         want[int(a)] = (int(z), "inactive" if name == "unknown" else name)
-    got = {}
-    for seg in alloc.snapshot():
-        for b in seg["blocks"]:
-            got[b["address"]] = (b["size"], b["state"])
     return sum(1 for a, v in want.items() if got.get(a) != v) + sum(1 for a in got if a not in want)

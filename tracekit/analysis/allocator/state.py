@@ -123,13 +123,8 @@ def initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initial
         return None
 
     # blocks held at the start
-    touch = np.isin(action, (ALLOC, FREE_REQUESTED, FREE_COMPLETED))
-    t_idx = np.flatnonzero(touch)
-    t_addr = addr[t_idx]
-    uniq, first = np.unique(t_addr, return_index=True)
+    uniq, firsts, fa = first_touches(action, addr)
     held = []
-    firsts = t_idx[first]
-    fa = action[firsts]
     for a, i, act in zip(uniq.tolist(), firsts.tolist(), fa.tolist()):
         if act == ALLOC:
             continue
@@ -146,10 +141,7 @@ def initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initial
     held.sort(key=lambda h: h.addr)
 
     # sizes of blocks the file does not give: up to the next held block when the gap cannot be free
-    alloc_rows = np.flatnonzero(action == ALLOC)
-    alloc_addr = addr[alloc_rows]
-    order = np.argsort(alloc_addr, kind="stable")
-    sorted_addr, sorted_rows = alloc_addr[order], alloc_rows[order]
+    allocs = _Allocs(action, addr)
     first_free = dict(zip(uniq.tolist(), firsts.tolist()))
     kept = []
     for k, h in enumerate(held):
@@ -182,13 +174,9 @@ def initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initial
             h.size = base + gap  # a remainder this small is never split off
         else:
             # the first allocation inside the gap before this block's free starts where the block ends
-            lo = np.searchsorted(sorted_addr, h.addr + base, "left")
-            hi = np.searchsorted(sorted_addr, min(h.addr + base + SMALL_SIZE, nxt), "right")
-            t_free = first_free.get(h.addr, 1 << 62)
-            cand = sorted_rows[lo:hi]
-            cand = cand[cand < t_free]
-            if len(cand):
-                p = int(addr[int(cand.min())])
+            first = allocs.first_in(h.addr + base, min(h.addr + base + SMALL_SIZE, nxt), first_free.get(h.addr, 1 << 62))
+            if first is not None:
+                p = int(addr[first])
                 h.size = p - h.addr
             else:
                 h.size = base
@@ -196,6 +184,47 @@ def initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initial
         kept.append(h)
     st.held = kept
     return st
+
+
+class _Allocs:
+    """The trace's alloc entries, to ask which came first inside an address range (sorted on first use)."""
+
+    def __init__(self, action, addr):
+        self.action, self.addr = action, addr
+        self.sorted = None
+
+    def first_in(self, lo, hi, before):
+        """The earliest alloc entry (index) with lo <= addr <= hi and index < before, or None."""
+        self.asked = getattr(self, "asked", 0) + 1
+        if self.sorted is None and self.asked <= 8:  # a few questions: a scan each is cheaper than a sort
+            a = self.addr[:before]
+            hit = np.flatnonzero((a >= lo) & (a <= hi) & (self.action[:before] == ALLOC))
+            return int(hit[0]) if len(hit) else None
+        if self.sorted is None:
+            rows = np.flatnonzero(self.action == ALLOC)
+            order = np.argsort(self.addr[rows], kind="stable")
+            self.sorted = (self.addr[rows][order], rows[order])
+        addrs, rows = self.sorted
+        cand = rows[np.searchsorted(addrs, lo, "left"):np.searchsorted(addrs, hi, "right")]
+        cand = cand[cand < before]
+        return int(cand.min()) if len(cand) else None
+
+
+def first_touches(action, addr):
+    """(addresses, index of the first alloc/free entry naming each, that entry's action), by address."""
+    try:
+        from ._replay import first_touches as compiled
+    except ImportError:
+        compiled = None
+    if compiled is not None:
+        a, i, c = compiled(np.ascontiguousarray(action, np.int8), np.ascontiguousarray(addr, np.uint64))
+        a, i, c = np.frombuffer(a, np.uint64).astype(np.int64), np.frombuffer(i, np.int64), np.frombuffer(c, np.int8)
+        order = np.argsort(a)
+        return a[order], i[order], c[order]
+    t_idx = np.flatnonzero(np.isin(action, (ALLOC, FREE_REQUESTED, FREE_COMPLETED)))
+    uniq, first = np.unique(addr[t_idx], return_index=True)
+    firsts = t_idx[first]
+    return uniq, firsts, action[firsts]
 
 
 def _pool(text: str) -> str:
