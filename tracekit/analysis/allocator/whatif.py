@@ -177,3 +177,102 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
 def _segments(alloc: Allocator) -> list:
     return [(s["address"], s["total_size"], sum(b["size"] for b in s["blocks"] if b["state"] != "inactive"))
             for s in alloc.snapshot()]
+
+
+def _run_dict(run: Run) -> dict:
+    return {
+        "settings": run.config.describe(),
+        "peak_reserved_bytes": run.peak_reserved,
+        "peak_reserved_index": run.peak_reserved_index,
+        "peak_allocated_bytes": run.peak_allocated,
+        "allocated_at_peak_bytes": run.allocated_at_peak,
+        "fragmentation_at_peak_bytes": run.fragmentation_at_peak,
+        "largest_free_block_at_peak_bytes": run.largest_free_at_peak,
+        "segments_at_peak": len(run.segments_at_peak),
+        "final_reserved_bytes": run.final_reserved,
+        "device_allocations": run.device_allocs,
+        "device_frees": run.device_frees,
+        "retries": run.retries,
+        "failed_requests": run.ooms[:10],
+        "failed_request_count": len(run.ooms),
+    }
+
+
+def device_limits(trace: Trace, device: int, exact=None) -> dict:
+    """What the file says about the memory this process could use on the device:
+    `device_memory_bytes` (what cudaMalloc could get: at an out-of-memory entry, reserved then plus the
+    free memory CUDA reported; else the device's total memory when recorded) and `memory_limit_bytes`
+    (a per-process memory fraction's cap), each with where it came from."""
+    from ..report import allocator_limit
+
+    out = {"device_memory_bytes": None, "device_memory_source": "unknown: no limit assumed",
+           "memory_limit_bytes": allocator_limit(trace, device), "memory_limit_source": None}
+    if out["memory_limit_bytes"] is not None:
+        out["memory_limit_source"] = "the recording (torch.cuda.set_per_process_memory_fraction)"
+    ev = trace.events
+    sl = ev.device_slice(device)
+    ooms = np.flatnonzero(ev.action[sl] == OOM)
+    if len(ooms) and exact is not None:
+        i = int(ooms[0])
+        out["device_memory_bytes"] = exact.reserved_at(i) + int(ev.device_free[sl][i])
+        out["device_memory_source"] = f"reserved at the out-of-memory entry {i} plus the free memory CUDA reported then"
+    else:
+        for d in (trace.recorder or {}).get("devices") or []:
+            if isinstance(d, dict) and d.get("index") == device and isinstance(d.get("total_memory"), int):
+                out["device_memory_bytes"] = d["total_memory"]
+                out["device_memory_source"] = "the device's total memory (CUDA's own use not taken off)"
+    return out
+
+
+def compare(trace: Trace, config: AllocatorConfig, start: str = "rebuilt", device_memory=None,
+            memory_limit=None) -> dict:
+    """The what-if on allocator settings, per device, as JSON-ready builtins: the recorded figures, the model
+    under the recorded settings (the baseline) and under `config`, from the same start."""
+    from .exact import settings_of, total_memory
+    from .summary import allocator_replays, why_not_modelled
+
+    recorded, notes = settings_of(trace)
+    devices = []
+    for d in trace.devices:
+        why = why_not_modelled(trace, d)
+        if why is not None:
+            devices.append({"device": d, "label": trace.device_label(d), "modelled": False, "why": why})
+            continue
+        exact = allocator_replays(trace)[d]
+        lim = device_limits(trace, d, exact)
+        if device_memory is not None:
+            lim["device_memory_bytes"], lim["device_memory_source"] = device_memory, "--device-memory"
+        if memory_limit is not None:
+            lim["memory_limit_bytes"], lim["memory_limit_source"] = memory_limit, "--memory-limit"
+        kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
+                  memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, d))
+        base = simulate(trace, d, recorded, **kw)
+        what = simulate(trace, d, config, **kw)
+        dev_notes = list(notes)
+        if config.garbage_collection_threshold and lim["memory_limit_bytes"] is None:
+            dev_notes.append("garbage_collection_threshold acts only under a per-process memory fraction "
+                             "(torch.cuda.set_per_process_memory_fraction); none is known for this file, so it "
+                             "changes nothing here: give --memory-limit")
+        if exact.initial_allocated or exact.initial_reserved:
+            dev_notes.append(
+                f"the trace begins with {exact.initial_allocated} bytes allocated and {exact.initial_reserved} "
+                f"reserved; both runs start {'from that state' if start == 'recorded' else 'from an empty allocator that first allocates what was held then'}"
+                " (--start)")
+        oom = None
+        if base.failed_request is not None or what.failed_request is not None:
+            f = what.failed_request or base.failed_request
+            oom = {"index": f["index"], "request_bytes": f["request_bytes"], "recorded": "failed",
+                   "baseline_fits": (base.failed_request or {}).get("fits"),
+                   "whatif_fits": (what.failed_request or {}).get("fits")}
+            if oom["baseline_fits"]:
+                dev_notes.append("the model under the recorded settings does not reproduce this out-of-memory "
+                                 "error from this start, so its answer for the other settings is not reliable")
+        devices.append({
+            "device": d, "label": trace.device_label(d), "modelled": True, **lim,
+            "recorded": {"peak_reserved_bytes": exact.peak_reserved, "peak_allocated_bytes": exact.peak_allocated,
+                         "exact": exact.exact},
+            "baseline": _run_dict(base), "whatif": _run_dict(what),
+            "saved_reserved_bytes": base.peak_reserved - what.peak_reserved,
+            "oom": oom, "notes": dev_notes})
+    return {"file": trace.path, "alloc_conf": config.text, "recorded_settings": recorded.describe(),
+            "whatif_settings": config.describe(), "start": start, "devices": devices}
