@@ -637,7 +637,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             if (!release(s, addr[i], size[i])) reasons[R_SEG_FREE]++;
         } else if (a == A_OOM) {
             int64_t sz = size[i];
-            if (find_free(s, sz <= SMALL_SIZE, sz, stream[i]) != NONE) reasons[R_OOM_CACHED]++;
+            int after_frees = i > 0 && (action[i - 1] == A_FREE_COMPLETED || action[i - 1] == A_SEGMENT_FREE
+                                        || action[i - 1] == A_SEGMENT_UNMAP);
+            if (!after_frees && find_free(s, sz <= SMALL_SIZE, sz, stream[i]) != NONE) reasons[R_OOM_CACHED]++;
         } else if (a == A_SEGMENT_MAP || a == A_SEGMENT_UNMAP) {
             PyErr_SetString(PyExc_ValueError, "expandable segments: use the Python replay");
             goto done;

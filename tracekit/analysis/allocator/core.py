@@ -364,7 +364,8 @@ class Allocator:
     def release_cached(self):
         """release_cached_blocks (also empty_cache): finish pending frees, then give back every cached
         block that is a whole segment, and the free pages of growing segments."""
-        for b in [b for b in self.blocks.values() if b.pending]:
+        for b in sorted((b for b in self.blocks.values() if b.pending), key=lambda b: b.addr):
+            self._note("free_completed", b.addr, b.requested, b.stream)
             self.complete_free(b)
         for key in sorted(self.pools, key=lambda k: (k[0], k[1])):  # large before small, as torch does
             pool = self.pools[key]
@@ -625,3 +626,56 @@ def _remove_sorted(lst, key):
     if i < len(lst) and lst[i] == key:
         del lst[i]
 
+
+
+def check(alloc: Allocator) -> list[str]:
+    """The model's own invariants, as a list of what is wrong (empty when all hold): blocks tile each
+    segment without gap or overlap, linked both ways; no two free blocks of the same mapping side by side;
+    the pools hold exactly the free mapped blocks (and unmapped ones); the byte counters add up."""
+    bad = []
+    seen = set()
+    allocated = reserved = 0
+    heads = [b for b in alloc.blocks.values() if b.prev is None]
+    for h in heads:
+        b, end = h, None
+        while b is not None:
+            if alloc.blocks.get(b.addr) is not b:
+                bad.append(f"{b} is not in the address index")
+            if id(b) in seen:
+                bad.append(f"{b} is linked twice")
+                break
+            seen.add(id(b))
+            if end is not None and b.addr != end:
+                bad.append(f"{b} does not start where the block before it ends ({end:#x})")
+            if b.next is not None and b.next.prev is not b:
+                bad.append(f"{b}: its next block does not point back")
+            if b.next is not None and b.free and b.next.free and b.mapped == b.next.mapped:
+                bad.append(f"{b} and {b.next} are free side by side")
+            if b.size <= 0:
+                bad.append(f"{b} has no size")
+            if b.allocated:
+                allocated += b.size
+            if b.mapped:
+                reserved += b.size
+            end = b.addr + b.size
+            b = b.next
+    if len(seen) != len(alloc.blocks):
+        bad.append(f"{len(alloc.blocks) - len(seen)} blocks are not reachable from a segment's first block")
+    for pool in alloc.pools.values():
+        for s, z, a in pool.keys:
+            b = alloc.blocks.get(a)
+            if b is None or not b.free or not b.mapped or b.size != z or b.stream != s or b.pool is not pool:
+                bad.append(f"pool key {(s, z, a)} does not match a free block ({b})")
+        for s, a in pool.unmapped:
+            b = alloc.blocks.get(a)
+            if b is None or b.mapped or b.pool is not pool:
+                bad.append(f"unmapped key {(s, a)} does not match an unmapped block ({b})")
+    keys = sum(len(p.keys) for p in alloc.pools.values())
+    free = sum(1 for b in alloc.blocks.values() if b.free and b.mapped)
+    if keys != free:
+        bad.append(f"{free} free blocks but {keys} pool keys")
+    if allocated != alloc.allocated:
+        bad.append(f"allocated counter {alloc.allocated} != {allocated} in allocated blocks")
+    if reserved != alloc.reserved:
+        bad.append(f"reserved counter {alloc.reserved} != {reserved} in mapped blocks")
+    return bad

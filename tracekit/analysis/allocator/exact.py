@@ -242,8 +242,13 @@ def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None =
             if not _unmap(alloc, addr[i], size[i]):
                 miss("segment_unmap of pages that are not free in the model")
         elif a == OOM:
+            # the allocator looks for a cached block before it waits for frees in flight or gives memory
+            # back (entries just before this one), and not again after
             sz = size[i]
-            if find_free(pools[sz <= SMALL_SIZE], sz, stream[i], take=False) is not None:
+            k = i - 1
+            while k >= 0 and action[k] in (FREE_COMPLETED, SEGMENT_FREE, SEGMENT_UNMAP):
+                k -= 1
+            if k == i - 1 and find_free(pools[sz <= SMALL_SIZE], sz, stream[i], take=False) is not None:
                 miss("out of memory where the model had a cached block")
         allocated[i] = alloc.allocated
         reserved[i] = alloc.reserved

@@ -234,35 +234,50 @@ def _pool(text: str) -> str:
 
 
 class _Ranges:
-    """Mapped address ranges of growing segments: [start, end) with the region that describes them."""
+    """Mapped address ranges of growing segments: disjoint [start, end) with the region (stream, pool)
+    they belong to; touching ranges of the same stream and pool are kept as one."""
 
     def __init__(self, items):
-        self.items = sorted([list(x) for x in items])
+        self.items = []
+        for a, b, r in sorted(items, key=lambda x: x[0]):
+            self.add(a, b, r)
 
     def remove(self, lo, hi) -> bool:
-        for k, (a, b, r) in enumerate(self.items):
-            if a <= lo and hi <= b:
-                parts = []
-                if a < lo:
-                    parts.append([a, lo, r])
-                if hi < b:
-                    parts.append([hi, b, r])
-                self.items[k:k + 1] = parts
-                return True
-        return False
+        """Unmap [lo, hi): False (and nothing changed) unless all of it is mapped."""
+        over = [k for k, (a, b, _) in enumerate(self.items) if a < hi and lo < b]
+        if not over:
+            return False
+        pos = lo
+        for k in over:
+            a, b, _ = self.items[k]
+            if a > pos:
+                return False
+            pos = max(pos, b)
+        if pos < hi:
+            return False
+        parts = []
+        for k in over:
+            a, b, r = self.items[k]
+            if a < lo:
+                parts.append([a, lo, r])
+            if hi < b:
+                parts.append([hi, b, r])
+        self.items[over[0]:over[-1] + 1] = parts
+        return True
 
     def add(self, lo, hi, region):
         self.items.append([lo, hi, region])
         self.items.sort(key=lambda x: x[0])
+        merged = []
+        for a, b, r in self.items:
+            if merged and merged[-1][1] >= a and merged[-1][2].stream == r.stream and merged[-1][2].small == r.small:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b, r])
+        self.items = merged
 
     def regions(self) -> list:
-        out = []
-        for a, b, r in self.items:
-            if out and out[-1].addr + out[-1].size == a and out[-1].stream == r.stream:
-                out[-1].size += b - a
-            else:
-                out.append(Region(a, b - a, r.stream, r.small, True, r.pool_id))
-        return out
+        return [Region(a, b - a, r.stream, r.small, True, r.pool_id) for a, b, r in self.items]
 
 
 def load(alloc: Allocator, st: InitialState) -> dict:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
-from .config import AllocatorConfig
+from .config import NO_LIMIT, AllocatorConfig
 from .core import Allocator, Device, OutOfMemory
 from .state import HELD, PENDING, initial_state, load
 
@@ -53,19 +53,55 @@ class Run:
         return self.peak_reserved - self.allocated_at_peak
 
 
-def user_releases(action: np.ndarray) -> np.ndarray:
-    """Entry indices where the program itself gave cached memory back (torch.cuda.empty_cache): a run of
-    segment_free / segment_unmap not followed by the allocator asking for memory (segment_alloc /
-    segment_map) or failing (oom), which is what its own retries look like. Returns the first entry of each run."""
+def allocator_syncs(action: np.ndarray, addr, recorded: AllocatorConfig | None = None,
+                    fraction=False) -> np.ndarray:
+    """free_completed entries the allocator makes itself when it runs out of memory: before giving every
+    cached block back it waits for the frees still in flight (a run of free_completed right before a run
+    of segment_free / segment_unmap that ends in a request for memory or an oom; a free_completed right
+    after its own free_requested is an ordinary free, not one of these).
+
+    Frees whose streams finished just before a request look the same in the trace. They are told apart
+    only where it matters: when the recorded settings could give memory back before that wait (garbage
+    collection under a memory fraction, or max_split_size's oversize blocks), a run counts as the wait
+    only if such a release comes right before it."""
+    early = recorded is not None and ((fraction and recorded.garbage_collection_threshold > 0)
+                                      or recorded.max_split_size != NO_LIMIT)
+    n = len(action)
+    out = []
+    i = 0
+    while i < n:
+        if action[i] == FREE_COMPLETED:
+            j = i
+            while j < n and action[j] == FREE_COMPLETED:
+                j += 1
+            k = j
+            while k < n and action[k] in (SEGMENT_FREE, SEGMENT_UNMAP):
+                k += 1
+            if k > j and k < n and action[k] in (SEGMENT_ALLOC, SEGMENT_MAP, OOM) and (
+                    not early or (i > 0 and action[i - 1] in (SEGMENT_FREE, SEGMENT_UNMAP))):
+                out.extend(m for m in range(i, j)
+                           if not (m > 0 and action[m - 1] == FREE_REQUESTED and addr[m - 1] == addr[m]))
+            i = j
+        else:
+            i += 1
+    return np.asarray(out, np.int64)
+
+
+def user_releases(action: np.ndarray, allocator_may_release=True) -> np.ndarray:
+    """Entry indices where the program itself gave cached memory back (torch.cuda.empty_cache), the first
+    entry of each run of segment_free / segment_unmap. A run followed by the allocator asking for memory
+    (segment_alloc / segment_map) or failing (oom) is what its own retries look like, and is left out when
+    `allocator_may_release` (the model then frees memory itself when it runs out)."""
     rel = np.isin(action, (SEGMENT_FREE, SEGMENT_UNMAP))
+    through = rel | (action == FREE_COMPLETED)  # the allocator may wait for frees in flight between its releases
     out = []
     i, n = 0, len(action)
     while i < n:
         if rel[i]:
             j = i
-            while j < n and rel[j]:
+            while j < n and through[j]:
                 j += 1
-            if j >= n or action[j] not in (SEGMENT_ALLOC, SEGMENT_MAP, OOM):
+            if not allocator_may_release or j >= n or action[j] not in (SEGMENT_ALLOC, SEGMENT_MAP, OOM):
                 out.append(i)
             i = j
         else:
@@ -101,6 +137,11 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
         return None
 
     dev = Device(capacity=capacity, total_memory=total_memory, addresses=addresses if follow_addresses else None)
+    # made-up addresses start above every address the file uses, so they never meet a real one
+    seg = trace.segments
+    top = max([int(ev.addr[sl].max()) if n else 0] +
+              [int(a) + int(z) for a, z in zip(seg.address.tolist(), seg.total_size.tolist())] + [dev._next])
+    dev._next = -(-(top + (1 << 30)) // (2 << 20)) * (2 << 20)
     init = initial_state(trace, device, recorded)
     if start == "recorded":
         alloc = Allocator(config, dev, memory_fraction_bytes)
@@ -120,7 +161,13 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
     alloc.peak_reserved = alloc.reserved
     alloc.peak_allocated = alloc.allocated
 
-    releases = set(user_releases(action).tolist())
+    # the file's releases are the program's (empty_cache) unless the model knows a limit that would make
+    # the allocator release memory itself (then those followed by a request for memory are its own)
+    limited = capacity is not None or memory_fraction_bytes is not None
+    releases = set(user_releases(action, allocator_may_release=limited).tolist())
+    synced = set(allocator_syncs(action, addr, recorded, memory_fraction_bytes is not None).tolist()) \
+        if limited else set()
+    deferred = []  # blocks whose free the allocator completed while making room for the next request
     ooms, failed = [], None
     peak_r, peak_i, at_peak_alloc = alloc.reserved, -1, alloc.allocated
     largest_at_peak = alloc.largest_free()
@@ -146,18 +193,27 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
             if b is not None:
                 if b.allocated:
                     alloc.free(b)
+                elif i in synced:
+                    deferred.append(b)
                 else:
                     alloc.complete_free(b)
         elif i in releases:
             alloc.release_cached()
-        elif a == OOM and failed is None:
+        elif a == OOM:  # the request that failed: does it fit now?
             try:
                 b = alloc.malloc(size[i], stream[i])
                 fits = True
                 alloc.free(b)
             except OutOfMemory:
                 fits = False
-            failed = {"index": i, "request_bytes": int(size[i]), "fits": fits}
+            if failed is None:
+                failed = {"index": i, "request_bytes": int(size[i]), "fits": fits}
+            if not fits:
+                ooms.append({"index": i, "request_bytes": int(size[i])})
+        if deferred and a in (ALLOC, OOM):
+            for b in deferred:
+                alloc.complete_free(b)
+            deferred = []
         if alloc.reserved > peak_r:
             peak_r, peak_i, at_peak_alloc = alloc.reserved, i, alloc.allocated
             largest_at_peak = alloc.largest_free()
@@ -171,7 +227,7 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
                device_allocs=sum(1 for e in log if e[0] in ("segment_alloc", "segment_map")),
                device_frees=sum(1 for e in log if e[0] in ("segment_free", "segment_unmap")),
                retries=alloc.retries, ooms=ooms, failed_request=failed,
-               events=[e for e in log if e[0] != "oom"], reserved=res_curve, allocated=alloc_curve)
+               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve, allocated=alloc_curve)
 
 
 def _segments(alloc: Allocator) -> list:
