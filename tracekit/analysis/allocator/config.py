@@ -212,8 +212,8 @@ def _divisions(tokens, i):
             raise ConfigError(f"--alloc-conf: {key} entries are INTERVAL_MB:DIVISIONS (e.g. [256:1,>:4])")
         v = _pow2_or_zero(key, _int(key, tokens[i + 2]))
         i += 3
-        if start == ">":
-            for k in range(last, INTERVALS):
+        if start == ">":  # the intervals after the last one named (torch >= 2.9; older torch also overwrote that one)
+            for k in range(last + 1 if not first else 0, INTERVALS):
                 divs[k] = v
         else:
             mb = _int(key, start)

@@ -23,15 +23,37 @@ def why_not_modelled(trace: Trace, device: int) -> str | None:
 @per_trace
 def allocator_replays(trace: Trace) -> dict:
     """{device: AllocatorReplay} for the devices the model applies to (computed once per trace)."""
+    return {d: r for d, r in _replays(trace).items() if not isinstance(r, str)}
+
+
+@per_trace
+def _replays(trace: Trace) -> dict:
+    """{device: AllocatorReplay, or why the model failed there}: a failure of the model never takes the
+    report down (its other figures stand); TRACEKIT_DEBUG=1 lets it through, for a bug report."""
+    import os
+
     from .fast import replay_allocator
 
-    return {d: replay_allocator(trace, d) for d in trace.devices if why_not_modelled(trace, d) is None}
+    out = {}
+    for d in trace.devices:
+        if why_not_modelled(trace, d) is not None:
+            continue
+        try:
+            out[d] = replay_allocator(trace, d)
+        except Exception as e:  # noqa: BLE001
+            if os.environ.get("TRACEKIT_DEBUG"):
+                raise
+            out[d] = (f"the allocator model failed on this file ({type(e).__name__}: {e}); this is a bug in "
+                      "tracekit, please report it with the file")
+    return out
 
 
 def allocator_summary(trace: Trace, device: int) -> dict:
     """The report's `allocator` object for a device: whether the allocator figures are exact, what the
     replay could not place, the bound where the file leaves bytes open, and the settings it used."""
     why = why_not_modelled(trace, device)
+    if why is None and isinstance(_replays(trace).get(device), str):
+        why = _replays(trace)[device]
     if why is not None:
         return {"modelled": False, "exact": False, "why": why}
     r = allocator_replays(trace)[device]

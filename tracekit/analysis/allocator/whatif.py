@@ -285,12 +285,14 @@ def compare(trace: Trace, config: AllocatorConfig, start: str = "rebuilt", devic
     """The what-if on allocator settings, per device, as JSON-ready builtins: the recorded figures, the model
     under the recorded settings (the baseline) and under `config`, from the same start."""
     from .exact import settings_of, total_memory
-    from .summary import allocator_replays, why_not_modelled
+    from .summary import _replays, allocator_replays, why_not_modelled
 
     recorded, notes = settings_of(trace)
     devices = []
     for d in trace.devices:
         why = why_not_modelled(trace, d)
+        if why is None and d not in allocator_replays(trace):
+            why = _replays(trace).get(d) or "not modelled"
         if why is not None:
             devices.append({"device": d, "label": trace.device_label(d), "modelled": False, "why": why})
             continue
