@@ -7,6 +7,10 @@ from ..memo import per_trace
 
 def why_not_modelled(trace: Trace, device: int) -> str | None:
     """None when the caching-allocator model applies to this device's data, else why not (one phrase)."""
+    import os
+
+    if os.environ.get("TRACEKIT_ALLOCATOR") == "off":
+        return "turned off (TRACEKIT_ALLOCATOR=off)"
     if trace.format != "snapshot":
         return "not an allocator snapshot (a profiler trace has no segments)"
     if (trace.recorder or {}).get("backend") == "cpu" or trace.device_label(device) == "cpu":
