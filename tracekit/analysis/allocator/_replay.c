@@ -13,8 +13,10 @@
  *                                               1 allocated, 2 pending; seg: start of its segment)
  *        seg_start, seg_size,                   its segments
  *        divisions (16 x int64), max_split_size, max_non_split_rounding,
- *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry)
- * -> (placed, slack, [count per reason], allocated0, reserved0, [(addr, size, state), ...] final blocks)
+ *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry
+ *        [stop])                                 stop after this entry (default: the whole trace)
+ * -> (placed, slack, [count per reason], allocated0, reserved0,
+ *     [(addr, size, state, first block of its segment), ...] the blocks at the end)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -472,8 +474,10 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     PyObject *o[20];
     unsigned long long mss;
     long long rounding;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOKLOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
-                          &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &mss, &rounding, &o[14], &o[15], &o[16]))
+    Py_ssize_t stop = -1;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOKLOOO|n", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                          &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &mss, &rounding, &o[14], &o[15], &o[16],
+                          &stop))
         return NULL;
     static const Py_ssize_t items[17] = {1, 8, 8, 8, 8, 8, 8, 1, 1, 8, 8, 8, 8, 8, 8, 8, 8};
     static const char *names[17] = {"action", "addr", "size", "stream", "blk_addr", "blk_size", "blk_stream",
@@ -535,6 +539,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         }
     }
     int64_t allocated0 = s->allocated, reserved0 = s->reserved;
+    if (stop >= 0 && stop + 1 < n) n = stop + 1;  /* the state after entry `stop` */
     long long placed = 0, slack = 0, reasons[N_REASONS] = {0};
     for (Py_ssize_t i = 0; i < n; i++) {
         int a = action[i];
@@ -661,7 +666,8 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             for (; bi != NONE; bi = s->b[bi].next) {
                 Blk *b = &s->b[bi];
                 int state = (b->flags & F_ALLOCATED) ? 1 : (b->flags & F_PENDING) ? 2 : 0;
-                PyObject *t = Py_BuildValue("(KLi)", (unsigned long long)b->addr, (long long)b->size, state);
+                PyObject *t = Py_BuildValue("(KLii)", (unsigned long long)b->addr, (long long)b->size, state,
+                                            b->prev == NONE);
                 if (!t || PyList_Append(final, t) < 0) { Py_XDECREF(t); Py_DECREF(final); Py_DECREF(counts); goto done; }
                 Py_DECREF(t);
             }
