@@ -223,3 +223,13 @@ def test_two_devices_are_replayed_apart():
         assert dev["allocator"]["exact"], dev["allocator"]
         assert dev["peak_allocated_block_bytes"] == rec.alloc.peak_allocated
         assert dev["peak_reserved_bytes"] == rec.alloc.peak_reserved
+
+
+def test_a_window_is_not_modelled_and_says_so():
+    """A window's report is the same however the window was read (whole and cut, or streamed alone, which
+    keeps no state to start from), so the model stays out of windows and says why."""
+    from tracekit.analysis.window import Window, select
+
+    trace = _load(CUDA / "opt_amp_adamw_b4_s256.pickle.gz")
+    a = build_report(select(trace, Window(first=100, last=1000)))["devices"][0]["allocator"]
+    assert not a["modelled"] and "window" in a["why"]

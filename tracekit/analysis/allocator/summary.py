@@ -15,8 +15,10 @@ def why_not_modelled(trace: Trace, device: int) -> str | None:
         return "not an allocator snapshot (a profiler trace has no segments)"
     if (trace.recorder or {}).get("backend") == "cpu" or trace.device_label(device) == "cpu":
         return "CPU memory: no caching allocator"
-    if "window" in trace.meta:
-        return "a window of the trace: the final segments do not describe its end"
+    if "window" in trace.meta:  # a window read alone (big files) has no state to start from; to keep every
+        # window's report the same however it was read, no window is modelled
+        return ("a window of the trace: the allocator model replays whole recordings (report the file without "
+                "--from/--to/--last/--iterations for its figures)")
     if not trace.meta.get("has_segments", True):
         return "the file holds no segments"
     if not trace.meta.get("has_addresses", True):
@@ -97,6 +99,13 @@ def allocator_summary(trace: Trace, device: int) -> dict:
         "final_allocated_bytes": r.final_allocated,
         "engine": r.engine,
     }
+    from .fast import segments_at  # the state at the allocated peak: what is cached and how scattered
+
+    p = r.peak_index
+    free = [b["size"] for s in segments_at(trace, device, p) for b in s["blocks"] if b["state"] == "inactive"]
+    out["unused_at_peak_bytes"] = r.reserved_at(p) - r.allocated_at(p)
+    out["largest_free_block_at_peak_bytes"] = max(free, default=0)
+    out["free_blocks_at_peak"] = len(free)
     if r.notes:
         out["notes"] = list(r.notes)
     return out

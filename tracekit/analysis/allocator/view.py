@@ -72,6 +72,10 @@ def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str = "rebu
     from .whatif import device_limits, simulate
 
     config = parse_alloc_conf(alloc_conf)
+    if "window" in trace.meta:
+        from ...errors import TracekitError
+
+        raise TracekitError("a what-if replays the whole recording: open the file without a window")
     recorded, _ = settings_of(trace)
     lim = device_limits(trace, device, allocator_replays(trace).get(device))
     kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],

@@ -291,6 +291,8 @@ def compare(trace: Trace, config: AllocatorConfig, start: str = "rebuilt", devic
     devices = []
     for d in trace.devices:
         why = why_not_modelled(trace, d)
+        if why is None and "window" in trace.meta:
+            why = "a window of the trace: a what-if replays the whole recording"
         if why is None and d not in allocator_replays(trace):
             why = _replays(trace).get(d) or "not modelled"
         if why is not None:
