@@ -49,7 +49,8 @@ class FragmentationPanel(QWidget):
         self.curves.showGrid(x=False, y=True, alpha=0.2)
         self.curves.addLegend(offset=(10, 5))
         self.curves.setMouseEnabled(y=False)
-        self.reserved_line = self.curves.plot(pen=pg.mkPen(RESERVED_COLOR, width=1.5, style=Qt.DashLine), name="reserved")
+        self.reserved_line = self.curves.plot(pen=pg.mkPen(RESERVED_COLOR, width=1.5, style=Qt.DashLine),
+                                              name="reserved")
         self.allocated_line = self.curves.plot(pen=pg.mkPen(BLUE, width=1.5), name="allocated (blocks)")
         self.what_reserved = self.curves.plot(pen=pg.mkPen(VERMILLION, width=1.5, style=Qt.DashLine))
         self.what_allocated = self.curves.plot(pen=pg.mkPen(VERMILLION, width=1))

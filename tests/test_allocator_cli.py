@@ -60,7 +60,8 @@ def test_whatif_bad_settings_are_one_line(args, says):
 def test_whatif_needs_a_budget_or_alloc_conf_and_one_file():
     r = tk("whatif", SAMPLES / "oom_cuda.pickle")
     assert r.returncode == 2 and "--budget" in r.stderr
-    r = tk("whatif", SAMPLES / "oom_cuda.pickle", SAMPLES / "lora_cuda.pickle", "--alloc-conf", "expandable_segments:True")
+    r = tk("whatif", SAMPLES / "oom_cuda.pickle", SAMPLES / "lora_cuda.pickle", "--alloc-conf",
+           "expandable_segments:True")
     assert r.returncode == 2 and "one recording" in r.stderr
     r = tk("whatif", SAMPLES / "gpt_adamw.pickle", "--alloc-conf", "expandable_segments:True")
     assert r.returncode == 2 and "no caching allocator" in r.stderr and "Traceback" not in r.stderr

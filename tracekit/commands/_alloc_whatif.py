@@ -61,7 +61,8 @@ def render_text(result: dict) -> str:
         if d.get("oom"):
             o = d["oom"]
             fits = {True: "would fit", False: "would still fail", None: "not tried"}
-            lines.append(f"  the request that ran out of memory ({fmt_bytes(o['request_bytes'])} at entry {o['index']}): "
+            lines.append(f"  the request that ran out of memory ({fmt_bytes(o['request_bytes'])} at entry "
+                         f"{o['index']}): "
                          f"{fits[o['whatif_fits']]} (as recorded, the model: {fits[o['baseline_fits']]})")
         limits = []
         if d.get("device_memory_bytes") is not None:
@@ -72,7 +73,8 @@ def render_text(result: dict) -> str:
             limits.append(f"per-process cap {fmt_bytes(d['memory_limit_bytes'])} ({d['memory_limit_source']})")
         lines.append("  " + "; ".join(limits))
         if not rec["exact"]:
-            lines.append("  (the recorded figures are the replay's, not exact for this file: see `tracekit report --json`)")
+            lines.append("  (the recorded figures are the replay's, not exact for this file: "
+                         "see `tracekit report --json`)")
         for note in d.get("notes") or []:
             lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -116,7 +116,8 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
             mb = _int(key, value(key))
             if mb < LARGE_BUFFER // MB:
                 raise ConfigError(f"--alloc-conf: {key} must be at least {LARGE_BUFFER // MB} (got {mb})")
-            out["max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"] = min(mb, NO_LIMIT // MB) * MB
+            field_name = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"
+            out[field_name] = min(mb, NO_LIMIT // MB) * MB
         elif key == "garbage_collection_threshold":
             raw = value(key)
             try:

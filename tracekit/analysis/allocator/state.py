@@ -174,7 +174,8 @@ def initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initial
             h.size = base + gap  # a remainder this small is never split off
         else:
             # the first allocation inside the gap before this block's free starts where the block ends
-            first = allocs.first_in(h.addr + base, min(h.addr + base + SMALL_SIZE, nxt), first_free.get(h.addr, 1 << 62))
+            first = allocs.first_in(h.addr + base, min(h.addr + base + SMALL_SIZE, nxt),
+                                    first_free.get(h.addr, 1 << 62))
             if first is not None:
                 p = int(addr[first])
                 h.size = p - h.addr

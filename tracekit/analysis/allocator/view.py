@@ -83,7 +83,8 @@ def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str = "rebu
     base, what = simulate(trace, device, recorded, **kw), simulate(trace, device, config, **kw)
     return {"settings": config.describe(), "recorded_settings": recorded.describe(),
             "baseline": {"allocated": base.allocated, "reserved": base.reserved, "peak_reserved": base.peak_reserved,
-                         "unused_at_peak": base.fragmentation_at_peak, "largest_free_at_peak": base.largest_free_at_peak},
+                         "unused_at_peak": base.fragmentation_at_peak,
+                         "largest_free_at_peak": base.largest_free_at_peak},
             "whatif": {"allocated": what.allocated, "reserved": what.reserved, "peak_reserved": what.peak_reserved,
                        "unused_at_peak": what.fragmentation_at_peak, "largest_free_at_peak": what.largest_free_at_peak,
                        "failed_requests": len(what.ooms)}}

@@ -22,7 +22,7 @@ from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC,
                       SEGMENT_UNMAP, Trace)
 from .config import NO_LIMIT, AllocatorConfig
 from .core import Allocator, Device, OutOfMemory
-from .state import HELD, PENDING, initial_state, load
+from .state import PENDING, initial_state, load
 
 STARTS = ("rebuilt", "recorded")
 
@@ -314,10 +314,10 @@ def compare(trace: Trace, config: AllocatorConfig, start: str = "rebuilt", devic
                              "(torch.cuda.set_per_process_memory_fraction); none is known for this file, so it "
                              "changes nothing here: give --memory-limit")
         if exact.initial_allocated or exact.initial_reserved:
-            dev_notes.append(
-                f"the trace begins with {exact.initial_allocated} bytes allocated and {exact.initial_reserved} "
-                f"reserved; both runs start {'from that state' if start == 'recorded' else 'from an empty allocator that first allocates what was held then'}"
-                " (--start)")
+            how = ("from that state" if start == "recorded"
+                   else "from an empty allocator that first allocates what was held then")
+            dev_notes.append(f"the trace begins with {exact.initial_allocated} bytes allocated and "
+                             f"{exact.initial_reserved} reserved; both runs start {how} (--start)")
         oom = None
         if base.failed_request is not None or what.failed_request is not None:
             f = what.failed_request or base.failed_request
