@@ -1,5 +1,6 @@
 """Packages: tracekit and its subpackages, and the viewer's folder gui/ installed as `tracekit_gui`;
-and the optional compiled pickle scanner (tracekit/io/_pkscan.c).
+and the optional compiled pickle scanner (tracekit/io/_pkscan.c) and allocator replay
+(tracekit/analysis/allocator/_replay.c).
 
 Everything else (name, version, dependencies) is in pyproject.toml. This file exists
 only because pyproject.toml cannot both find packages and rename one, nor declare an
@@ -10,4 +11,6 @@ from setuptools import Extension, find_packages, setup
 
 setup(packages=find_packages(include=["tracekit", "tracekit.*"]) + ["tracekit_gui"],
       package_dir={"tracekit_gui": "gui"},
-      ext_modules=[Extension("tracekit.io._pkscan", ["tracekit/io/_pkscan.c"], optional=True)])
+      ext_modules=[Extension("tracekit.io._pkscan", ["tracekit/io/_pkscan.c"], optional=True),
+                   Extension("tracekit.analysis.allocator._replay", ["tracekit/analysis/allocator/_replay.c"],
+                             optional=True)])

@@ -120,6 +120,8 @@ class MainWindow(QMainWindow):
         self._action(v, "&Reset Zoom", lambda: self._timeline_do("reset_zoom"), "Ctrl+0")
         self._action(v, "Jump to &Peak", self._jump_to_peak, "Ctrl+P")
         self._action(v, "&Estimate Memory…", self.show_estimate, "Ctrl+E", "Napkin math beside the open recording")
+        self._action(v, "&Allocator and Fragmentation…", self.show_allocator, "Ctrl+Shift+A",
+                     "Reserved vs allocated as the caching allocator counts them, its segments, and what-ifs")
         h = self.menuBar().addMenu("&Help")
         self._action(h, "&How to read this", self._help)
 
@@ -297,6 +299,15 @@ class MainWindow(QMainWindow):
         view = self.current_view()
         self.estimate_panel = show(view.doc.trace if view else None, view.device if view else None, self)
 
+    def show_allocator(self):
+        """The allocator window (gui/fragmentation.py) for the open recording's device."""
+        from .fragmentation import show
+
+        view = self.current_view()
+        if view is not None:
+            self.allocator_panel = show(view.doc, view.device, self)
+        return getattr(self, "allocator_panel", None)
+
     def _jump_to_peak(self):
         view = self.current_view()
         if view is not None:
@@ -405,7 +416,7 @@ def _wait_exposed(window, timeout_s=20) -> bool:
 
 
 def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compare=False,
-               trace_window=None) -> int:
+               trace_window=None, allocator=None) -> int:
     """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
 
     On a real display (xcb under Xvfb, say) the window is shown there and must be
@@ -429,6 +440,21 @@ def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compar
             view.findings.select_finding(kinds.index(select))
         view.timeline.refresh()
     app.processEvents()
+    if allocator is not None:  # the allocator window (gui/fragmentation.py), with a what-if if settings are given
+        panel = window.show_allocator()
+        if panel is None:
+            print("tracekit: no recording to show the allocator of", file=sys.stderr)
+            return 2
+        if allocator:
+            panel.conf.setText(allocator)
+            panel.run_whatif()
+        if app.platformName() != "offscreen":
+            _wait_exposed(panel)
+        for _ in range(10):
+            app.processEvents()
+        export.save_png(panel, out)
+        window.close()
+        return 0
     export.save_png(window, out)
     window.close()
     return 0
@@ -453,7 +479,8 @@ def _open_all(window, files, compare=False, use_cache=True, trace_window=None):
             window.open_file(f, use_cache=use_cache, window=trace_window)
 
 
-def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False, trace_window=None) -> int:
+def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False, trace_window=None,
+         allocator=None) -> int:
     """Run the viewer on `files` (or render a screenshot and exit).
 
     Before Qt starts, checks that a window can open here; if not, says in one line
@@ -467,7 +494,7 @@ def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=Fa
     qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
         return screenshot(files, screenshot_path, select=select, use_cache=use_cache, compare=compare,
-                          trace_window=trace_window)
+                          trace_window=trace_window, allocator=allocator)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")
     app.setOrganizationName("tracekit")

@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 command -v xvfb-run >/dev/null || { echo "screenshots: needs xvfb-run (apt-get install xvfb xauth)" >&2; exit 2; }
 out=docs/screenshots
-shot() {  # NAME FILE [KIND]: KIND selects the first finding of that kind
+shot() {  # NAME FILE [KIND | --allocator SETTINGS]: KIND selects the first finding of that kind
   local name=$1 file=$2 select=()
   [ -n "${3:-}" ] && select=(--select "$3")
+  [ "${3:-}" = "--allocator" ] && select=(--allocator "$4")
   xvfb-run -a -s "-screen 0 1600x1000x24" env -u QT_QPA_PLATFORM TRACEKIT_SETTINGS="$(mktemp -u).ini" \
     .venv/bin/python -m tracekit_gui --screenshot "$out/$name.png" "${select[@]}" -- "$file"
   echo "$out/$name.png"
@@ -20,3 +21,4 @@ shot logits_spike_spike_selected samples/logits_spike.pickle spike
 shot real_snapshot_peak tests/fixtures/real/snapshot_newest_format_windows_paths.pickle peak
 shot real_cpp_frames_adamw_full_step tests/fixtures/real/snapshot_cpp_frames_adamw_full_step.pickle
 shot real_legacy_snapshot_no_timeline tests/fixtures/real/snapshot_legacy_torch20_oom_observer.pickle
+shot allocator_opt_expandable tests/fixtures/cuda/opt_amp_adamw_b4_s256.pickle.gz --allocator expandable_segments:True

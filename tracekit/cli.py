@@ -15,7 +15,7 @@ import click
 from .errors import TracekitError
 
 # Commands that open files: any failure while they read or analyse one is one line and exit 2.
-READS_FILES = {"info", "report", "diff", "check"}
+READS_FILES = {"info", "report", "diff", "check", "whatif"}
 
 # name -> (module in tracekit.commands, one-line help shown in `tracekit --help`)
 COMMANDS = {

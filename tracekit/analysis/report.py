@@ -42,9 +42,11 @@ def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
 
 
 def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
+    from .allocator.summary import allocator_replays, allocator_summary
     from .replay import allocator_bytes
 
-    blocks = allocator_bytes(trace, rep)
+    model = allocator_replays(trace).get(rep.device)  # the caching allocator's own figures (issue 24)
+    blocks = allocator_bytes(trace, rep) if model is None else model
     phase, iteration, _ = when(trace, rep.device, p)
     stats = next((d.get("allocator_stats") for d in (trace.recorder or {}).get("devices") or []
                   if isinstance(d, dict) and d.get("index") == rep.device and d.get("type") == "cuda"), None)
@@ -62,8 +64,9 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
         "peak_allocated_block_bytes": blocks.peak,
         "final_allocated_block_bytes": blocks.final,
         "allocator_stats": stats,
-        "peak_reserved_bytes": rep.peak_reserved,
-        "peak_reserved_event_index": rep.peak_reserved_index,
+        "peak_reserved_bytes": rep.peak_reserved if model is None else model.peak_reserved,
+        "peak_reserved_event_index": rep.peak_reserved_index if model is None else model.peak_reserved_index,
+        "allocator": allocator_summary(trace, rep.device),
         "allocated_before_trace_bytes": rep.initial_allocated,
         "final_allocated_bytes": rep.final_allocated,
         "final_reserved_bytes": rep.final_reserved,

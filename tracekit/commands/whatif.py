@@ -47,24 +47,57 @@ def _knobs(f):
     return setup_options(f, defaults=False)
 
 
+def alloc_options(f):
+    """--alloc-conf and what goes with it (tracekit/commands/_alloc_whatif.py)."""
+    f = click.option("--memory-limit", callback=_size_or_none, metavar="SIZE",
+                     help="With --alloc-conf: a per-process memory cap (set_per_process_memory_fraction) "
+                          "in bytes; default: the file's.")(f)
+    f = click.option("--device-memory", callback=_size_or_none, metavar="SIZE",
+                     help="With --alloc-conf: what CUDA lets the process reserve; default: from the file "
+                          "(at an OOM: reserved + free then; else the device's total).")(f)
+    f = click.option("--start", "alloc_start", type=click.Choice(["rebuilt", "recorded"]), default="rebuilt",
+                     show_default=True,
+                     help="With --alloc-conf: start from an empty allocator that first allocates what was held "
+                          "when the trace began (rebuilt), or from the allocator's state then (recorded).")(f)
+    return click.option("--alloc-conf", metavar="SETTINGS",
+                        help='Replay the requests under these caching-allocator settings, in '
+                             'PYTORCH_CUDA_ALLOC_CONF syntax: "expandable_segments:True,max_split_size_mb:128".')(f)
+
+
+def _size_or_none(ctx, param, value):
+    return None if value is None else _budget(ctx, param, value)
+
+
 @click.command("whatif")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
-@click.option("--budget", required=True, callback=_budget, help="Memory per GPU to fit in: 80GiB, 24GB, ...")
+@click.option("--budget", callback=lambda c, p, v: _size_or_none(c, p, v), help="Memory per GPU to fit in: 80GiB, 24GB, ...")
 @click.option("--by", type=click.Choice(["batch", "seq"]), default="batch", show_default=True,
               help="What differs between the recordings (and what to grow).")
 @click.option("--sizes", help="The micro-batch (or seq) of each file, e.g. 8,16 (default: what the recorder stored).")
 @model_options
 @_knobs
+@alloc_options
 @json_option
 @no_cache_option
-def command(files, budget, by, sizes, as_json, no_cache, **kw):
+def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     """From one or two recordings at different micro-batch sizes (or sequence lengths): the largest that
-    fits --budget, and what each usual lever would save.
+    fits --budget, and what each usual lever would save. With --alloc-conf: one recording's requests
+    replayed under other caching-allocator settings (reserved peak, waste, whether an OOM would fit).
 
     \b
     tracekit whatif bs8.pickle bs16.pickle --budget 80GiB
     tracekit whatif step.pickle --budget 24GiB --config llama-3-8b --precision bf16
+    tracekit whatif step.pickle --alloc-conf expandable_segments:True
     """
+    if alloc_conf is not None:  # issue 24: allocator settings, its own path
+        from ._alloc_whatif import run
+
+        return run(files, alloc_conf, kw.pop("alloc_start"), kw.pop("device_memory"), kw.pop("memory_limit"),
+                   as_json, no_cache)
+    for k in ("alloc_start", "device_memory", "memory_limit"):
+        kw.pop(k, None)
+    if budget is None:
+        raise click.UsageError("Missing option '--budget' (or give --alloc-conf for allocator settings).")
     from ..analysis.estimate.measured import recorded_setup
     from ..analysis.estimate.shapes import ModelShape
     from ..analysis.estimate.whatif import whatif

@@ -1,0 +1,756 @@
+/* The replay of one device's trace through the caching-allocator model (exact.py), compiled.
+ *
+ * It makes the same decisions as tracekit/analysis/allocator/exact.py's loop, entry for
+ * entry, for files without expandable segments or private pools (the caller keeps the
+ * Python loop for those): best fit over free blocks ordered by (stream, size, address),
+ * the split rule, merging on free, segments from the trace's own segment entries, and the
+ * same counts of entries the model could not follow. exact.py is the reference; the tests
+ * compare the two on every fixture and on random request streams.
+ *
+ * replay(action, addr, size, stream,             per-entry columns (int8, uint64, int64, int64)
+ *        blk_addr, blk_size, blk_stream, blk_state, blk_small, blk_seg, blk_req,
+ *                                               the state at the first entry, by address (state 0 free,
+ *                                               1 allocated, 2 pending; seg: start of its segment)
+ *        seg_start, seg_size,                   its segments
+ *        divisions (16 x int64), max_split_size, max_non_split_rounding,
+ *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry
+ *        [stop])                                 stop after this entry (default: the whole trace)
+ * -> (placed, slack, [count per reason], allocated0, reserved0,
+ *     [(addr, size, state, first block of its segment), ...] the blocks at the end)
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { A_ALLOC, A_FREE_REQUESTED, A_FREE_COMPLETED, A_SEGMENT_ALLOC, A_SEGMENT_FREE, A_SEGMENT_MAP,
+       A_SEGMENT_UNMAP, A_SNAPSHOT, A_OOM, A_OTHER };
+enum { R_NEWSEG_CACHED, R_SEG_SIZE, R_NOT_AT_NEWSEG, R_BEST_FIT, R_NO_CACHED, R_OUTSIDE, R_SMALLER, R_TWICE,
+       R_FREE_UNKNOWN, R_NO_REQUEST, R_SEG_FREE, R_OOM_CACHED, N_REASONS };
+
+#define MIN_BLOCK 512
+#define SMALL_SIZE (1LL << 20)
+#define SMALL_BUFFER (2LL << 20)
+#define LARGE_BUFFER (20LL << 20)
+#define MIN_LARGE_ALLOC (10LL << 20)
+#define ROUND_LARGE (2LL << 20)
+#define NONE (-1)
+#define EMPTY UINT64_MAX
+#define F_ALLOCATED 1
+#define F_PENDING 2
+#define F_PHANTOM 4
+
+typedef struct {
+    uint64_t addr, seg;
+    int64_t size, stream;
+    int32_t prev, next;
+    uint8_t small, flags;
+} Blk;
+
+typedef struct { int64_t stream, size; uint64_t addr; } Key;
+typedef struct { Key *k; Py_ssize_t n, cap; } Pool;
+typedef struct { uint64_t *keys; int32_t *vals; size_t cap, n; } Map;
+typedef struct { uint64_t start; int64_t size; } Seg;
+typedef struct { int64_t stream; uint64_t addr; int64_t size; } Fresh;
+
+typedef struct {
+    Blk *b; int32_t nb, capb; int32_t *freeslots; int32_t nfree, capfree;
+    Map blocks, live;
+    Pool pool[2];  /* [0] large, [1] small */
+    Seg *segs; Py_ssize_t nsegs, capsegs;
+    Fresh *fresh; Py_ssize_t nfresh, capfresh;
+    int64_t allocated, reserved;
+    int64_t div[16];
+    uint64_t mss;
+    int64_t rounding;
+    int oom;
+} St;
+
+/* ---- memory helpers ---------------------------------------------------------------------------- */
+
+static int reserve(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *q = PyMem_RawRealloc(*p, (size_t)c * item);
+    if (!q) return -1;
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+static int map_init(Map *m, size_t cap) {
+    m->cap = 64;
+    while (m->cap < cap * 2) m->cap *= 2;
+    m->n = 0;
+    m->keys = PyMem_RawMalloc(m->cap * sizeof(uint64_t));
+    m->vals = PyMem_RawMalloc(m->cap * sizeof(int32_t));
+    if (!m->keys || !m->vals) return -1;
+    for (size_t i = 0; i < m->cap; i++) m->keys[i] = EMPTY;
+    return 0;
+}
+
+static int32_t map_get(Map *m, uint64_t k) {
+    size_t mask = m->cap - 1, i = mix(k) & mask;
+    while (m->keys[i] != EMPTY) {
+        if (m->keys[i] == k) return m->vals[i];
+        i = (i + 1) & mask;
+    }
+    return NONE;
+}
+
+static int map_put(Map *m, uint64_t k, int32_t v);
+
+static int map_grow(Map *m) {
+    uint64_t *ok = m->keys;
+    int32_t *ov = m->vals;
+    size_t oc = m->cap;
+    if (map_init(m, oc) < 0) return -1;  /* doubles: cap >= 2 * oc */
+    for (size_t i = 0; i < oc; i++)
+        if (ok[i] != EMPTY) map_put(m, ok[i], ov[i]);
+    PyMem_RawFree(ok);
+    PyMem_RawFree(ov);
+    return 0;
+}
+
+static int map_put(Map *m, uint64_t k, int32_t v) {
+    if ((m->n + 1) * 2 > m->cap && map_grow(m) < 0) return -1;
+    size_t mask = m->cap - 1, i = mix(k) & mask;
+    while (m->keys[i] != EMPTY) {
+        if (m->keys[i] == k) { m->vals[i] = v; return 0; }
+        i = (i + 1) & mask;
+    }
+    m->keys[i] = k;
+    m->vals[i] = v;
+    m->n++;
+    return 0;
+}
+
+static void map_del(Map *m, uint64_t k) {
+    size_t mask = m->cap - 1, i = mix(k) & mask;
+    while (m->keys[i] != EMPTY) {
+        if (m->keys[i] == k) break;
+        i = (i + 1) & mask;
+    }
+    if (m->keys[i] == EMPTY) return;
+    m->keys[i] = EMPTY;
+    m->n--;
+    size_t j = i;
+    for (;;) {  /* backward-shift deletion keeps every probe chain unbroken */
+        j = (j + 1) & mask;
+        if (m->keys[j] == EMPTY) return;
+        size_t h = mix(m->keys[j]) & mask;
+        if ((j > i && (h <= i || h > j)) || (j < i && (h <= i && h > j))) {
+            m->keys[i] = m->keys[j];
+            m->vals[i] = m->vals[j];
+            m->keys[j] = EMPTY;
+            i = j;
+        }
+    }
+}
+
+static int32_t new_blk(St *s) {
+    if (s->nfree) return s->freeslots[--s->nfree];
+    if (s->nb == s->capb) {
+        int32_t c = s->capb ? s->capb * 2 : 256;
+        Blk *q = PyMem_RawRealloc(s->b, (size_t)c * sizeof(Blk));
+        if (!q) return NONE;
+        s->b = q;
+        s->capb = c;
+    }
+    return s->nb++;
+}
+
+static int drop_blk(St *s, int32_t i) {
+    if (s->nfree == s->capfree) {
+        int32_t c = s->capfree ? s->capfree * 2 : 256;
+        int32_t *q = PyMem_RawRealloc(s->freeslots, (size_t)c * sizeof(int32_t));
+        if (!q) return -1;
+        s->freeslots = q;
+        s->capfree = c;
+    }
+    s->freeslots[s->nfree++] = i;
+    return 0;
+}
+
+/* ---- pools: free blocks sorted by (stream, size, addr) ------------------------------------------ */
+
+static int key_less(const Key *a, int64_t stream, int64_t size, uint64_t addr, int below) {
+    if (a->stream != stream) return a->stream < stream;
+    if (a->size != size) return a->size < size;
+    if (below) return 0;  /* the search key's address is below every address */
+    return a->addr < addr;
+}
+
+static Py_ssize_t lower(Pool *p, int64_t stream, int64_t size, uint64_t addr, int below) {
+    Py_ssize_t lo = 0, hi = p->n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (key_less(&p->k[mid], stream, size, addr, below)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static int pool_insert(St *s, int32_t bi) {
+    Blk *b = &s->b[bi];
+    Pool *p = &s->pool[b->small];
+    if (reserve((void **)&p->k, &p->cap, p->n + 1, sizeof(Key)) < 0) return -1;
+    Py_ssize_t i = lower(p, b->stream, b->size, b->addr, 0);
+    memmove(&p->k[i + 1], &p->k[i], (size_t)(p->n - i) * sizeof(Key));
+    p->k[i].stream = b->stream;
+    p->k[i].size = b->size;
+    p->k[i].addr = b->addr;
+    p->n++;
+    return 0;
+}
+
+static int pool_remove(St *s, int32_t bi) {
+    Blk *b = &s->b[bi];
+    Pool *p = &s->pool[b->small];
+    Py_ssize_t i = lower(p, b->stream, b->size, b->addr, 0);
+    if (i < p->n && p->k[i].stream == b->stream && p->k[i].size == b->size && p->k[i].addr == b->addr) {
+        memmove(&p->k[i], &p->k[i + 1], (size_t)(p->n - i - 1) * sizeof(Key));
+        p->n--;
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- the allocator's rules ------------------------------------------------------------------------ */
+
+static int64_t round_size(St *s, int64_t size) {
+    if (size < MIN_BLOCK) return MIN_BLOCK;
+    int log = 63 - __builtin_clzll((unsigned long long)size);
+    int idx = log - 20;
+    if (idx < 0) idx = 0;
+    if (idx > 15) idx = 15;
+    int64_t div = s->div[idx];
+    if (div > 1 && size > MIN_BLOCK * div) {
+        if ((size & (size - 1)) == 0) return size;
+        int64_t floor = (int64_t)1 << log;
+        int64_t step = floor >> (63 - __builtin_clzll((unsigned long long)div));
+        if (step == 0) return floor << 1;
+        int64_t low = size & ~(step - 1);
+        return low == size ? size : low + step;
+    }
+    return (size + MIN_BLOCK - 1) / MIN_BLOCK * MIN_BLOCK;
+}
+
+static int64_t allocation_size(int64_t size) {
+    if (size <= SMALL_SIZE) return SMALL_BUFFER;
+    if (size < MIN_LARGE_ALLOC) return LARGE_BUFFER;
+    return (size + ROUND_LARGE - 1) / ROUND_LARGE * ROUND_LARGE;
+}
+
+static int is_free(Blk *b) { return !(b->flags & (F_ALLOCATED | F_PENDING)); }
+
+/* get_free_block without taking: the index in the pool, or NONE */
+static Py_ssize_t find_free(St *s, int small, int64_t size, int64_t stream) {
+    Pool *p = &s->pool[small];
+    Py_ssize_t i = lower(p, stream, size, 0, 1);
+    if (i == p->n || p->k[i].stream != stream) return NONE;
+    int64_t bsize = p->k[i].size;
+    if ((uint64_t)size < s->mss && (uint64_t)bsize >= s->mss) return NONE;
+    if ((uint64_t)size >= s->mss && bsize >= size + s->rounding) return NONE;
+    return i;
+}
+
+static int cache(St *s, int32_t bi) {
+    Blk *b = &s->b[bi];
+    int32_t pi = b->prev;
+    if (pi != NONE && is_free(&s->b[pi])) {
+        Blk *p = &s->b[pi];
+        pool_remove(s, pi);
+        map_del(&s->blocks, b->addr);
+        b->addr = p->addr;
+        b->size += p->size;
+        b->prev = p->prev;
+        if (p->prev != NONE) s->b[p->prev].next = bi;
+        if (map_put(&s->blocks, b->addr, bi) < 0 || drop_blk(s, pi) < 0) return -1;
+    }
+    int32_t ni = b->next;
+    if (ni != NONE && is_free(&s->b[ni])) {
+        Blk *n = &s->b[ni];
+        pool_remove(s, ni);
+        map_del(&s->blocks, n->addr);
+        b->size += n->size;
+        b->next = n->next;
+        if (n->next != NONE) s->b[n->next].prev = bi;
+        if (drop_blk(s, ni) < 0) return -1;
+    }
+    return pool_insert(s, bi);
+}
+
+static int take(St *s, int32_t bi, int64_t size) {
+    Blk *b = &s->b[bi];
+    int64_t remaining = b->size - size;
+    int split = b->small ? remaining >= MIN_BLOCK : ((uint64_t)size < s->mss && remaining > SMALL_SIZE);
+    if (split) {
+        int32_t ri = new_blk(s);
+        if (ri == NONE) return -1;
+        b = &s->b[bi];
+        Blk *r = &s->b[ri];
+        r->addr = b->addr + (uint64_t)size;
+        r->size = remaining;
+        r->stream = b->stream;
+        r->small = b->small;
+        r->seg = b->seg;
+        r->flags = 0;
+        r->prev = bi;
+        r->next = b->next;
+        if (b->next != NONE) s->b[b->next].prev = ri;
+        b->next = ri;
+        b->size = size;
+        if (map_put(&s->blocks, r->addr, ri) < 0 || pool_insert(s, ri) < 0) return -1;
+    }
+    s->b[bi].flags = F_ALLOCATED;
+    s->allocated += s->b[bi].size;
+    return 0;
+}
+
+static Py_ssize_t seg_find(St *s, uint64_t start) {
+    Py_ssize_t lo = 0, hi = s->nsegs;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (s->segs[mid].start < start) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static int seg_add(St *s, uint64_t start, int64_t size) {
+    Py_ssize_t i = seg_find(s, start);
+    if (i < s->nsegs && s->segs[i].start == start) { s->segs[i].size = size; return 0; }
+    if (reserve((void **)&s->segs, &s->capsegs, s->nsegs + 1, sizeof(Seg)) < 0) return -1;
+    memmove(&s->segs[i + 1], &s->segs[i], (size_t)(s->nsegs - i) * sizeof(Seg));
+    s->segs[i].start = start;
+    s->segs[i].size = size;
+    s->nsegs++;
+    return 0;
+}
+
+static int64_t seg_pop(St *s, uint64_t start) {  /* -1 when absent */
+    Py_ssize_t i = seg_find(s, start);
+    if (i < s->nsegs && s->segs[i].start == start) {
+        int64_t z = s->segs[i].size;
+        memmove(&s->segs[i], &s->segs[i + 1], (size_t)(s->nsegs - i - 1) * sizeof(Seg));
+        s->nsegs--;
+        return z;
+    }
+    return -1;
+}
+
+static int seg_of(St *s, uint64_t addr, uint64_t *start) {
+    Py_ssize_t i = seg_find(s, addr + 1) - 1;
+    if (i >= 0 && addr < s->segs[i].start + (uint64_t)s->segs[i].size) { *start = s->segs[i].start; return 1; }
+    return 0;
+}
+
+static int32_t block_at(St *s, uint64_t addr) {
+    int32_t bi = map_get(&s->blocks, addr);
+    if (bi != NONE) return bi;
+    uint64_t start;
+    if (!seg_of(s, addr, &start)) return NONE;
+    bi = map_get(&s->blocks, start);
+    while (bi != NONE && s->b[bi].prev != NONE) bi = s->b[bi].prev;
+    while (bi != NONE && !(s->b[bi].addr <= addr && addr < s->b[bi].addr + (uint64_t)s->b[bi].size)) bi = s->b[bi].next;
+    return bi;
+}
+
+static int32_t new_segment(St *s, uint64_t addr, int64_t size, int64_t stream, int small) {
+    int32_t bi = new_blk(s);
+    if (bi == NONE) return NONE;
+    Blk *b = &s->b[bi];
+    b->addr = addr; b->seg = addr; b->size = size; b->stream = stream; b->small = (uint8_t)small;
+    b->prev = b->next = NONE; b->flags = 0;
+    if (map_put(&s->blocks, addr, bi) < 0 || seg_add(s, addr, size) < 0) return NONE;
+    return bi;
+}
+
+static int flush(St *s, int64_t stream) {
+    Py_ssize_t w = 0;
+    for (Py_ssize_t r = 0; r < s->nfresh; r++) {
+        Fresh f = s->fresh[r];
+        if (f.stream == stream) {
+            int32_t bi = new_segment(s, f.addr, f.size, stream, f.size == SMALL_BUFFER);
+            if (bi == NONE || pool_insert(s, bi) < 0) return -1;
+        } else {
+            s->fresh[w++] = f;
+        }
+    }
+    s->nfresh = w;
+    return 0;
+}
+
+static int32_t resync(St *s, uint64_t addr, int64_t size) {
+    int32_t bi = block_at(s, addr);
+    if (bi == NONE) return NONE;
+    Blk *b = &s->b[bi];
+    if (!is_free(b) || b->addr + (uint64_t)b->size < addr + (uint64_t)size) return NONE;
+    pool_remove(s, bi);
+    if (b->addr < addr) {
+        int32_t hi = new_blk(s);
+        if (hi == NONE) return -2;
+        b = &s->b[bi];
+        Blk *h = &s->b[hi];
+        h->addr = b->addr; h->size = (int64_t)(addr - b->addr); h->stream = b->stream; h->small = b->small;
+        h->seg = b->seg; h->flags = 0; h->prev = b->prev; h->next = bi;
+        if (b->prev != NONE) s->b[b->prev].next = hi;
+        b->prev = hi;
+        map_del(&s->blocks, b->addr);
+        b->size -= (int64_t)(addr - b->addr);
+        b->addr = addr;
+        if (map_put(&s->blocks, h->addr, hi) < 0 || map_put(&s->blocks, addr, bi) < 0 || pool_insert(s, hi) < 0)
+            return -2;
+    }
+    return bi;
+}
+
+/* _release: 1 when the model had that segment free, 0 when it had to drop what it held there */
+static int release(St *s, uint64_t addr, int64_t size) {
+    int32_t bi = map_get(&s->blocks, addr);
+    if (bi != NONE) {
+        Blk *b = &s->b[bi];
+        if (is_free(b) && b->prev == NONE && b->next == NONE && b->size == size) {
+            pool_remove(s, bi);
+            map_del(&s->blocks, addr);
+            seg_pop(s, addr);
+            s->reserved -= size;
+            drop_blk(s, bi);
+            return 1;
+        }
+    }
+    uint64_t start;
+    if (seg_of(s, addr, &start)) {
+        int32_t c = map_get(&s->blocks, start);
+        while (c != NONE) {
+            Blk *b = &s->b[c];
+            int32_t nxt = b->next;
+            if (is_free(b)) pool_remove(s, c);
+            else if (b->flags & F_ALLOCATED) { s->allocated -= b->size; b->flags &= ~F_ALLOCATED; }
+            /* live entries that point at it go */
+            for (size_t k = 0; k < s->live.cap; k++) {
+                if (s->live.keys[k] != EMPTY && s->live.vals[k] == c) {
+                    uint64_t key = s->live.keys[k];
+                    map_del(&s->live, key);
+                    k = (size_t)-1;  /* the table shifted: start over */
+                }
+            }
+            if (map_get(&s->blocks, b->addr) == c) map_del(&s->blocks, b->addr);
+            drop_blk(s, c);
+            c = nxt;
+        }
+        s->reserved -= seg_pop(s, start);
+    } else {
+        s->reserved -= size;
+    }
+    return 0;
+}
+
+/* ---- buffers ----------------------------------------------------------------------------------- */
+
+typedef struct { Py_buffer v; int have; } Buf;
+
+static int get_buf(PyObject *o, Buf *b, Py_ssize_t item, int writable, const char *name) {
+    if (PyObject_GetBuffer(o, &b->v, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    b->have = 1;
+    if (b->v.itemsize != item) {
+        PyErr_Format(PyExc_ValueError, "%s: items of %zd bytes expected", name, item);
+        return -1;
+    }
+    return 0;
+}
+
+#define LEN(b) ((b).v.len / (b).v.itemsize)
+
+static PyObject *replay(PyObject *self, PyObject *args) {
+    PyObject *o[20];
+    unsigned long long mss;
+    long long rounding;
+    Py_ssize_t stop = -1;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOKLOOO|n", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                          &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &mss, &rounding, &o[14], &o[15], &o[16],
+                          &stop))
+        return NULL;
+    static const Py_ssize_t items[17] = {1, 8, 8, 8, 8, 8, 8, 1, 1, 8, 8, 8, 8, 8, 8, 8, 8};
+    static const char *names[17] = {"action", "addr", "size", "stream", "blk_addr", "blk_size", "blk_stream",
+                                    "blk_state", "blk_small", "blk_seg", "blk_req", "seg_start", "seg_size",
+                                    "divisions", "out_allocated", "out_reserved", "out_block"};
+    Buf B[17];
+    memset(B, 0, sizeof(B));
+    St S;
+    memset(&S, 0, sizeof(S));
+    St *s = &S;
+    PyObject *result = NULL;
+    for (int k = 0; k < 17; k++)
+        if (get_buf(o[k], &B[k], items[k], k >= 14, names[k]) < 0) goto done;
+    Py_ssize_t n = LEN(B[0]);
+    if (LEN(B[1]) != n || LEN(B[2]) != n || LEN(B[3]) != n || LEN(B[14]) != n || LEN(B[15]) != n || LEN(B[16]) != n
+        || LEN(B[13]) != 16) {
+        PyErr_SetString(PyExc_ValueError, "column lengths differ");
+        goto done;
+    }
+    const int8_t *action = B[0].v.buf;
+    const uint64_t *addr = B[1].v.buf;
+    const int64_t *size = B[2].v.buf, *stream = B[3].v.buf;
+    int64_t *out_alloc = B[14].v.buf, *out_res = B[15].v.buf, *out_blk = B[16].v.buf;
+    memcpy(s->div, B[13].v.buf, sizeof(s->div));
+    s->mss = mss;
+    s->rounding = rounding;
+    Py_ssize_t nb = LEN(B[4]);
+    if (map_init(&s->blocks, (size_t)nb + 1024) < 0 || map_init(&s->live, (size_t)nb + 1024) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {   /* the state at the first entry */
+        const uint64_t *ba = B[4].v.buf, *bseg = B[9].v.buf;
+        const int64_t *bz = B[5].v.buf, *bst = B[6].v.buf;
+        const int8_t *bstate = B[7].v.buf, *bsmall = B[8].v.buf;
+        const uint64_t *ss = B[11].v.buf;
+        const int64_t *sz = B[12].v.buf;
+        for (Py_ssize_t k = 0; k < LEN(B[11]); k++) {
+            if (seg_add(s, ss[k], sz[k]) < 0) { PyErr_NoMemory(); goto done; }
+            s->reserved += sz[k];
+        }
+        int32_t prev = NONE;
+        for (Py_ssize_t k = 0; k < nb; k++) {
+            int32_t bi = new_blk(s);
+            if (bi == NONE) { PyErr_NoMemory(); goto done; }
+            Blk *b = &s->b[bi];
+            b->addr = ba[k]; b->size = bz[k]; b->stream = bst[k]; b->small = (uint8_t)(bsmall[k] != 0);
+            b->seg = bseg[k]; b->next = NONE;
+            b->flags = bstate[k] == 1 ? F_ALLOCATED : bstate[k] == 2 ? F_PENDING : 0;
+            b->prev = (prev != NONE && s->b[prev].seg == b->seg && s->b[prev].addr + (uint64_t)s->b[prev].size == b->addr)
+                          ? prev : NONE;
+            if (b->prev != NONE) s->b[prev].next = bi;
+            if (map_put(&s->blocks, b->addr, bi) < 0) { PyErr_NoMemory(); goto done; }
+            if (b->flags) {
+                if (map_put(&s->live, b->addr, bi) < 0) { PyErr_NoMemory(); goto done; }
+                if (b->flags & F_ALLOCATED) s->allocated += b->size;
+            } else if (pool_insert(s, bi) < 0) { PyErr_NoMemory(); goto done; }
+            prev = bi;
+        }
+    }
+    int64_t allocated0 = s->allocated, reserved0 = s->reserved;
+    if (stop >= 0 && stop + 1 < n) n = stop + 1;  /* the state after entry `stop` */
+    long long placed = 0, slack = 0, reasons[N_REASONS] = {0};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int a = action[i];
+        out_blk[i] = 0;
+        if (a == A_ALLOC) {
+            uint64_t p = addr[i];
+            int64_t r = size[i], st = stream[i];
+            int64_t sz = round_size(s, r);
+            int small = sz <= SMALL_SIZE;
+            int32_t bi = NONE;
+            Py_ssize_t fk = NONE;
+            for (Py_ssize_t k = 0; k < s->nfresh; k++)
+                if (s->fresh[k].stream == st) { fk = k; break; }
+            if (fk != NONE) {
+                Fresh f = s->fresh[fk];
+                memmove(&s->fresh[fk], &s->fresh[fk + 1], (size_t)(s->nfresh - fk - 1) * sizeof(Fresh));
+                s->nfresh--;
+                if (find_free(s, small, sz, st) != NONE) reasons[R_NEWSEG_CACHED]++;
+                int32_t nbi = new_segment(s, f.addr, f.size, st, small);
+                if (nbi == NONE) { PyErr_NoMemory(); goto done; }
+                if (f.size != allocation_size(sz)) reasons[R_SEG_SIZE]++;
+                if (f.addr == p) { bi = nbi; placed++; }
+                else {
+                    if (pool_insert(s, nbi) < 0) { PyErr_NoMemory(); goto done; }
+                    reasons[R_NOT_AT_NEWSEG]++;
+                }
+            } else {
+                Py_ssize_t k = find_free(s, small, sz, st);
+                if (k != NONE && s->pool[small].k[k].addr == p) {
+                    bi = map_get(&s->blocks, p);
+                    Pool *pl = &s->pool[small];
+                    memmove(&pl->k[k], &pl->k[k + 1], (size_t)(pl->n - k - 1) * sizeof(Key));
+                    pl->n--;
+                    placed++;
+                } else {
+                    reasons[k != NONE ? R_BEST_FIT : R_NO_CACHED]++;
+                }
+            }
+            if (bi == NONE) {
+                slack += small ? 0 : ((uint64_t)sz >= s->mss ? s->rounding : SMALL_SIZE);
+                bi = resync(s, p, sz);
+                if (bi == -2) { PyErr_NoMemory(); goto done; }
+                if (bi == NONE) {
+                    reasons[R_OUTSIDE]++;
+                    int32_t ph = new_blk(s);
+                    if (ph == NONE) { PyErr_NoMemory(); goto done; }
+                    Blk *b = &s->b[ph];
+                    b->addr = p; b->size = sz; b->stream = st; b->small = (uint8_t)small; b->seg = 0;
+                    b->prev = b->next = NONE; b->flags = F_ALLOCATED | F_PHANTOM;
+                    s->allocated += sz;
+                    if (map_put(&s->live, p, ph) < 0) { PyErr_NoMemory(); goto done; }
+                    out_blk[i] = sz;
+                    out_alloc[i] = s->allocated;
+                    out_res[i] = s->reserved;
+                    continue;
+                }
+            }
+            if (s->b[bi].size < sz) { reasons[R_SMALLER]++; sz = s->b[bi].size; }
+            if (take(s, bi, sz) < 0) { PyErr_NoMemory(); goto done; }
+            int32_t old = map_get(&s->live, p);
+            if (old != NONE && (s->b[old].flags & (F_ALLOCATED | F_PENDING))) reasons[R_TWICE]++;
+            if (map_put(&s->live, p, bi) < 0) { PyErr_NoMemory(); goto done; }
+            out_blk[i] = s->b[bi].size;
+        } else if (a == A_FREE_REQUESTED) {
+            int32_t bi = map_get(&s->live, addr[i]);
+            if (bi == NONE || !(s->b[bi].flags & F_ALLOCATED)) reasons[R_FREE_UNKNOWN]++;
+            else {
+                Blk *b = &s->b[bi];
+                b->flags = (uint8_t)((b->flags & ~F_ALLOCATED) | F_PENDING);
+                s->allocated -= b->size;
+            }
+        } else if (a == A_FREE_COMPLETED) {
+            int32_t bi = map_get(&s->live, addr[i]);
+            if (bi == NONE) reasons[R_FREE_UNKNOWN]++;
+            else {
+                map_del(&s->live, addr[i]);
+                Blk *b = &s->b[bi];
+                if (b->flags & F_PHANTOM) {
+                    if (b->flags & F_ALLOCATED) s->allocated -= b->size;
+                    drop_blk(s, bi);
+                } else if (b->flags & F_ALLOCATED) {
+                    reasons[R_NO_REQUEST]++;
+                    b->flags = 0;
+                    s->allocated -= b->size;
+                    if (cache(s, bi) < 0) { PyErr_NoMemory(); goto done; }
+                } else if (b->flags & F_PENDING) {
+                    b->flags = 0;
+                    if (cache(s, bi) < 0) { PyErr_NoMemory(); goto done; }
+                }
+            }
+        } else if (a == A_SEGMENT_ALLOC) {
+            if (reserve((void **)&s->fresh, &s->capfresh, s->nfresh + 1, sizeof(Fresh)) < 0) { PyErr_NoMemory(); goto done; }
+            s->fresh[s->nfresh].stream = stream[i];
+            s->fresh[s->nfresh].addr = addr[i];
+            s->fresh[s->nfresh].size = size[i];
+            s->nfresh++;
+            s->reserved += size[i];
+        } else if (a == A_SEGMENT_FREE) {
+            if (flush(s, stream[i]) < 0) { PyErr_NoMemory(); goto done; }
+            if (!release(s, addr[i], size[i])) reasons[R_SEG_FREE]++;
+        } else if (a == A_OOM) {
+            int64_t sz = size[i];
+            int after_frees = i > 0 && (action[i - 1] == A_FREE_COMPLETED || action[i - 1] == A_SEGMENT_FREE
+                                        || action[i - 1] == A_SEGMENT_UNMAP);
+            if (!after_frees && find_free(s, sz <= SMALL_SIZE, sz, stream[i]) != NONE) reasons[R_OOM_CACHED]++;
+        } else if (a == A_SEGMENT_MAP || a == A_SEGMENT_UNMAP) {
+            PyErr_SetString(PyExc_ValueError, "expandable segments: use the Python replay");
+            goto done;
+        }
+        out_alloc[i] = s->allocated;
+        out_res[i] = s->reserved;
+    }
+    while (s->nfresh) {
+        if (flush(s, s->fresh[0].stream) < 0) { PyErr_NoMemory(); goto done; }
+    }
+    {   /* the final state: every segment's blocks, from its first block */
+        PyObject *final = PyList_New(0), *counts = PyList_New(N_REASONS);
+        if (!final || !counts) { Py_XDECREF(final); Py_XDECREF(counts); goto done; }
+        for (int k = 0; k < N_REASONS; k++) PyList_SET_ITEM(counts, k, PyLong_FromLongLong(reasons[k]));
+        for (size_t k = 0; k < s->blocks.cap; k++) {
+            if (s->blocks.keys[k] == EMPTY) continue;
+            int32_t bi = s->blocks.vals[k];
+            if (s->b[bi].prev != NONE) continue;
+            for (; bi != NONE; bi = s->b[bi].next) {
+                Blk *b = &s->b[bi];
+                int state = (b->flags & F_ALLOCATED) ? 1 : (b->flags & F_PENDING) ? 2 : 0;
+                PyObject *t = Py_BuildValue("(KLii)", (unsigned long long)b->addr, (long long)b->size, state,
+                                            b->prev == NONE);
+                if (!t || PyList_Append(final, t) < 0) { Py_XDECREF(t); Py_DECREF(final); Py_DECREF(counts); goto done; }
+                Py_DECREF(t);
+            }
+        }
+        result = Py_BuildValue("(LLNLLN)", placed, slack, counts, (long long)allocated0, (long long)reserved0, final);
+    }
+done:
+    for (int k = 0; k < 17; k++)
+        if (B[k].have) PyBuffer_Release(&B[k].v);
+    PyMem_RawFree(s->b);
+    PyMem_RawFree(s->freeslots);
+    PyMem_RawFree(s->blocks.keys);
+    PyMem_RawFree(s->blocks.vals);
+    PyMem_RawFree(s->live.keys);
+    PyMem_RawFree(s->live.vals);
+    PyMem_RawFree(s->pool[0].k);
+    PyMem_RawFree(s->pool[1].k);
+    PyMem_RawFree(s->segs);
+    PyMem_RawFree(s->fresh);
+    return result;
+}
+
+/* first_touches(action, addr) -> (addresses, first entry index, its action): for every address an alloc,
+ * free_requested or free_completed names, its first such entry, in order of address. */
+static PyObject *first_touches(PyObject *self, PyObject *args) {
+    PyObject *oa, *ob;
+    if (!PyArg_ParseTuple(args, "OO", &oa, &ob)) return NULL;
+    Buf A = {0}, B = {0};
+    Map m = {0};
+    PyObject *result = NULL;
+    uint64_t *ua = NULL;
+    int64_t *ui = NULL;
+    int8_t *uc = NULL;
+    if (get_buf(oa, &A, 1, 0, "action") < 0 || get_buf(ob, &B, 8, 0, "addr") < 0) goto done;
+    Py_ssize_t n = LEN(A);
+    if (LEN(B) != n) { PyErr_SetString(PyExc_ValueError, "column lengths differ"); goto done; }
+    const int8_t *action = A.v.buf;
+    const uint64_t *addr = B.v.buf;
+    if (map_init(&m, 1024) < 0) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t cap = 1024, k = 0;
+    ua = PyMem_RawMalloc(cap * sizeof(uint64_t));
+    ui = PyMem_RawMalloc(cap * sizeof(int64_t));
+    uc = PyMem_RawMalloc(cap);
+    if (!ua || !ui || !uc) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int a = action[i];
+        if (a != A_ALLOC && a != A_FREE_REQUESTED && a != A_FREE_COMPLETED) continue;
+        if (addr[i] == EMPTY || map_get(&m, addr[i]) != NONE) continue;
+        if (k == cap) {
+            cap *= 2;
+            uint64_t *q1 = PyMem_RawRealloc(ua, cap * sizeof(uint64_t));
+            if (q1) ua = q1;
+            int64_t *q2 = PyMem_RawRealloc(ui, cap * sizeof(int64_t));
+            if (q2) ui = q2;
+            int8_t *q3 = PyMem_RawRealloc(uc, cap);
+            if (q3) uc = q3;
+            if (!q1 || !q2 || !q3) { PyErr_NoMemory(); goto done; }
+        }
+        if (map_put(&m, addr[i], (int32_t)k) < 0) { PyErr_NoMemory(); goto done; }
+        ua[k] = addr[i];
+        ui[k] = i;
+        uc[k] = (int8_t)a;
+        k++;
+    }
+    result = Py_BuildValue("(y#y#y#)", (const char *)ua, (Py_ssize_t)(k * 8), (const char *)ui, (Py_ssize_t)(k * 8),
+                           (const char *)uc, (Py_ssize_t)k);
+done:
+    if (A.have) PyBuffer_Release(&A.v);
+    if (B.have) PyBuffer_Release(&B.v);
+    PyMem_RawFree(m.keys);
+    PyMem_RawFree(m.vals);
+    PyMem_RawFree(ua);
+    PyMem_RawFree(ui);
+    PyMem_RawFree(uc);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"replay", replay, METH_VARARGS, "Replay one device's trace through the caching-allocator model."},
+    {"first_touches", first_touches, METH_VARARGS, "First alloc/free entry of every address, in order of entry."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_replay", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__replay(void) { return PyModule_Create(&module); }

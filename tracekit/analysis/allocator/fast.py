@@ -1,0 +1,107 @@
+"""The replay of a trace through the allocator model: the compiled loop (_replay.c) when it is built and
+the file is one it handles (no expandable segments, no private pools), else exact.py's Python loop.
+
+Both make the same decisions entry for entry (tests/test_allocator_compiled.py compares them);
+TRACEKIT_ALLOCATOR=python forces the Python loop.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ...model import SEGMENT_MAP, SEGMENT_UNMAP, Trace
+from .config import AllocatorConfig
+from .core import Allocator, Device
+from .exact import REASONS, AllocatorReplay, compare_final, replay_allocator as _python, settings_of, total_memory
+from .state import initial_state, load
+
+try:
+    from ._replay import replay as _compiled
+except ImportError:  # no C compiler when installed: the Python loop does the same, more slowly
+    _compiled = None
+
+
+def compiled_available() -> bool:
+    return _compiled is not None
+
+
+def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None = None) -> AllocatorReplay:
+    return _replay(trace, device, config)[0]
+
+
+def segments_at(trace: Trace, device: int, index: int) -> list[dict]:
+    """The device's segments just after trace entry `index` (-1: before the first), as the replay has them:
+    [{address, total_size, blocks: [{address, size, state}]}], by address."""
+    if index < 0:
+        alloc = Allocator(settings_of(trace)[0], Device(total_memory=total_memory(trace, device)))
+        load(alloc, initial_state(trace, device, alloc.config))
+        return _plain(alloc.snapshot())
+    res, final = _replay(trace, device, None, stop=index)
+    if final is not None:
+        states = ("inactive", "active_allocated", "active_pending_free")
+        out = []
+        for a, z, st, head in sorted(final, key=lambda x: x[0]):
+            if head or not out or out[-1]["address"] + out[-1]["total_size"] != a:
+                out.append({"address": a, "total_size": 0, "blocks": []})
+            out[-1]["blocks"].append({"address": a, "size": z, "state": states[st]})
+            out[-1]["total_size"] += z
+        return out
+    _, alloc = _python(trace, device, None, stop_after=index)
+    return _plain(alloc.snapshot())
+
+
+def _plain(snapshot):
+    return [{"address": s["address"], "total_size": s["total_size"],
+             "blocks": [{"address": b["address"], "size": b["size"], "state": b["state"]} for b in s["blocks"]]}
+            for s in snapshot]
+
+
+def _replay(trace, device, config, stop=None):
+    """(AllocatorReplay, the compiled loop's blocks at the end or None when Python ran it)."""
+    if _compiled is None or os.environ.get("TRACEKIT_ALLOCATOR") == "python":
+        return (_python(trace, device, config) if stop is None else None), None
+    notes = []
+    if config is None:
+        config, notes = settings_of(trace)
+    python = (lambda: (_python(trace, device, config), None)) if stop is None else (lambda: (None, None))
+    if config.expandable_segments:
+        return python()
+    ev = trace.events
+    sl = ev.device_slice(device)
+    action = np.ascontiguousarray(ev.action[sl], np.int8)
+    if np.isin(action, (SEGMENT_MAP, SEGMENT_UNMAP)).any():
+        return python()
+    init = initial_state(trace, device, config)
+    if any(r.expandable or r.pool_id for r in init.regions):
+        return python()
+    alloc = Allocator(config, Device(total_memory=total_memory(trace, device)))
+    load(alloc, init)
+    blocks = sorted(alloc.blocks.values(), key=lambda b: b.addr)
+    n = len(action)
+    out_alloc, out_res, out_blk = (np.zeros(n, np.int64) for _ in range(3))
+    u64 = lambda xs: np.asarray(xs, np.uint64)  # noqa: E731
+    i64 = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
+    segs = sorted(alloc.segments.items())
+    placed, slack, counts, alloc0, res0, final = _compiled(
+        action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),
+        np.ascontiguousarray(ev.stream[sl], np.int64),
+        u64([b.addr for b in blocks]), i64([b.size for b in blocks]), i64([b.stream for b in blocks]),
+        np.asarray([1 if b.allocated else 2 if b.pending else 0 for b in blocks], np.int8),
+        np.asarray([b.pool.small for b in blocks], np.int8), u64([b.seg for b in blocks]),
+        i64([b.requested for b in blocks]), u64([a for a, _ in segs]), i64([z for _, z in segs]),
+        i64(config.roundup_power2_divisions), int(config.max_split_size), int(config.max_non_split_rounding),
+        out_alloc, out_res, out_blk, -1 if stop is None else int(stop))
+    if stop is not None:
+        return None, final
+    unplaced = {REASONS[k]: int(c) for k, c in enumerate(counts) if c}
+    mismatch = -1
+    if trace.meta.get("has_segments", True):
+        states = ("inactive", "active_allocated", "active_pending_free")
+        mismatch = compare_final(trace, device, {a: (z, states[s]) for a, z, s, _ in final},
+                                 bool(alloc.segments))
+    return AllocatorReplay(device=device, config=config, allocated=out_alloc, reserved=out_res,
+                           initial_allocated=int(alloc0), initial_reserved=int(res0), block_size=out_blk,
+                           placed=int(placed), unplaced=unplaced, open_bytes=init.open_bytes,
+                           final_mismatch=mismatch, initial=init, notes=notes, unplaced_slack=int(slack),
+                           engine="compiled"), final

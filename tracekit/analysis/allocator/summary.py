@@ -1,0 +1,111 @@
+"""The allocator model's figures for the report: peaks in the allocator's own terms, and how sure they are."""
+from __future__ import annotations
+
+from ...model import ALLOC, FREE_COMPLETED, FREE_REQUESTED, Trace
+from ..memo import per_trace
+
+
+def why_not_modelled(trace: Trace, device: int) -> str | None:
+    """None when the caching-allocator model applies to this device's data, else why not (one phrase)."""
+    import os
+
+    if os.environ.get("TRACEKIT_ALLOCATOR") == "off":
+        return "turned off (TRACEKIT_ALLOCATOR=off)"
+    if trace.format != "snapshot":
+        return "not an allocator snapshot (a profiler trace has no segments)"
+    if (trace.recorder or {}).get("backend") == "cpu" or trace.device_label(device) == "cpu":
+        return "CPU memory: no caching allocator"
+    if "window" in trace.meta:  # a window read alone (big files) has no state to start from; to keep every
+        # window's report the same however it was read, no window is modelled
+        return ("a window of the trace: the allocator model replays whole recordings (report the file without "
+                "--from/--to/--last/--iterations for its figures)")
+    if not trace.meta.get("has_segments", True):
+        return "the file holds no segments"
+    if not trace.meta.get("has_addresses", True):
+        return "the trace has no addresses"
+    return None
+
+
+@per_trace
+def allocator_replays(trace: Trace) -> dict:
+    """{device: AllocatorReplay} for the devices the model applies to (computed once per trace)."""
+    return {d: r for d, r in _replays(trace).items() if not isinstance(r, str)}
+
+
+@per_trace
+def _replays(trace: Trace) -> dict:
+    """{device: AllocatorReplay, or why the model failed there}: a failure of the model never takes the
+    report down (its other figures stand); TRACEKIT_DEBUG=1 lets it through, for a bug report."""
+    import os
+
+    from .fast import replay_allocator
+
+    out = {}
+    for d in trace.devices:
+        if why_not_modelled(trace, d) is not None:
+            continue
+        try:
+            out[d] = replay_allocator(trace, d)
+        except Exception as e:  # noqa: BLE001
+            if os.environ.get("TRACEKIT_DEBUG"):
+                raise
+            out[d] = (f"the allocator model failed on this file ({type(e).__name__}: {e}); this is a bug in "
+                      "tracekit, please report it with the file")
+    return out
+
+
+def allocator_summary(trace: Trace, device: int) -> dict:
+    """The report's `allocator` object for a device: whether the allocator figures are exact, what the
+    replay could not place, the bound where the file leaves bytes open, and the settings it used."""
+    why = why_not_modelled(trace, device)
+    if why is None and isinstance(_replays(trace).get(device), str):
+        why = _replays(trace)[device]
+    if why is not None:
+        return {"modelled": False, "exact": False, "why": why}
+    r = allocator_replays(trace)[device]
+    sl = trace.events.device_slice(device)
+    acts = trace.events.action[sl]
+    n_alloc = int((acts == ALLOC).sum())
+    reasons = []
+    if r.unplaced_events:
+        reasons.append(f"{r.unplaced_events} trace entries the model could not follow")
+    if r.open_bytes:
+        reasons.append(f"{r.open_bytes} bytes of blocks allocated before the trace have no known size")
+    if r.final_mismatch > 0:
+        reasons.append(f"{r.final_mismatch} final blocks differ from the replayed state")
+    if r.initial.problems:
+        reasons += [f"{v} x {k}" for k, v in sorted(r.initial.problems.items())]
+    if not (acts == ALLOC).any() and not ((acts == FREE_REQUESTED) | (acts == FREE_COMPLETED)).any():
+        reasons.append("the file has no allocation history: the figures are its final state's")
+    out = {
+        "modelled": True,
+        "exact": not reasons,
+        "why": "; ".join(reasons) if reasons else None,
+        "settings": r.config.describe(),
+        "settings_recorded": isinstance(trace.meta.get("allocator_settings"), dict),
+        "placed_events": r.placed,
+        "alloc_events": n_alloc,
+        "unplaced_events": r.unplaced_events,
+        "unplaced_by_reason": dict(sorted(r.unplaced.items())),
+        "final_state_matches": None if r.final_mismatch < 0 else r.final_mismatch == 0,
+        "allocated_before_trace_bytes": r.initial_allocated,
+        "reserved_before_trace_bytes": r.initial_reserved,
+        "unknown_block_bytes": r.open_bytes,
+        "peak_allocated_bytes": r.peak_allocated,
+        "peak_allocated_upper_bound_bytes": r.peak_allocated + r.open_bytes + r.unplaced_slack,
+        "peak_allocated_index": r.peak_index,
+        "peak_reserved_bytes": r.peak_reserved,
+        "peak_reserved_index": r.peak_reserved_index,
+        "final_allocated_bytes": r.final_allocated,
+        "engine": r.engine,
+    }
+    from .fast import segments_at  # the state at the allocated peak: what is cached and how scattered
+
+    p = r.peak_index
+    free = [b["size"] for s in segments_at(trace, device, p) for b in s["blocks"] if b["state"] == "inactive"]
+    out["unused_at_peak_bytes"] = r.reserved_at(p) - r.allocated_at(p)
+    out["largest_free_block_at_peak_bytes"] = max(free, default=0)
+    out["free_blocks_at_peak"] = len(free)
+    if r.notes:
+        out["notes"] = list(r.notes)
+    return out

@@ -1,0 +1,338 @@
+"""What the same request stream would have cost under other allocator settings.
+
+The trace's requests (alloc, free_requested, free_completed, the request that ran out
+of memory, the program's own empty_cache calls) are served by the model under a
+configuration of your choosing; the allocator's own decisions (which block, when to
+ask CUDA for a segment, when to give cached memory back and retry) are the model's.
+
+Where the trace begins with memory already held (a recording started after warm-up),
+the run starts either from that state as it was (`start="recorded"`: its segments stay,
+as when the setting is changed while a program runs) or from an empty allocator that
+first allocates the blocks held then, in address order (`start="rebuilt"`: as if the
+program had run under the setting from its start; the default). Both runs, under the
+recorded settings and under yours, start the same way, so they compare like for like.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
+                      SEGMENT_UNMAP, Trace)
+from .config import NO_LIMIT, AllocatorConfig
+from .core import Allocator, Device, OutOfMemory
+from .state import PENDING, initial_state, load
+
+STARTS = ("rebuilt", "recorded")
+
+
+@dataclass
+class Run:
+    """One simulated run of a device's requests."""
+
+    config: AllocatorConfig
+    peak_reserved: int
+    peak_allocated: int
+    peak_reserved_index: int  # entry after which reserved first reached its peak (-1: before the first)
+    allocated_at_peak: int  # allocated bytes at that moment
+    largest_free_at_peak: int  # the largest cached free block then
+    segments_at_peak: list  # [(address, size, allocated bytes in it)] at that moment
+    final_reserved: int
+    device_allocs: int  # cudaMalloc calls and page mappings made during the trace
+    device_frees: int
+    retries: int  # times the allocator freed its cache and retried
+    ooms: list  # [{index, request_bytes}] requests that failed
+    failed_request: dict | None  # the recorded out-of-memory request: {index, request_bytes, fits}
+    events: list = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
+    reserved: np.ndarray = None  # int64 per entry
+    allocated: np.ndarray = None  # int64 per entry
+
+    @property
+    def fragmentation_at_peak(self) -> int:
+        return self.peak_reserved - self.allocated_at_peak
+
+
+def allocator_syncs(action: np.ndarray, addr, recorded: AllocatorConfig | None = None,
+                    fraction=False) -> np.ndarray:
+    """free_completed entries the allocator makes itself when it runs out of memory: before giving every
+    cached block back it waits for the frees still in flight (a run of free_completed right before a run
+    of segment_free / segment_unmap that ends in a request for memory or an oom; a free_completed right
+    after its own free_requested is an ordinary free, not one of these).
+
+    Frees whose streams finished just before a request look the same in the trace. They are told apart
+    only where it matters: when the recorded settings could give memory back before that wait (garbage
+    collection under a memory fraction, or max_split_size's oversize blocks), a run counts as the wait
+    only if such a release comes right before it."""
+    early = recorded is not None and ((fraction and recorded.garbage_collection_threshold > 0)
+                                      or recorded.max_split_size != NO_LIMIT)
+    n = len(action)
+    out = []
+    i = 0
+    while i < n:
+        if action[i] == FREE_COMPLETED:
+            j = i
+            while j < n and action[j] == FREE_COMPLETED:
+                j += 1
+            k = j
+            while k < n and action[k] in (SEGMENT_FREE, SEGMENT_UNMAP):
+                k += 1
+            if k > j and k < n and action[k] in (SEGMENT_ALLOC, SEGMENT_MAP, OOM) and (
+                    not early or (i > 0 and action[i - 1] in (SEGMENT_FREE, SEGMENT_UNMAP))):
+                out.extend(m for m in range(i, j)
+                           if not (m > 0 and action[m - 1] == FREE_REQUESTED and addr[m - 1] == addr[m]))
+            i = j
+        else:
+            i += 1
+    return np.asarray(out, np.int64)
+
+
+def user_releases(action: np.ndarray, allocator_may_release=True) -> np.ndarray:
+    """Entry indices where the program itself gave cached memory back (torch.cuda.empty_cache), the first
+    entry of each run of segment_free / segment_unmap. A run followed by the allocator asking for memory
+    (segment_alloc / segment_map) or failing (oom) is what its own retries look like, and is left out when
+    `allocator_may_release` (the model then frees memory itself when it runs out)."""
+    rel = np.isin(action, (SEGMENT_FREE, SEGMENT_UNMAP))
+    through = rel | (action == FREE_COMPLETED)  # the allocator may wait for frees in flight between its releases
+    out = []
+    i, n = 0, len(action)
+    while i < n:
+        if rel[i]:
+            j = i
+            while j < n and through[j]:
+                j += 1
+            if not allocator_may_release or j >= n or action[j] not in (SEGMENT_ALLOC, SEGMENT_MAP, OOM):
+                out.append(i)
+            i = j
+        else:
+            i += 1
+    return np.asarray(out, np.int64)
+
+
+def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: AllocatorConfig,
+             start: str = "rebuilt", capacity=None, memory_fraction_bytes=None, total_memory=80 << 30,
+             follow_addresses=False, curves=False) -> Run:
+    """Serve the device's recorded requests with the model under `config`.
+
+    `recorded`: the settings the file was recorded with (they decide the state at the trace's start);
+    `capacity`: bytes CUDA would let this process reserve (None: no limit);
+    `memory_fraction_bytes`: torch.cuda.set_per_process_memory_fraction's cap in bytes (None: not set);
+    `follow_addresses`: give new segments the addresses the trace's own segment_alloc entries have, while
+    their sizes agree (the run then reproduces a recording address for address)."""
+    ev = trace.events
+    sl = ev.device_slice(device)
+    action = ev.action[sl]
+    addr, size, stream = ev.addr[sl].tolist(), ev.size[sl].tolist(), ev.stream[sl].tolist()
+    acts = action.tolist()
+    n = len(acts)
+
+    queue = []
+    if follow_addresses:
+        seg_rows = np.flatnonzero(action == SEGMENT_ALLOC).tolist()
+        queue = [(size[i], stream[i], addr[i]) for i in seg_rows]
+
+    def addresses(sz, st, small, expandable):
+        if queue and not expandable and queue[0][0] == sz and queue[0][1] == st:
+            return queue.pop(0)[2]
+        return None
+
+    dev = Device(capacity=capacity, total_memory=total_memory, addresses=addresses if follow_addresses else None)
+    # made-up addresses start above every address the file uses, so they never meet a real one
+    seg = trace.segments
+    top = max([int(ev.addr[sl].max()) if n else 0] +
+              [int(a) + int(z) for a, z in zip(seg.address.tolist(), seg.total_size.tolist())] + [dev._next])
+    dev._next = -(-(top + (1 << 30)) // (2 << 20)) * (2 << 20)
+    init = initial_state(trace, device, recorded)
+    if start == "recorded":
+        alloc = Allocator(config, dev, memory_fraction_bytes)
+        live = load(alloc, init)
+    else:
+        alloc = Allocator(config, dev, memory_fraction_bytes)
+        live = {}
+        for h in sorted(init.held, key=lambda h: h.addr):
+            try:
+                b = alloc.malloc(max(h.requested, 1) if h.requested else h.size, h.stream)
+            except OutOfMemory:
+                continue
+            if h.state == PENDING:
+                alloc.free(b, completed=False)
+            live[h.addr] = b
+    alloc.log = log = []
+    alloc.peak_reserved = alloc.reserved
+    alloc.peak_allocated = alloc.allocated
+
+    # the file's releases are the program's (empty_cache) unless the model knows a limit that would make
+    # the allocator release memory itself (then those followed by a request for memory are its own)
+    limited = capacity is not None or memory_fraction_bytes is not None
+    releases = set(user_releases(action, allocator_may_release=limited).tolist())
+    synced = set(allocator_syncs(action, addr, recorded, memory_fraction_bytes is not None).tolist()) \
+        if limited else set()
+    deferred = []  # blocks whose free the allocator completed while making room for the next request
+    ooms, failed = [], None
+    peak_r, peak_i, at_peak_alloc = alloc.reserved, -1, alloc.allocated
+    largest_at_peak = alloc.largest_free()
+    segs_at_peak = _segments(alloc)
+    res_curve = np.zeros(n, np.int64) if curves else None
+    alloc_curve = np.zeros(n, np.int64) if curves else None
+    lost = set()
+    for i in range(n):
+        a = acts[i]
+        if a == ALLOC:
+            try:
+                live[addr[i]] = alloc.malloc(size[i], stream[i])
+            except OutOfMemory:
+                ooms.append({"index": i, "request_bytes": int(size[i])})
+                lost.add(addr[i])
+                live.pop(addr[i], None)
+        elif a == FREE_REQUESTED:
+            b = live.get(addr[i])
+            if b is not None:
+                alloc.free(b, completed=False)
+        elif a == FREE_COMPLETED:
+            b = live.pop(addr[i], None)
+            if b is not None:
+                if b.allocated:
+                    alloc.free(b)
+                elif i in synced:
+                    deferred.append(b)
+                else:
+                    alloc.complete_free(b)
+        elif i in releases:
+            alloc.release_cached()
+        elif a == OOM:  # the request that failed: does it fit now?
+            try:
+                b = alloc.malloc(size[i], stream[i])
+                fits = True
+                alloc.free(b)
+            except OutOfMemory:
+                fits = False
+            if failed is None:
+                failed = {"index": i, "request_bytes": int(size[i]), "fits": fits}
+            if not fits:
+                ooms.append({"index": i, "request_bytes": int(size[i])})
+        if deferred and a in (ALLOC, OOM):
+            for b in deferred:
+                alloc.complete_free(b)
+            deferred = []
+        if alloc.reserved > peak_r:
+            peak_r, peak_i, at_peak_alloc = alloc.reserved, i, alloc.allocated
+            largest_at_peak = alloc.largest_free()
+            segs_at_peak = _segments(alloc)
+        if curves:
+            res_curve[i] = alloc.reserved
+            alloc_curve[i] = alloc.allocated
+    return Run(config=config, peak_reserved=peak_r, peak_allocated=alloc.peak_allocated, peak_reserved_index=peak_i,
+               allocated_at_peak=at_peak_alloc, largest_free_at_peak=largest_at_peak, segments_at_peak=segs_at_peak,
+               final_reserved=alloc.reserved,
+               device_allocs=sum(1 for e in log if e[0] in ("segment_alloc", "segment_map")),
+               device_frees=sum(1 for e in log if e[0] in ("segment_free", "segment_unmap")),
+               retries=alloc.retries, ooms=ooms, failed_request=failed,
+               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve, allocated=alloc_curve)
+
+
+def _segments(alloc: Allocator) -> list:
+    return [(s["address"], s["total_size"], sum(b["size"] for b in s["blocks"] if b["state"] != "inactive"))
+            for s in alloc.snapshot()]
+
+
+def _run_dict(run: Run) -> dict:
+    return {
+        "settings": run.config.describe(),
+        "peak_reserved_bytes": run.peak_reserved,
+        "peak_reserved_index": run.peak_reserved_index,
+        "peak_allocated_bytes": run.peak_allocated,
+        "allocated_at_peak_bytes": run.allocated_at_peak,
+        "fragmentation_at_peak_bytes": run.fragmentation_at_peak,
+        "largest_free_block_at_peak_bytes": run.largest_free_at_peak,
+        "segments_at_peak": len(run.segments_at_peak),
+        "final_reserved_bytes": run.final_reserved,
+        "device_allocations": run.device_allocs,
+        "device_frees": run.device_frees,
+        "retries": run.retries,
+        "failed_requests": run.ooms[:10],
+        "failed_request_count": len(run.ooms),
+    }
+
+
+def device_limits(trace: Trace, device: int, exact=None) -> dict:
+    """What the file says about the memory this process could use on the device:
+    `device_memory_bytes` (what cudaMalloc could get: at an out-of-memory entry, reserved then plus the
+    free memory CUDA reported; else the device's total memory when recorded) and `memory_limit_bytes`
+    (a per-process memory fraction's cap), each with where it came from."""
+    from ..report import allocator_limit
+
+    out = {"device_memory_bytes": None, "device_memory_source": "unknown: no limit assumed",
+           "memory_limit_bytes": allocator_limit(trace, device), "memory_limit_source": None}
+    if out["memory_limit_bytes"] is not None:
+        out["memory_limit_source"] = "the recording (torch.cuda.set_per_process_memory_fraction)"
+    ev = trace.events
+    sl = ev.device_slice(device)
+    ooms = np.flatnonzero(ev.action[sl] == OOM)
+    if len(ooms) and exact is not None:
+        i = int(ooms[0])
+        out["device_memory_bytes"] = exact.reserved_at(i) + int(ev.device_free[sl][i])
+        out["device_memory_source"] = f"reserved at the out-of-memory entry {i} plus the free memory CUDA reported then"
+    else:
+        for d in (trace.recorder or {}).get("devices") or []:
+            if isinstance(d, dict) and d.get("index") == device and isinstance(d.get("total_memory"), int):
+                out["device_memory_bytes"] = d["total_memory"]
+                out["device_memory_source"] = "the device's total memory (CUDA's own use not taken off)"
+    return out
+
+
+def compare(trace: Trace, config: AllocatorConfig, start: str = "rebuilt", device_memory=None,
+            memory_limit=None) -> dict:
+    """The what-if on allocator settings, per device, as JSON-ready builtins: the recorded figures, the model
+    under the recorded settings (the baseline) and under `config`, from the same start."""
+    from .exact import settings_of, total_memory
+    from .summary import _replays, allocator_replays, why_not_modelled
+
+    recorded, notes = settings_of(trace)
+    devices = []
+    for d in trace.devices:
+        why = why_not_modelled(trace, d)
+        if why is None and "window" in trace.meta:
+            why = "a window of the trace: a what-if replays the whole recording"
+        if why is None and d not in allocator_replays(trace):
+            why = _replays(trace).get(d) or "not modelled"
+        if why is not None:
+            devices.append({"device": d, "label": trace.device_label(d), "modelled": False, "why": why})
+            continue
+        exact = allocator_replays(trace)[d]
+        lim = device_limits(trace, d, exact)
+        if device_memory is not None:
+            lim["device_memory_bytes"], lim["device_memory_source"] = device_memory, "--device-memory"
+        if memory_limit is not None:
+            lim["memory_limit_bytes"], lim["memory_limit_source"] = memory_limit, "--memory-limit"
+        kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
+                  memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, d))
+        base = simulate(trace, d, recorded, **kw)
+        what = simulate(trace, d, config, **kw)
+        dev_notes = list(notes)
+        if config.garbage_collection_threshold and lim["memory_limit_bytes"] is None:
+            dev_notes.append("garbage_collection_threshold acts only under a per-process memory fraction "
+                             "(torch.cuda.set_per_process_memory_fraction); none is known for this file, so it "
+                             "changes nothing here: give --memory-limit")
+        if exact.initial_allocated or exact.initial_reserved:
+            how = ("from that state" if start == "recorded"
+                   else "from an empty allocator that first allocates what was held then")
+            dev_notes.append(f"the trace begins with {exact.initial_allocated} bytes allocated and "
+                             f"{exact.initial_reserved} reserved; both runs start {how} (--start)")
+        oom = None
+        if base.failed_request is not None or what.failed_request is not None:
+            f = what.failed_request or base.failed_request
+            oom = {"index": f["index"], "request_bytes": f["request_bytes"], "recorded": "failed",
+                   "baseline_fits": (base.failed_request or {}).get("fits"),
+                   "whatif_fits": (what.failed_request or {}).get("fits")}
+            if oom["baseline_fits"]:
+                dev_notes.append("the model under the recorded settings does not reproduce this out-of-memory "
+                                 "error from this start, so its answer for the other settings is not reliable")
+        devices.append({
+            "device": d, "label": trace.device_label(d), "modelled": True, **lim,
+            "recorded": {"peak_reserved_bytes": exact.peak_reserved, "peak_allocated_bytes": exact.peak_allocated,
+                         "exact": exact.exact},
+            "baseline": _run_dict(base), "whatif": _run_dict(what),
+            "saved_reserved_bytes": base.peak_reserved - what.peak_reserved,
+            "oom": oom, "notes": dev_notes})
+    return {"file": trace.path, "alloc_conf": config.text, "recorded_settings": recorded.describe(),
+            "whatif_settings": config.describe(), "start": start, "devices": devices}
