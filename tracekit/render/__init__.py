@@ -12,6 +12,7 @@ widgets but reuses the text pieces (finding lines, diff changes, rank imbalance)
     ranks       analysis.rank_pool.open_ranks(paths)                  text, json
     estimate    analysis.estimate.estimate(shape, setup)              text
     whatif      analysis.estimate.whatif.whatif(points, budget, ...)  text, json
+    alloc_whatif analysis.allocator.whatif.compare(trace, config)      text, json
     timeline    a Trace and a device (memory over time by category)   png
 
 A reporter's module is imported only when it is asked for, so `report --json` never loads the text
@@ -55,9 +56,10 @@ REPORTERS = {
     ("ranks", "text"): "ranks:RanksText",
     ("estimate", "text"): "estimate:EstimateText",
     ("whatif", "text"): "estimate:WhatifText",
+    ("alloc_whatif", "text"): "allocator:AllocWhatifText",
     ("timeline", "png"): "png:TimelinePng",
 }
-JSON_KINDS = ("report", "info", "diff", "ranks", "whatif", "estimate", "check")
+JSON_KINDS = ("report", "info", "diff", "ranks", "whatif", "alloc_whatif", "estimate", "check")
 
 
 def reporter(kind: str, format: str = "text") -> Reporter:

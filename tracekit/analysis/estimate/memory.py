@@ -489,7 +489,7 @@ def _attention_terms(shape: ModelShape, s: Setup, lora) -> list[tuple[str, float
         return terms
     if shape.qk_norm:
         per = 4 + (c if s.precision != "fp32" else 4)
-        terms.append((f"q and k norms: the fp32 copy and the normalized value", per * (q + kv)))
+        terms.append(("q and k norms: the fp32 copy and the normalized value", per * (q + kv)))
     if eager_attention(s):
         terms.append(("q, k, v" + (" (k and v repeated to every head: repeat_kv copies)" if kv < q else ""),
                       c * 3 * q))
@@ -601,7 +601,7 @@ def activation_terms(shape: ModelShape, s: Setup, moe: bool = False) -> list[tup
 
 def _activations(est: Estimate):
     shape, s = est.shape, est.setup
-    c, r, h, L, V = compute_bytes(s.precision), stream_bytes(s.precision), shape.hidden, shape.layers, shape.vocab
+    c, r, h, V = compute_bytes(s.precision), stream_bytes(s.precision), shape.hidden, shape.vocab
     tokens = s.batch * s.seq
     dropout = shape.dropout if s.dropout is None else s.dropout
     kinds = [(False, shape.dense_layers), (True, shape.moe_layers)]
