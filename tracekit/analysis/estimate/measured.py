@@ -108,8 +108,10 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
     measured = measured_max(trace, device, rules)
     at_peak = summary.get("categories_at_peak", {})
     cats = [c for c in predicted if c != "total"] + [c for c in measured if c not in predicted]
+    how = _how_classified(trace, device, summary.get("peak_event_index"), rules)
     rows = [{"category": c, "predicted": predicted.get(c, 0), "measured": measured.get(c, 0),
-             "at_peak": at_peak.get(c, 0), "difference": measured.get(c, 0) - predicted.get(c, 0)} for c in cats]
+             "at_peak": at_peak.get(c, 0), "difference": measured.get(c, 0) - predicted.get(c, 0),
+             "inferred_share": how.get(c)} for c in cats]
     peak = summary["peak_allocated_bytes"]
     gap = [{"what": f"{r['category']} at the peak vs predicted", "bytes": r["at_peak"] - r["predicted"]}
            for r in rows if r["at_peak"] != r["predicted"]]
@@ -118,12 +120,42 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
     rounding = None if cpu else _rounding_at_peak(trace, device, summary["peak_event_index"])
     outside = ("the CUDA context, kernels and NCCL buffers live outside the allocator: "
                "a recording cannot see them (typically 0.3-1 GiB per process)") if not cpu else None
+    inferred = [r["category"] for r in rows if (r["inferred_share"] or 0) > 0 and (r["measured"] or r["at_peak"])]
+    total_at_peak = sum(at_peak.values()) or 1
+    share = sum(at_peak.get(c, 0) * (how.get(c) or 0) for c in at_peak) / total_at_peak
+    if inferred:
+        notes = [f"the measured split is inferred, not measured by tags, for {share:.0%} of the bytes at the peak "
+                 f"({', '.join(inferred)}: from phases, lifetimes and stacks, see docs/categories.md); a difference "
+                 "there may be the inference's, not the estimate's"] + notes
     return {"model": shape.name, "params": est.params, "trainable_params": est.trainable_params,
+            "measured_split": {"inferred_share_at_peak": round(share, 4), "inferred_categories": inferred},
             "setup": est.to_dict()["setup"], "measured_is": "each category's largest live bytes in the recording",
             "categories": rows, "predicted_total": predicted["total"], "peak_allocated": peak,
             "peak_difference": peak - predicted["total"], "gap_at_peak": gap, "not_visible": outside,
             "allocator_rounding_at_peak": rounding, "reserved_unused_at_peak": reserved_unused,
             "notes": notes, "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}
+
+
+def _how_classified(trace: Trace, device: int, index, rules=None) -> dict:
+    """{category: share of its bytes live at `index` whose category was inferred (not a tag or a user rule)}."""
+    from ..categories import INFERRED, categorize
+    from ..replay import replay
+
+    if index is None:
+        return {}
+    rep = replay(trace)[device]
+    al = rep.allocations
+    if not len(al):
+        return {}
+    cats = categorize(trace, rules)[device]
+    live = al.live_at(index)
+    out = {}
+    for k, name in enumerate(cats.names):
+        rows = live & (cats.labels == k)
+        total = float(al.size[rows].sum())
+        if total:
+            out[name] = round(float(al.size[rows & (cats.method == INFERRED)].sum()) / total, 4)
+    return out
 
 
 ROUND = 512  # the CUDA caching allocator's size granularity
