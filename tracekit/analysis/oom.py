@@ -31,7 +31,8 @@ from .replay import replay
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 _SIZE = r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|bytes)"
-_OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|cannot allocate memory", re.I)
+_OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|cannot allocate memory"
+                       r"|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation", re.I)
 _TRIED = re.compile(rf"(?:Tried|tried) to allocate {_SIZE}")
 _GPU = re.compile(r"\bGPU (\d+)\b")
 _FREE = re.compile(rf"of which {_SIZE} is free|;\s*{_SIZE} free;")

@@ -171,7 +171,7 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None, s
     if frag:
         found.append(frag)
     found += oom_findings(trace, rep, rules)
-    if shape is None:
+    if shape is None and ((trace.recorder or {}).get("model") or {}).get("config"):
         from .estimate.measured import recorded_setup
         from .estimate.shapes import ModelShape
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..analysis.frames import where
-from ..units import fmt_bytes
+from ..units import fmt_bytes, fmt_bytes_exact
 from . import Reporter
 
 
@@ -52,10 +52,11 @@ def report_text(report: dict, t0_by_device=None) -> str:
                                              f"torch.cuda.max_memory_allocated() when recording stopped"))
         ooms = d.get("out_of_memory", d["oom_count"])
         if ooms:
-            pairs.append(("out of memory", f"{ooms:>10}  the run failed: out of memory"
-                                           f"{' (' + str(d['oom_count']) + ' oom entries)' if d['oom_count'] else ''}"))
+            n = d["oom_count"]
+            entries = f" ({n} oom entr{'ies' if n > 1 else 'y'} in the trace)" if n else " (the recorder's exception)"
+            pairs.append(("out of memory", f"{ooms:>10}  the run failed: out of memory{entries}"))
         if d.get("demand_is_lower_bound"):
-            pairs.insert(1, ("needed", f"{'≥ ' + fmt_bytes(d['demand_bytes']):>10}  {d['demand_why']} "
+            pairs.insert(1, ("needed", f"{'≥ ' + fmt_bytes_exact(d['demand_bytes'], 2):>10}  {d['demand_why']} "
                                        "(a lower bound: the run died before its real peak)"))
         elif d.get("allocator_counted_ooms"):
             pairs.append(("allocator says", f"{d['allocator_counted_ooms']:>10}  out-of-memory errors counted in this "
