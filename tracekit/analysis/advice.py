@@ -17,12 +17,12 @@ SHARES = {"activation": 0.25, "optimizer_state": 0.15, "training_state": 0.40, "
 
 
 def advice_findings(trace: Trace, device: int, at_peak: dict, peak_bytes: int, peak_index: int,
-                    spikes=(), summary=None, shape=None) -> list[dict]:
+                    spikes=(), summary=None, shape=None, rules=None) -> list[dict]:
     """Advice for one device from its report summary (`summary`: categories at the peak, phases...) and spikes."""
     from .levers import file_facts, growing_bytes, levers
 
     summary = summary or {"categories_at_peak": at_peak, "label": trace.device_label(device)}
-    facts = file_facts(trace, device, summary, shape=shape)
+    facts = file_facts(trace, device, summary, shape=shape, rules=rules)
     peak = max(peak_bytes or 0, 1)
     act, state = at_peak.get("activation", 0), at_peak.get("optimizer_state", 0)
     grad, param, kv = at_peak.get("gradient", 0), at_peak.get("parameter", 0), at_peak.get("kv_cache", 0)

@@ -149,10 +149,12 @@ def _periodic(rows, sids, frames_of, python) -> dict | None:
             if f in python:
                 counts[f] = counts.get(f, 0) + 1
     best = None
+    uniq, inv = np.unique(sids, return_inverse=True)
     for f, n in sorted(counts.items(), key=lambda kv: -kv[1]):
         if n < max(2, len(sids) / 4) or (best is not None and n <= len(best["sids"])):
             continue
-        under = np.array([s >= 0 and f in frames_of[s] for s in sids.tolist()], bool)
+        has = np.array([s >= 0 and f in frames_of[s] for s in uniq.tolist()], bool)
+        under = has[inv]
         sub, sub_rows = sids[under], rows[under]
         # runs of one site collapse to one step: a block that makes one allocation more than the others (a
         # workspace made lazily the first time) still repeats the same sequence of sites
@@ -254,7 +256,7 @@ def checkpointing_in_use(trace: Trace) -> bool:
     return any(_CHECKPOINT.search(trace.strings[int(files[i])]) for i in used)
 
 
-def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None, batch=None) -> dict:
+def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None, batch=None, rules=None) -> dict:
     """What the file says that the levers rest on (see the module's doc); `shape`/`setup` (estimate) only fill
     in what the file does not say. JSON-ready."""
     from .replay import replay
@@ -281,7 +283,7 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
     live = rep.allocations.live_at(rep.peak_index) if len(rep.allocations) else np.zeros(0, bool)
     from .categories import categorize
 
-    cats = categorize(trace)[device]
+    cats = categorize(trace, rules)[device]
     names = list(cats.names)
     act = names.index("activation")
     sid = rep.allocations.stack_id

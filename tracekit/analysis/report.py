@@ -178,7 +178,7 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None, s
         rshape = recorded_setup(trace)[0]
         shape = rshape if isinstance(rshape, ModelShape) else None
     found += advice_findings(trace, rep.device, summary["categories_at_peak"], rep.peak_allocated,
-                             rep.peak_index, spikes, summary=summary, shape=shape)
+                             rep.peak_index, spikes, summary=summary, shape=shape, rules=rules)
     for f in found:
         f["label"] = trace.device_label(rep.device)  # every finding names its device
         f.setdefault("evidence", evidence_of(f))
