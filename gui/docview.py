@@ -178,6 +178,9 @@ class DocumentView(QWidget):
         if rep.peak_index >= 0 and doc.has_time(device):
             peak_at += f", {doc.x_of(device, rep.peak_index):.3f} s"
         reserved = f" · peak reserved <b>{fmt_bytes(rep.peak_reserved)}</b>" if rep.peak_reserved is not None else ""
+        if info.get("demand_is_lower_bound"):  # the run died: what it needed is at least this (analysis/oom.py)
+            reserved += (f" · <span style='color:#C00000'>out of memory: needed <b>≥ {fmt_bytes(info['demand_bytes'])}"
+                         f"</b></span>")
         self.summary.setText(f"<b>{doc.label(device)}</b> · peak allocated <b>{fmt_bytes(rep.peak_allocated)}</b> ({peak_at}){reserved}"
                              f" · {rep.n:,} entries · {len(rep.allocations):,} allocations{self._window_text()}")
         self.status.emit(self.status_text())

@@ -25,9 +25,10 @@ class RankPlot(pg.PlotWidget):
         self.file = row["file"]
         colour = VERMILLION if outlier else BLUE
         when = (row.get("peak_when") or "").removeprefix("in the ")
-        self.setTitle(f"rank {row['rank']}: peak {fmt_bytes(row['peak_allocated_bytes'])}"
+        peak = ("needed ≥ " if row.get("demand_is_lower_bound") else "peak ") + fmt_bytes(row["peak_allocated_bytes"])
+        self.setTitle(f"rank {row['rank']}: {peak}{' (out of memory)' if row.get('demand_is_lower_bound') else ''}"
                       f"{' (outlier)' if outlier else ''}", color=colour, size="9pt")
-        self.setToolTip(f"{row['file']}\npeak {fmt_bytes(row['peak_allocated_bytes'])} {when}\n"
+        self.setToolTip(f"{row['file']}\n{peak} {when}\n"
                         + "\n".join(f"{k}: {fmt_bytes(v)}" for k, v in row["categories_at_peak"].items())
                         + "\nclick to open the file")
         curve = row.get("curve") or {}

@@ -506,3 +506,18 @@ def test_modules_panel_shows_the_report_rows(qtbot):
     assert cells == [["mlp", "backward", "2.0 MiB", "3.0 MiB"], ["mlp.up", "forward", "1.0 MiB", "1.0 MiB"]]
     panel.set_table(None)
     assert panel.table.rowCount() == 0 and "no module" in panel.caption.text()
+
+
+def test_summary_line_says_what_an_oomd_run_needed(window, qtbot):
+    """Issue 23: a run that ran out of memory shows what it needed at least (live + the failed request) beside
+    its peak, in red, as the report and `check` say it."""
+    from tracekit.analysis.report import build_report
+    from tracekit.io import load
+    from tracekit.units import fmt_bytes
+
+    path = ROOT / "samples" / "oom_cuda.pickle"
+    view = open_and_wait(window, qtbot, path)
+    need = build_report(load(path))["devices"][0]["demand_bytes"]
+    assert f"out of memory: needed <b>≥ {fmt_bytes(need)}</b>" in view.summary.text()
+    clean = open_and_wait(window, qtbot, ROOT / "samples" / "gpt_adamw_cuda.pickle")
+    assert "out of memory" not in clean.summary.text()

@@ -106,3 +106,31 @@ def test_cell_magic_in_a_real_kernel(tmp_path):
 
     assert f"peak {fmt_bytes(d['peak_allocated_bytes'])} allocated" in page
     assert "".join(o.get("text", "") for o in nb.cells[3].outputs) == "Recording True\n"
+
+
+class _Shell:
+    """Just what %%tracekit uses of IPython's shell: its namespace, and run_cell's result."""
+
+    def __init__(self):
+        self.user_ns = {}
+
+    def run_cell(self, cell):
+        class Result:
+            success, error_in_exec = True, None
+
+        try:
+            exec(cell, self.user_ns)
+        except Exception as e:  # IPython shows it and carries on
+            Result.success, Result.error_in_exec = False, e
+        return Result()
+
+
+def test_notebook_magic_says_out_of_memory(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from tracekit.integrations.notebook import run_cell
+
+    cell = ("import torch\nx = torch.ones(256, 256)\nraise torch.cuda.OutOfMemoryError("
+            "'CUDA out of memory. Tried to allocate 3.00 GiB.')\n")
+    run_cell(_Shell(), f"--device cpu --quiet -o {tmp_path / 'c.pickle'}", cell)
+    out = capsys.readouterr().out
+    assert "tracekit: out of memory" in out and "Tried to allocate 3.00 GiB" in out

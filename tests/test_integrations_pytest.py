@@ -93,3 +93,26 @@ def test_a():
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret != 0
     assert "is not a size" in result.stderr.str() + result.stdout.str()
+
+
+def test_pytest_plugin_fails_a_test_that_runs_out_of_memory(pytester):
+    pytester.makepyfile('''
+import pytest
+import torch
+
+
+@pytest.mark.limit_peak_memory("1 TiB", device="cpu")
+def test_oom():
+    x = torch.ones(256, 256)
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity "
+                                      "of 79.18 GiB of which 1.00 GiB is free.")
+
+
+@pytest.mark.limit_peak_memory("1 TiB", device="cpu")
+def test_fine():
+    torch.ones(256, 256)
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    assert "out of memory" in text and "asked for 3.0 GiB" in text and "1.0 GiB was free" in text

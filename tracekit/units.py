@@ -20,6 +20,32 @@ def fmt_bytes(n) -> str:
     return f"{sign}{n} B"
 
 
+def fmt_bytes_exact(n, digits: int = 1) -> str:
+    """`fmt_bytes` with `digits` decimals (bytes stay whole)."""
+    if n is None:
+        return "n/a"
+    n = int(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{sign}{n / scale:.{digits}f} {unit}"
+    return f"{sign}{n} B"
+
+
+def fmt_pair(a, b) -> tuple[str, str]:
+    """Two sizes with just enough digits that different numbers never read the same
+    ("1.008 GiB" and "1.000 GiB", not "1.0 GiB" twice); equal numbers read equal. Falls back to
+    exact byte counts when even 6 decimals cannot tell them apart."""
+    if a is None or b is None or int(a) == int(b):
+        return fmt_bytes(a), fmt_bytes(b)
+    for digits in range(1, 7):
+        x, y = fmt_bytes_exact(a, digits), fmt_bytes_exact(b, digits)
+        if x != y:
+            return x, y
+    return f"{int(a):,} B", f"{int(b):,} B"
+
+
 MAX_BYTES = 2**63 - 1  # what an int64 byte count holds (8 EiB)
 
 

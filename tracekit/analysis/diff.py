@@ -47,6 +47,11 @@ def diff(a: Trace, b: Trace, rules=None) -> dict:
             "device_a": da["device"], "device_b": db["device"], "label": _label(da, db),
             "noise_bytes": noise,
             **{k: ch(da.get(k), db.get(k)) for k in FIGURES},
+            # what each run needed: the peak, or after an out-of-memory error a lower bound above it (oom.py)
+            "demand_bytes": ch(da.get("demand_bytes", da.get("peak_allocated_bytes")),
+                               db.get("demand_bytes", db.get("peak_allocated_bytes"))),
+            "demand_is_lower_bound": {"a": bool(da.get("demand_is_lower_bound")),
+                                      "b": bool(db.get("demand_is_lower_bound"))},
             "peak_when": {"a": when(a, da["device"], da["peak_event_index"])[2] or None,
                           "b": when(b, db["device"], db["peak_event_index"])[2] or None},
             "categories_at_peak": changes(da.get("categories_at_peak", {}), db.get("categories_at_peak", {}), noise),

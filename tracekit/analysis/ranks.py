@@ -25,7 +25,7 @@ from .replay import replay
 from .report import build_report
 
 FORMAT = "tracekit-summary"
-VERSION = 1
+VERSION = 2  # 2: demand_bytes / demand_is_lower_bound / out_of_memory per device
 CURVE_POINTS = 256  # points of the allocated curve kept in a summary (envelope: the peaks survive)
 OUTLIER_SHARE = 0.05  # a rank is an outlier when its peak is this far from the median peak
 OUTLIER_FLOOR = 4096  # bytes
@@ -48,7 +48,8 @@ def summarize(trace: Trace, rules=None) -> dict:
         devices.append({
             **{k: d.get(k) for k in ("device", "label", "entries", "peak_allocated_bytes", "peak_event_index",
                                      "peak_phase", "peak_iteration", "peak_reserved_bytes", "final_allocated_bytes",
-                                     "allocated_before_trace_bytes", "categories_at_peak", "categories_at_end")},
+                                     "allocated_before_trace_bytes", "categories_at_peak", "categories_at_end",
+                                     "demand_bytes", "demand_is_lower_bound", "out_of_memory")},
             "peak_time_s": None if d.get("peak_time_us") is None or t0 is None else (d["peak_time_us"] - t0) / 1e6,
             "peak_when": when(trace, d["device"], d["peak_event_index"])[2] or None,
             "phases": [{"phase": p["phase"], "peak_bytes": p["peak_bytes"]} for p in d.get("phases") or []],
@@ -81,7 +82,8 @@ def is_summary(obj) -> bool:
         for d in obj["devices"]:
             curve = d["curve"]
             if not (isinstance(d, dict) and num(d["device"], False) and num(d["peak_allocated_bytes"])
-                    and num(d["final_allocated_bytes"]) and num(d.get("peak_time_s"))
+                    and num(d["final_allocated_bytes"]) and num(d.get("peak_time_s")) and num(d.get("demand_bytes"))
+                    and isinstance(d.get("demand_is_lower_bound", False), (bool, type(None)))
                     and isinstance(d["peak_when"] or "", str) and isinstance(d["label"], str)
                     and sizes(d["categories_at_peak"]) and sizes(d["categories_at_end"] or {})
                     and isinstance(curve, dict) and all(isinstance(curve[k] or [], list) and
@@ -102,9 +104,15 @@ def rank_of_name(path: str) -> int | None:
 
 
 def main_device(summary: dict) -> dict | None:
-    """The device with the largest peak (a rank's GPU; the CPU when it recorded only that)."""
+    """The device that needed the most (a rank's GPU; the CPU when it recorded only that): its peak, or after an
+    out-of-memory error what it needed at least."""
     devs = [d for d in summary.get("devices") or [] if d.get("peak_allocated_bytes") is not None]
-    return max(devs, key=lambda d: d["peak_allocated_bytes"]) if devs else None
+    return max(devs, key=_need) if devs else None
+
+
+def _need(d: dict) -> int:
+    got = d.get("demand_bytes")
+    return got if isinstance(got, int) and not isinstance(got, bool) else d["peak_allocated_bytes"]
 
 
 def assign_ranks(summaries: list[dict], paths: list[str]) -> tuple[list[int], str]:
@@ -129,8 +137,12 @@ def rank_table(summaries: list[dict], paths: list[str], with_curves: bool = Fals
         kinds = {}
         for f in found:
             kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+        lower = bool(dev.get("demand_is_lower_bound"))
         rows.append({"rank": rank, "file": path, "device": dev.get("label"),
-                     "peak_allocated_bytes": dev.get("peak_allocated_bytes"), "peak_when": dev.get("peak_when"),
+                     # a rank that ran out of memory stands with what it needed at least (its demand)
+                     "peak_allocated_bytes": _need(dev) if dev else None,
+                     "measured_peak_bytes": dev.get("peak_allocated_bytes"),
+                     "demand_is_lower_bound": lower, "peak_when": dev.get("peak_when"),
                      "peak_time_s": dev.get("peak_time_s"), "final_allocated_bytes": dev.get("final_allocated_bytes"),
                      "categories_at_peak": dev.get("categories_at_peak") or {}, "findings": kinds,
                      "finding_summaries": [f["summary"] for f in found]})

@@ -1,11 +1,9 @@
 """The report: per-device figures and the findings, as one plain dict (what `report --json` prints)."""
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from ..model import OOM, Trace
+from ..model import OOM, SNAPSHOT, Trace
 from .replay import DeviceReplay, replay, time_of
 from .phases import when
 from .sites import group_sites, public, site_info
@@ -29,8 +27,9 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
     findings = []
+    shape = (estimate or {}).get("shape")
     for d, summary in zip(trace.devices, devices):
-        findings += device_findings(trace, reps[d], rules, summary)
+        findings += device_findings(trace, reps[d], rules, summary, shape)
     return {"file": trace.path, "format": trace.format, "devices": devices, "findings": findings}
 
 
@@ -73,10 +72,22 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
         "reserved_at_peak_bytes": reserved_at_peak,
         "fragmentation_at_peak_bytes": None if reserved_at_peak is None else reserved_at_peak - rep.peak_allocated,
         "oom_count": int((ev.action[rep.events] == OOM).sum()),
+        "history_entries": int((ev.action[rep.events] != SNAPSHOT).sum()),  # allocator history, not dump markers
+        **_demand(trace, rep),
         "replay_invariant": {"checked": rep.invariant.checked, "ok": rep.invariant.ok,
                              "problems": [{"addr": a, "size": s, "what": w} for a, s, w in rep.invariant.problems]},
         "top_stacks_at_peak": top_stacks(trace, rep, p),
     }
+
+
+def _demand(trace, rep) -> dict:
+    """What the run needed on this device (oom.demand): the peak, or, after an out-of-memory error, a lower
+    bound above it; `out_of_memory` counts every OOM the file records (trace entries and the recorder's marker)."""
+    from .oom import counted_ooms, demand
+
+    d = demand(trace, rep.device)
+    return {"out_of_memory": d["oom_count"], "demand_bytes": d["bytes"], "demand_is_lower_bound": d["lower_bound"],
+            "demand_why": d["why"], "allocator_counted_ooms": counted_ooms(trace).get(rep.device, 0)}
 
 
 def top_stacks(trace: Trace, rep: DeviceReplay, index: int, limit: int = TOP_STACKS) -> list[dict]:
@@ -145,7 +156,7 @@ def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
     }
 
 
-def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None) -> list[dict]:
+def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None, shape=None) -> list[dict]:
     from .advice import advice_findings
     from .leaks import leak_findings
     from .spikes import spike_findings
@@ -163,11 +174,42 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None) -
     if frag:
         found.append(frag)
     found += oom_findings(trace, rep, rules)
+    if shape is None and ((trace.recorder or {}).get("model") or {}).get("config"):
+        from .estimate.measured import recorded_setup
+        from .estimate.shapes import ModelShape
+
+        rshape = recorded_setup(trace)[0]
+        shape = rshape if isinstance(rshape, ModelShape) else None
     found += advice_findings(trace, rep.device, summary["categories_at_peak"], rep.peak_allocated,
-                             rep.peak_index, spikes)
+                             rep.peak_index, spikes, summary=summary, shape=shape, rules=rules)
     for f in found:
         f["label"] = trace.device_label(rep.device)  # every finding names its device
+        f.setdefault("evidence", evidence_of(f))
     return found
+
+
+RULES = {
+    "peak": "the most bytes allocated after any trace entry (alloc +size, free_completed -size, from what was live "
+            "when the trace began)",
+    "spike": "allocations made and freed within one phase (or a short window) rising at least 10% of the peak above "
+             "what the other allocations hold",
+    "leak": "memory at each iteration's end grows step after step, and the growth is allocations made in one "
+            "iteration still live iterations later, from the same site",
+    "fragmentation": "reserved minus allocated at the peak, and just before the allocator reserved more (or failed)",
+}
+
+
+def evidence_of(f: dict) -> dict:
+    """What a finding rests on: the rule that made it, the trace entries it points at, the frames of its site."""
+    kind = f["kind"]
+    events = []
+    for k in ("start_index", "index", "worst_index", "end_index"):
+        v = f.get(k)
+        if isinstance(v, int) and v >= 0 and v not in events:
+            events.append(v)
+    if kind == "leak":
+        events = [int(x) for x in f.get("iteration_end_indices") or events]
+    return {"rule": RULES.get(kind, kind), "events": events, "frames": list(f.get("frames") or [])[:8]}
 
 
 def shares(by_category: dict, limit=4) -> str:
@@ -240,57 +282,61 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
 
 
 def oom_findings(trace: Trace, rep: DeviceReplay, rules=None) -> list[dict]:
-    """Each out-of-memory entry: the request, what the device had free, what was live by site and category."""
+    """Each out-of-memory error on this device (oom.py: trace entries and the recorder's exception marker):
+    the request, what the device had free, the cap, what was live by site and category, and what the run
+    needed at least."""
     from .categories import categorize
+    from .oom import out_of_memory
     from .timeline import categories_at
-    from ..units import fmt_bytes
+    from ..units import fmt_bytes, fmt_pair
 
-    ev = trace.events
-    sl = rep.events
     cats = categorize(trace, rules)[rep.device]
     out = []
-    for i in np.flatnonzero(ev.action[sl] == OOM):
-        i = int(i)
-        row = sl.start + i
-        request, free = int(ev.size[row]), int(ev.device_free[row])
-        live = rep.allocated_at(i)
-        asked = site_info(trace, int(ev.stack_id[row]))
-        by_cat = {k: int(v[0]) for k, v in categories_at(trace, rep.device, [i], rules).items() if v[0]}
-        groups = group_sites(trace, rep, rep.allocations.live_at(i), limit=5)
+    for o in out_of_memory(trace):
+        if o["device"] != rep.device:
+            continue
+        i = o["index"]
+        at = i if i is not None else rep.n - 1
+        asked = site_info(trace, o["stack_id"]) if o["stack_id"] >= 0 else {"where": "the recorded code",
+                                                                          "frames": []}
+        by_cat = ({k: int(v[0]) for k, v in categories_at(trace, rep.device, [at], rules).items() if v[0]}
+                  if rep.n else {})
+        groups = group_sites(trace, rep, rep.allocations.live_at(at), limit=5) if rep.n else []
         for g in groups:
             g["by_category"] = {k: v for k, v in cats.bytes_by_category(rep.allocations.size, _rows_mask(cats, g)).items() if v}
         held = "; ".join(f"{fmt_bytes(g['bytes'])} from {g['where']} ({shares(g['by_category'], 2)})" for g in groups[:3])
-        _, _, during = when(trace, rep.device, i)
-        limit = allocator_limit(trace, rep.device)
-        capped = (f" (but this process may use only {fmt_bytes(limit)}: "
-                  "torch.cuda.set_per_process_memory_fraction)") if limit is not None and limit < free else ""
-        out.append({"kind": "oom", "device": rep.device, "bytes": request, "index": i,
-                    "time_us": time_of(trace, rep, i), "device_free_bytes": free, "allocated_bytes": live,
-                    "reserved_bytes": rep.reserved_at(i), "live_by_category": by_cat, "limit_bytes": limit,
-                    "summary": (f"out of memory at entry {i}{' ' + during if during else ''}: "
-                                f"{asked['where']} asked for {fmt_bytes(request)} with {fmt_bytes(free)} free on the "
-                                f"device{capped} and {fmt_bytes(live)} allocated"
-                                f"{' (' + shares(by_cat) + ')' if by_cat else ''}"
+        _, _, during = when(trace, rep.device, at) if rep.n else (None, None, "")
+        request, free, limit = o["request_bytes"], o["device_free_bytes"], o["limit_bytes"]
+        live = o["allocated_bytes"]
+        need_text, limit_text = fmt_pair(o["needed_bytes"], limit) if limit is not None else (
+            fmt_bytes(o["needed_bytes"]), "")
+        capped = (f" (but this process may use only {limit_text}: "
+                  "torch.cuda.set_per_process_memory_fraction)") if limit is not None and (free is None or limit < free) else ""
+        free_text = f"with {fmt_bytes(free)} free on the device" if free is not None else "(free memory not recorded)"
+        asked_text = f"asked for {fmt_bytes(request)}" if request is not None else "asked for more (size not recorded)"
+        need = f"; the run needed at least {need_text}" if request else ""
+        where_at = (f"at entry {i}" if i is not None and o["source"] == "trace entry"
+                    else "when the recording ended (the recorder's exception; the trace holds no oom entry)")
+        out.append({"kind": "oom", "device": rep.device, "bytes": request or 0, "index": i,
+                    "time_us": time_of(trace, rep, i) if i is not None else None,
+                    "device_free_bytes": free, "allocated_bytes": live,
+                    "reserved_bytes": o["reserved_bytes"], "live_by_category": by_cat, "limit_bytes": limit,
+                    "total_bytes": o["total_bytes"], "request_bytes": request, "needed_bytes": o["needed_bytes"],
+                    "source": o["source"], "message": o["message"],
+                    "summary": (f"out of memory {where_at}{' ' + during if during else ''}: "
+                                f"{asked['where']} {asked_text} {free_text}{capped} and {fmt_bytes(live)} allocated"
+                                f"{' (' + shares(by_cat) + ')' if by_cat else ''}{need}"
                                 f"{'; live: ' + held if held else ''}"),
                     "frames": asked["frames"], "where": asked["where"],
-                    "top_stacks": [public(g) for g in groups]})
+                    "top_stacks": [public(g) for g in groups], "evidence": o["evidence"]})
     return out
 
 
-_ALLOWED = re.compile(r"(\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB) allowed")
-
-
 def allocator_limit(trace: Trace, device: int) -> int | None:
-    """The caching allocator's own cap on this device (a per-process memory fraction), if the file says:
-    the recorder stores it; torch's out-of-memory message says "1024.00 MiB allowed"."""
-    rec = trace.recorder or {}
-    for d in rec.get("devices") or []:
-        if isinstance(d, dict) and d.get("index") == device and isinstance(d.get("memory_limit_bytes"), int):
-            return d["memory_limit_bytes"]
-    m = _ALLOWED.search(str(rec.get("error") or ""))
-    if m:
-        return int(float(m.group(1)) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(m.group(2)))
-    return None
+    """The caching allocator's own cap on this device (oom.allocator_limit)."""
+    from .oom import allocator_limit as limit
+
+    return limit(trace, device)
 
 
 def _rows_mask(cats, group) -> np.ndarray:

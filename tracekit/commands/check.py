@@ -1,9 +1,13 @@
-"""`tracekit check FILE`: a memory budget for CI. Exit 0 within budget, 1 over it, 2 on bad input.
+"""`tracekit check FILE`: a memory budget for CI. Exit 0 within budget, 1 over it (or out of memory), 2 on bad input.
 
     tracekit check step.pickle --max-peak 2GiB --max activation=1GiB --max optimizer_state=512MiB --no-leaks
+    tracekit check step.pickle            # the defaults: no out-of-memory error, no leak
 
-A SIZE is a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; 1.5GiB) or a whole number of
-bytes (1073741824, 1e9); anything else (1.5, -1, 1e999, inf) is refused in one line with exit 2.
+A file that records an out-of-memory error always fails (exit 1), whatever the budgets. With no
+criterion, check checks the defaults (no out-of-memory error, no leak). The output lists what was
+checked and what was not. A SIZE is a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB;
+1.5GiB) or a whole number of bytes (1073741824, 1e9), above zero; anything else (0, 1.5, -1, 1e999,
+inf) is refused in one line with exit 2.
 """
 from __future__ import annotations
 
@@ -24,9 +28,12 @@ def _size(ctx, param, value):
     if value is None:
         return None
     try:
-        return parse_bytes(value)
+        got = parse_bytes(value)
     except ValueError as e:
         raise BudgetError(f"{param.opts[0]}: {e}") from None
+    if got <= 0:
+        raise BudgetError(f"{param.opts[0]}: {value!r} is not a budget: give a size above zero")
+    return got
 
 
 def _budgets(ctx, param, values):
@@ -39,6 +46,8 @@ def _budgets(ctx, param, values):
             out[name.strip()] = parse_bytes(size)
         except ValueError as e:
             raise BudgetError(f"--max {name.strip()}: {e}") from None
+        if out[name.strip()] <= 0:
+            raise BudgetError(f"--max {name.strip()}: {size.strip()!r} is not a budget: give a size above zero")
     return out
 
 
@@ -48,13 +57,15 @@ def _budgets(ctx, param, values):
 @click.option("--max-reserved", callback=_size, metavar="SIZE", help="Budget for the peak reserved bytes.")
 @click.option("--max", "budgets", multiple=True, callback=_budgets, metavar="CATEGORY=SIZE",
               help="Budget for a category at the peak, e.g. activation=1GiB (repeatable).")
-@click.option("--no-leaks", is_flag=True, help="Fail when a leak is found.")
+@click.option("--no-leaks", is_flag=True, help="Fail when a leak is found (checked by default when no criterion is given).")
 @rules_option
 @json_option
 @no_cache_option
 def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_cache):
-    """Fail (exit 1) when a recording FILE is over its memory budget."""
-    from ..analysis.budget import over_budget
+    """Fail (exit 1) when a recording FILE ran out of memory or is over its memory budget.
+
+    With no criterion: no out-of-memory error and no leak."""
+    from ..analysis.budget import check
     from ..analysis.categories import CATEGORIES as CATEGORY_NAMES
     from ..analysis.report import build_report
 
@@ -65,14 +76,21 @@ def command(file, max_peak, max_reserved, budgets, no_leaks, rules, as_json, no_
     if unknown:
         raise BudgetError(f"--max: unknown categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
                           f"(known: {', '.join(sorted(known))})")
-    problems = over_budget(report, max_peak, max_reserved, budgets, no_leaks)
+    result = check(report, max_peak, max_reserved, budgets, no_leaks)
+    problems = result["problems"]
     if as_json:
-        show("check", {"file": file, "ok": not problems, "problems": problems}, as_json=True)
-    elif problems:
-        click.echo(f"{file}: over budget", err=False)
+        show("check", {"file": file, **result}, as_json=True)
+    else:
+        kinds = {p["what"] for p in problems}
+        parts = (["out of memory (the run failed)"] if "oom" in kinds else []) + (
+            ["over budget"] if kinds - {"oom", "leak"} else []) + (["leaking"] if "leak" in kinds else [])
+        head = " and ".join(parts) or "within budget"
+        click.echo(f"{file}: {head}")
         for p in problems:
             click.echo(f"  - {p['message']}")
-    else:
-        click.echo(f"{file}: within budget")
+        click.echo(f"checked: {'; '.join(result['checked'])}")
+        if result["not_checked"]:
+            click.echo(f"not checked: {'; '.join(result['not_checked'])}")
+        for n in result["notes"]:
+            click.echo(f"note: {n}")
     sys.exit(1 if problems else 0)
-

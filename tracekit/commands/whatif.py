@@ -1,4 +1,8 @@
-"""`tracekit whatif A [B] --budget 80GiB`: the largest micro-batch (or sequence) that fits, and the levers."""
+"""`tracekit whatif A [B] --budget 80GiB`: the largest micro-batch (or sequence) that fits, and the levers.
+
+One recording gives an interval (an extrapolation by category); two give the line through them. A run
+that ran out of memory counts with what it needed at least, and no answer contradicts the files: see
+analysis/estimate/whatif.py. The levers are the report's advice, priced by the same computation."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -14,33 +18,30 @@ def _budget(ctx, param, value):
     from ..units import parse_bytes
 
     try:
-        return parse_bytes(value)
+        got = parse_bytes(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if got <= 0:
+        raise click.BadParameter(f"{value!r} is not a budget: give a size above zero")
+    return got
 
 
 def point(path, by, size, no_cache):
-    """A Point from one recording: its largest device's peak, categories there, and its size."""
-    from ..analysis.estimate.whatif import Point
-    from ..analysis.replay import replay
-    from ..analysis.timeline import categories_at
+    """(Point, trace, report) from one recording: every device's moments, what it needed, and its size."""
+    from ..analysis.estimate.whatif import point_from_report
+    from ..analysis.report import build_report
 
     trace = open_trace(path, no_cache)
-    reps = replay(trace)
-    if not reps:
+    if not trace.devices:
         raise TracekitError(f"{path}: no device memory recorded")
-    rep = max(reps.values(), key=lambda r: r.peak_allocated)
     if size is None:
         shape = ((trace.recorder or {}).get("model") or {}).get("input_shape") or []
         k = 0 if by == "batch" else 1
-        if len(shape) <= k:
+        if len(shape) <= k or not isinstance(shape[k], int):
             raise TracekitError(f"{path}: the file does not say its {by} size; give --sizes (one per file)")
         size = shape[k]
-    cats = {k: int(v[0]) for k, v in categories_at(trace, rep.device, [rep.peak_index]).items() if v[0]}
-    cpu = (trace.recorder or {}).get("backend") == "cpu" or trace.device_label(rep.device) == "cpu"
-    reserved = None if cpu else rep.reserved_at(rep.peak_index)
-    frag = (reserved - rep.peak_allocated) if reserved else 0
-    return Point(path, int(size), int(rep.peak_allocated), reserved, cats, max(frag, 0)), trace
+    report = build_report(trace)
+    return point_from_report(path, report, size), trace, report
 
 
 def _knobs(f):
@@ -101,6 +102,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     from ..analysis.estimate.measured import recorded_setup
     from ..analysis.estimate.shapes import ModelShape
     from ..analysis.estimate.whatif import whatif
+    from ..analysis.levers import file_facts, not_offered
 
     if len(files) > 2:
         raise TracekitError("whatif takes one or two recordings")
@@ -112,16 +114,30 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
             raise TracekitError(f"--sizes {sizes!r}: give whole numbers, one per file (e.g. 8,16)") from None
         if len(size_list) != len(files) or min(size_list) < 1:
             raise TracekitError(f"--sizes needs one positive size per file ({len(files)})")
-    points, traces = [], []
+    points, traces, reports = [], [], []
     for path, size in zip(files, size_list):
-        p, trace = point(path, by, size, no_cache)
+        p, trace, report = point(path, by, size, no_cache)
         points.append(p)
         traces.append(trace)
+        reports.append(report)
     shape = shape_from(kw)
     rshape, rsetup, _ = recorded_setup(traces[-1])
     shape = shape or (rshape if isinstance(rshape, ModelShape) else None)
-    setup = replace(rsetup or _default_setup(), **overrides_from(kw)).check() if shape is not None else None
-    result = whatif(points, budget, by, shape, setup)
+    overrides = overrides_from(kw)
+    setup = replace(rsetup or _default_setup(), **overrides).check() if shape is not None else None
+    # the levers: for the largest recording's device that needed the most, from the same computation as the report
+    k = max(range(len(points)), key=lambda i: points[i].size)
+    big, trace, report = points[k], traces[k], reports[k]
+    dev = next(d for d in report["devices"] if d["label"] == big.device)
+    facts = file_facts(trace, dev["device"], dev, shape=shape, setup=setup,
+                       batch=big.size if by == "batch" and sizes else None)
+    if overrides.get("mode") and (overrides["mode"] == "train") != (facts["workload"] == "training"):
+        facts["workload_note"] = (f"--mode {overrides['mode']} was given, but the file shows a {facts['workload']} "
+                                  f"run ({facts['workload_source']}): the file's evidence decides the levers")
+    spikes = [f for f in report["findings"] if f["kind"] == "spike" and f["device"] == dev["device"]]
+    lever_input = {"at_peak": dev.get("categories_at_peak") or {}, "fragmentation": big.fragmentation,
+                   "spikes": spikes, "dp": overrides.get("dp")}
+    result = whatif(points, budget, by, facts, lever_input, setup, not_offered(facts))
     show("whatif", result, as_json)
 
 

@@ -7,8 +7,11 @@ The cell runs as usual (its output and errors show as always), recorded with
 `tracekit.record` (CUDA when available, else the CPU backend); then the
 report shows below it with a picture of memory over time stacked by category
 (HTML with an inline PNG: JupyterLab, VS Code and classic notebooks, no
-display server needed). The recording is kept in `_tracekit` (a
-`tracekit.Recording`: `.allocations()`, `.query(...)` ...).
+display server needed). A cell that ran out of memory is said first, in
+one line per error, as `tracekit check` says it (the request, the free
+memory then, the cap, what the run needed at least, the top holders). The
+recording is kept in `_tracekit` (a `tracekit.Recording`: `.allocations()`,
+`.query(...)` ...).
 """
 from __future__ import annotations
 
@@ -72,6 +75,16 @@ def run_cell(ipython, line: str, cell: str):
         return None
     recording = load(rec.written, use_cache=False)
     ns["_tracekit"] = recording
+    from tracekit.analysis.budget import oom_problems
+    from tracekit.analysis.oom import parse_error
+
+    problems = oom_problems(recording.report(opts.rules))
+    for problem in problems:  # said first, as `tracekit check` says it
+        print(f"tracekit: {problem['message']}")
+    error = getattr(result, "error_in_exec", None)
+    if not problems and error is not None and (type(error).__name__ == "OutOfMemoryError"
+                                               or parse_error(str(error)) is not None):
+        print(f"tracekit: out of memory: the cell raised {type(error).__name__}: {error}")
     if not opts.quiet:
         from IPython.display import HTML, display
 

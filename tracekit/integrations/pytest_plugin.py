@@ -7,7 +7,10 @@
 
 A marked test's body is recorded with `tracekit.record` (`device="cpu"`: the
 CPU backend, `"cuda"`: the allocator's history, skipped without CUDA;
-default: CUDA when available). `limit_peak_memory` fails the test when the
+default: CUDA when available). A body that runs out of memory (raised, or
+caught by the test itself but in the recording) always fails, with the
+request, the free memory then, the cap and what held the memory, as
+`tracekit check` says it. `limit_peak_memory` fails the test when the
 peak allocated bytes (with `category`: that category's own peak, its most
 bytes at any moment) exceed the limit, naming the categories and allocation
 sites at the peak. `no_memory_leaks` runs the body
@@ -95,15 +98,23 @@ def pytest_pyfunc_call(pyfuncitem):
     failed = True
     try:
         rec = Recorder(path, backend={"cpu": "cpu", "cuda": "cuda"}.get(device, "auto"), command=[pyfuncitem.nodeid])
-        with rec:
-            for _ in range(iterations or 1):
-                pyfuncitem.obj(**testargs)
-                if iterations:
-                    rec.step()
+        raised = None
+        try:
+            with rec:
+                for _ in range(iterations or 1):
+                    pyfuncitem.obj(**testargs)
+                    if iterations:
+                        rec.step()
+        except Exception as e:  # noqa: BLE001 - an out-of-memory error is reported as tracekit's finding
+            if not _is_oom(e) or not rec.written:
+                raise
+            raised = e
         if not rec.written:
             pytest.fail("tracekit: the test ran but its memory could not be recorded (see the warnings)",
                         pytrace=False)
         problems = check(rec.written, limit, device, category, leaks=iterations is not None)
+        if raised is not None and "out of memory" not in problems:
+            problems = (problems + "\n" if problems else "") + f"tracekit: out of memory: {type(raised).__name__}: {raised}"
         if problems:
             pytest.fail(problems + _kept(pyfuncitem, rec.written), pytrace=False)
         failed = False
@@ -114,8 +125,17 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
+def _is_oom(e: BaseException) -> bool:
+    """An out-of-memory error (torch.cuda.OutOfMemoryError, or the CPU allocator's "can't allocate memory")."""
+    from ..analysis.oom import parse_error
+
+    return type(e).__name__ == "OutOfMemoryError" or parse_error(str(e)) is not None
+
+
 def check(path, limit, device, category, leaks) -> str:
-    """The explanation of what is over budget or leaking in a recording ("" when all is well)."""
+    """The explanation of what ran out of memory, is over budget or leaking in a recording ("" when all is
+    well). An out-of-memory error always fails, with the request, the free memory then, the cap and the top
+    holders."""
     from ..analysis.report import build_report
     from ..analysis.budget import over_budget
     from ..io import load
@@ -134,7 +154,7 @@ def check(path, limit, device, category, leaks) -> str:
         return ""
     out = ["tracekit: " + "; ".join(p["message"] for p in problems)]
     for d in devices:
-        if not any(p["device"] == d["device"] and p["what"] != "leak" for p in problems):
+        if not any(p["device"] == d["device"] and p["what"] not in ("leak", "oom") for p in problems):
             continue
         cats = sorted(((c, b) for c, b in (d.get("categories_at_peak") or {}).items() if b), key=lambda kv: -kv[1])
         from ..analysis.frames import where

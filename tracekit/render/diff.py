@@ -68,9 +68,18 @@ def diff_text(result: dict) -> str:
                    ("before the trace", "allocated_before_trace_bytes"),
                    ("final allocated", "final_allocated_bytes")]
         figures = [(n, d[k]) for n, k in figures if d[k]["a"] is not None and d[k]["b"] is not None]
-        width = max(len(n) for n, _ in figures)
+        lower = d.get("demand_is_lower_bound") or {}
+        width = max([len(n) for n, _ in figures] + [len("needed (out of memory)")] * bool(lower.get("a") or lower.get("b")))
         out.append(f"  {'':<{width}}  {'A':>10}  {'B':>10}  change")
         out += [_row(n, c, width, "  ") for n, c in figures]
+        if lower.get("a") or lower.get("b"):
+            c = d["demand_bytes"]
+            a = ("≥ " if lower.get("a") else "") + fmt_bytes(c["a"])
+            b = ("≥ " if lower.get("b") else "") + fmt_bytes(c["b"])
+            which = " and ".join(x for x, y in (("A", lower.get("a")), ("B", lower.get("b"))) if y)
+            out.append(f"  {'needed (out of memory)':<{width}}  {a:>10}  {b:>10}  {change_text(c)}"
+                       f"{' at least' if lower.get('b') and c.get('significant') else ''}"
+                       f"  ({which} ran out of memory: what it needed is a lower bound, above its peak)")
         pw = d.get("peak_when") or {}
         if pw.get("a") or pw.get("b"):
             same = pw.get("a") == pw.get("b")

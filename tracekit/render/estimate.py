@@ -115,9 +115,11 @@ def comparison_lines(e: dict) -> list[str]:
         if r["predicted"] or r["measured"]:
             ratio = r["difference"] / r["predicted"] if r["predicted"] else None
             share = f" ({ratio:+.1%})" if ratio and abs(ratio) < 10 else ""
+            guess = r.get("inferred_share") or 0
+            tag = ("  (inferred)" if guess >= 0.995 else f"  ({guess:.0%} inferred)" if guess > 0 else "")
             out.append(f"    {r['category']:<16} {fmt_bytes(r['predicted']):>11} {fmt_bytes(r['measured']):>11} "
                        f"{_signed(r['difference']):>11} {fmt_bytes(r['at_peak']):>12} "
-                       f"{fmt_bytes(r.get('predicted_at_peak', r['predicted'])):>18}{share}")
+                       f"{fmt_bytes(r.get('predicted_at_peak', r['predicted'])):>18}{share}{tag}")
     moment = f", predicted at '{e['predicted_peak_moment']}'" if e.get("predicted_peak_moment") else ""
     out.append(f"    {'total':<16} {fmt_bytes(e['predicted_total']):>11} {fmt_bytes(e['peak_allocated']):>11} "
                f"{_signed(e['peak_difference']):>11}   (the peak: measured allocated{moment})")
@@ -139,32 +141,66 @@ def comparison_lines(e: dict) -> list[str]:
     return out
 
 
+def _a(word: str) -> str:
+    return ("an " if word[:1] in "aeiou" else "a ") + word
+
+
 def whatif_text(r: dict) -> str:
+    from ..units import fmt_pair
+
     f = r["fit"]
     by = f["by"]
     out = ["Recordings"]
     for p in r["points"]:
-        out.append(f"  {by} {p['size']:>6}  peak {fmt_bytes(p['peak']):>10}  {p['file']}")
-    out += ["", f"Fit: peak ≈ {fmt_bytes(f['fixed_bytes'])} + {fmt_bytes(f['per_unit_bytes'])} × {by}",
-            f"  from {f['method']}"]
+        need = ""
+        if p.get("lower_bound"):
+            fails = p.get("failures") or []
+            avail = next((x["available"] for x in fails if x.get("available") is not None), None)
+            a, b = fmt_pair(p["demand"], avail) if avail is not None else (fmt_bytes(p["demand"]), None)
+            need = f"  needed ≥ {a} (out of memory" + (f" with {b} available" if b else "") + ")"
+        out.append(f"  {by} {p['size']:>6}  peak {fmt_bytes(p['peak']):>10}{need}  {p['file']}")
+    lo, hi = f.get("per_unit_range") or [f["per_unit_bytes"]] * 2
+    slope = (f"{fmt_bytes(f['per_unit_bytes'])} × {by}" if lo == hi else
+             f"{fmt_bytes(f['per_unit_bytes'])} × {by} (between {fmt_bytes(lo)} and {fmt_bytes(hi)} per {by})")
+    out += ["", f"Fit: peak ≈ {fmt_bytes(f['fixed_bytes'])} + {slope}", f"  from {f['method']}"]
     out += [f"  - {a}" for a in f["assumptions"]]
-    largest = r[f"largest_{by}"]
+    largest, rng, est = r[f"largest_{by}"], r.get(f"largest_{by}_range"), r.get(f"largest_{by}_estimate")
+    budget = fmt_bytes(r["budget"])
     out.append("")
-    if largest is None:
+    if not r.get("grows", largest is not None) and largest is None:
         out.append(f"The peak does not grow with the {by}: any {by} fits if the fixed part does.")
-    elif largest == 0:
-        out.append(f"Budget {fmt_bytes(r['budget'])}: even {by} 1 does not fit "
-                   f"(the fixed part alone is {fmt_bytes(f['fixed_bytes'])}).")
+    elif rng and rng[1] is None:
+        out.append(f"Budget {budget}: {by} {rng[0]} or more fits (an extrapolation: only what surely grows with the "
+                   f"{by} would leave no limit)")
+    elif rng and rng[1] == 0:
+        out.append(f"Budget {budget}: even {by} 1 does not fit (the fixed part alone is {fmt_bytes(f['fixed_bytes'])}).")
+    elif rng and rng[0] != rng[1]:
+        out.append(f"Budget {budget}: largest {by} that fits = {rng[0]} to {rng[1]} (an extrapolation from one "
+                   f"recording; {est} by the categories' split, peak ≈ {fmt_bytes(r['peak_at_largest'])} at {rng[0]})")
     else:
-        out.append(f"Budget {fmt_bytes(r['budget'])}: largest {by} that fits = {largest} "
-                   f"(peak ≈ {fmt_bytes(r['peak_at_largest'])})")
+        need, lim = fmt_pair(r["peak_at_largest"], r["budget"]) if r.get("peak_at_largest") else ("?", budget)
+        how = (f"; an extrapolation from one recording: every split of its categories gives {largest}"
+               if f.get("extrapolation") else "")
+        out.append(f"Budget {lim}: largest {by} that fits = {largest} (peak ≈ {need}{how})")
+    for c in r.get("constraints") or []:
+        out.append(f"  - {c['text']}")
     if r["levers"]:
         lf = r["levers_for"]
-        out += ["", f"Levers, for {by} {lf[by]} (measured peak {fmt_bytes(max(p['peak'] for p in r['points']))}):"]
+        big = max(r["points"], key=lambda p: p["size"])
+        need = f"needed ≥ {fmt_bytes(big['demand'])}" if big.get("lower_bound") else f"measured peak {fmt_bytes(big['peak'])}"
+        facts = lf.get("facts") or {}
+        out += ["", f"Levers, for {by} {lf[by]} on {lf.get('device') or big.get('device')} ({need}; "
+                    f"{_a(facts.get('workload', 'training'))} run: {facts.get('workload_source', '')}):"]
+        if facts.get("workload_note"):
+            out.append(f"  note: {facts['workload_note']}")
         for lv in r["levers"]:
-            fits = "fits" if lv["fits"] else "over budget"
+            fits = lv.get("fits_text") or ("fits" if lv["fits"] else "over budget")
             out.append(f"  saves {fmt_bytes(lv['saves_bytes']):>10}  -> {fmt_bytes(lv['peak_after']):>10}  "
                        f"{fits:<11}  {lv['lever']}")
+            if lv.get("assumes"):
+                out.append(f"        assumes {lv['assumes']}")
+    for n in r.get("levers_not_offered") or []:
+        out.append(f"  - {n}")
     out += [f"  - {a}" for a in r["levers_assumptions"]]
     return "\n".join(out) + "\n"
 

@@ -14,7 +14,8 @@ def ranks_text(table: dict) -> str:
            f"beside the files, {table['analysed']} analysed{_workers(table)})", ""]
     cats = _columns(rows)
     head = ["rank", "peak", "when"] + cats + ["findings", "file"]
-    body = [[str(r["rank"]), fmt_bytes(r["peak_allocated_bytes"]), _when(r)]
+    body = [[str(r["rank"]), ("≥ " if r.get("demand_is_lower_bound") else "") + fmt_bytes(r["peak_allocated_bytes"]),
+             _when(r)]
             + [fmt_bytes(r["categories_at_peak"].get(c, 0)) for c in cats]
             + [", ".join(f"{k} {n}" for k, n in r["findings"].items()) or "-", _short(r["file"])] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -22,6 +23,10 @@ def ranks_text(table: dict) -> str:
     for line in [head] + body:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
         out.append("  " + "  ".join(cells).rstrip())
+    died = [r for r in rows if r.get("demand_is_lower_bound")]
+    if died:
+        out.append(f"  ≥: rank{'s' if len(died) > 1 else ''} {', '.join(str(r['rank']) for r in died)} ran out of memory: "
+                   "the figure is what it needed at least (live when a request failed + the request), not its peak")
     out.append("")
     out += imbalance_lines(table.get("imbalance"))
     for e in table.get("errors") or []:

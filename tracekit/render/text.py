@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..analysis.frames import where
-from ..units import fmt_bytes
+from ..units import fmt_bytes, fmt_bytes_exact
 from . import Reporter
 
 
@@ -50,8 +50,17 @@ def report_text(report: dict, t0_by_device=None) -> str:
         if stats.get("max_memory_allocated") is not None:
             pairs.append(("allocator says", f"{fmt_bytes(stats['max_memory_allocated']):>10}  "
                                              f"torch.cuda.max_memory_allocated() when recording stopped"))
-        if d["oom_count"]:
-            pairs.append(("out of memory", f"{d['oom_count']:>10}  OOM entries"))
+        ooms = d.get("out_of_memory", d["oom_count"])
+        if ooms:
+            n = d["oom_count"]
+            entries = f" ({n} oom entr{'ies' if n > 1 else 'y'} in the trace)" if n else " (the recorder's exception)"
+            pairs.append(("out of memory", f"{ooms:>10}  the run failed: out of memory{entries}"))
+        if d.get("demand_is_lower_bound"):
+            pairs.insert(1, ("needed", f"{'≥ ' + fmt_bytes_exact(d['demand_bytes'], 2):>10}  {d['demand_why']} "
+                                       "(a lower bound: the run died before its real peak)"))
+        elif d.get("allocator_counted_ooms"):
+            pairs.append(("allocator says", f"{d['allocator_counted_ooms']:>10}  out-of-memory errors counted in this "
+                                             "process (torch.cuda.memory_stats num_ooms; maybe before recording)"))
         inv = d["replay_invariant"]
         if inv["checked"] and not inv["ok"]:
             pairs.append(("replay check", f"FAILED: {inv['problems'][0]['what']} (and {len(inv['problems']) - 1} more)"))
@@ -129,6 +138,12 @@ def finding_lines(f: dict) -> list[str]:
         out.append("      retained per iteration: " + ", ".join(fmt_bytes(b) for b in f["bytes_per_iteration"]))
     if f["kind"] == "advice":
         out.append(f"      assumes {f['assumes']}")
+    ev = f.get("evidence") or {}
+    if ev.get("rule"):
+        entries = ev.get("events") or []
+        shown = ", ".join(str(e) for e in entries[:6]) + (", ..." if len(entries) > 6 else "")
+        out.append(f"      evidence: {ev['rule']}" + (f" (entr{'ies' if len(entries) > 1 else 'y'} {shown})"
+                                                       if entries else ""))
     return out
 
 

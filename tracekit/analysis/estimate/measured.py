@@ -112,11 +112,12 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
     measured = measured_max(trace, device, rules)
     at_peak = summary.get("categories_at_peak", {})
     cats = [c for c in held if c != "total"] + [c for c in measured if c not in held]
+    how = _how_classified(trace, device, summary.get("peak_event_index"), rules)
     # predicted (each category when held) vs measured (its largest live bytes); and the predicted peak moment's
     # composition vs the measured peak's
     rows = [{"category": c, "predicted": held.get(c, 0), "measured": measured.get(c, 0),
              "predicted_at_peak": at_predicted_peak.get(c, 0), "at_peak": at_peak.get(c, 0),
-             "difference": measured.get(c, 0) - held.get(c, 0)} for c in cats]
+             "difference": measured.get(c, 0) - held.get(c, 0), "inferred_share": how.get(c)} for c in cats]
     peak = summary["peak_allocated_bytes"]
     gap = [{"what": f"{r['category']} at the peak vs predicted at the peak ({est.peak_moment['name']})",
             "bytes": r["at_peak"] - r["predicted_at_peak"]}
@@ -126,13 +127,43 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
     rounding = None if cpu else _rounding_at_peak(trace, device, summary["peak_event_index"])
     outside = ("the CUDA context, kernels and NCCL buffers live outside the allocator: "
                "a recording cannot see them (typically 0.3-1 GiB per process)") if not cpu else None
+    inferred = [r["category"] for r in rows if (r["inferred_share"] or 0) > 0 and (r["measured"] or r["at_peak"])]
+    total_at_peak = sum(at_peak.values()) or 1
+    share = sum(at_peak.get(c, 0) * (how.get(c) or 0) for c in at_peak) / total_at_peak
+    if inferred:
+        notes = [f"the measured split is inferred, not measured by tags, for {share:.0%} of the bytes at the peak "
+                 f"({', '.join(inferred)}: from phases, lifetimes and stacks, see docs/categories.md); a difference "
+                 "there may be the inference's, not the estimate's"] + notes
     return {"model": shape.name, "params": est.params, "trainable_params": est.trainable_params,
+            "measured_split": {"inferred_share_at_peak": round(share, 4), "inferred_categories": inferred},
             "setup": est.to_dict()["setup"], "measured_is": "each category's largest live bytes in the recording",
             "categories": rows, "predicted_total": at_predicted_peak["total"],
             "predicted_peak_moment": est.peak_moment["name"], "peak_allocated": peak,
             "peak_difference": peak - at_predicted_peak["total"], "gap_at_peak": gap, "not_visible": outside,
             "allocator_rounding_at_peak": rounding, "reserved_unused_at_peak": reserved_unused,
             "notes": notes, "assumptions": notes + est.assumptions, "lines": est.to_dict()["lines"]}
+
+
+def _how_classified(trace: Trace, device: int, index, rules=None) -> dict:
+    """{category: share of its bytes live at `index` whose category was inferred (not a tag or a user rule)}."""
+    from ..categories import INFERRED, categorize
+    from ..replay import replay
+
+    if index is None:
+        return {}
+    rep = replay(trace)[device]
+    al = rep.allocations
+    if not len(al):
+        return {}
+    cats = categorize(trace, rules)[device]
+    live = al.live_at(index)
+    out = {}
+    for k, name in enumerate(cats.names):
+        rows = live & (cats.labels == k)
+        total = float(al.size[rows].sum())
+        if total:
+            out[name] = round(float(al.size[rows & (cats.method == INFERRED)].sum()) / total, 4)
+    return out
 
 
 ROUND = 512  # the CUDA caching allocator's size granularity
