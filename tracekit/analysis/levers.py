@@ -292,6 +292,7 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
     if mods is not None:
         in_blocks |= mods
     block_act = int(rep.allocations.size[live & in_blocks & (cats.labels == act)].sum())
+    grads = _most_live(rep, cats.labels == names.index("gradient")) if "gradient" in names else 0
     block_source = ("the activations live at the peak that were made inside the repeated blocks"
                     if block_act else "all activations at the peak (the file does not say which are in the blocks)")
     if not block_act:
@@ -319,8 +320,23 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
         "expandable_segments": bool(settings.get("expandable_segments")),
         "world_size": world if isinstance(world, int) and world > 1 else None,
         "workspace_bytes": int(workspace),
+        "gradient_bytes": grads,
         "fixed_precision": _precision(model),
     }
+
+
+def _most_live(rep, mask) -> int:
+    """The most bytes that the allocations in `mask` hold at once."""
+    a = rep.allocations
+    sel = np.flatnonzero(mask)
+    if not len(sel):
+        return 0
+    born = np.maximum(a.alloc_index[sel], -1)
+    gone = np.where(a.free_index[sel] == -1, np.iinfo(np.int64).max, a.free_index[sel])
+    at = np.concatenate([born, gone])
+    delta = np.concatenate([a.size[sel], -a.size[sel]])
+    order = np.lexsort((delta, at))  # at one entry, a free before an allocation
+    return int(max(0, np.cumsum(delta[order]).max()))
 
 
 def _module_layers(trace: Trace, rep) -> np.ndarray | None:
@@ -434,13 +450,16 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
         half = batch // 2 if batch else None
         lever = (f"gradient accumulation: micro-batch {half}, accumulate ×2" if half
                  else "halve the micro-batch, double gradient accumulation")
-        add("gradient accumulation", lever, "activation", growing / 2,
+        held = max(0, int(facts.get("gradient_bytes") or 0) - grad)
+        add("gradient accumulation", lever, "activation", growing / 2 - held,
             f"what grows with the micro-batch at the peak ({fmt_bytes(growing)}: activations, inputs, temporaries, "
             f"KV cache) halves with it; the micro-batch is "
             f"{str(batch) + ' (' + facts['batch_source'] + ')' if batch else 'even and at least 2 (not in the file)'}; "
-            "the effective batch stays the same",
+            "the effective batch stays the same"
+            + (f"; the gradients ({fmt_bytes(held)} more than at today's peak) stay live while the next micro-batch "
+               "runs" if held else ""),
             f"Activations, inputs and temporaries hold {fmt_bytes(growing)} at the peak.",
-            "half of the batch-proportional categories at the peak")
+            "half of the batch-proportional categories at the peak, less the gradients held between micro-batches")
     if facts.get("attention") == "eager" and facts.get("scores_at_peak_bytes", 0) > 0:
         add("fused / flash attention", "fused / flash attention (SDPA), or recompute the scores (selective checkpointing)",
             "activation", facts["scores_at_peak_bytes"],
@@ -509,7 +528,7 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
             f"what grows with the batch at the peak ({fmt_bytes(growing)}: activations, temporaries, inputs, KV cache) "
             f"halves with it; the batch is {batch if batch else 'at least 2 (not in the file)'}",
             f"Batch-proportional memory holds {fmt_bytes(growing)} at the peak.",
-            "half of the batch-proportional categories at the peak")
+            "half of the batch-proportional categories at the peak, less the gradients held between micro-batches")
     if fragmentation > 0 and not facts.get("cpu") and not facts.get("expandable_segments"):
         out.append({"technique": "expandable_segments",
                     "lever": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved-but-unused at the peak)",
