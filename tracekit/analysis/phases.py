@@ -61,7 +61,8 @@ _PARAM_INIT_NAMES = {"_apply", "load_state_dict", "_load_from_state_dict", "rese
                      "cuda", "load", "from_pretrained", "_load_state_dict_into_model", "init_weights"}
 _RE_CHECKPOINT = re.compile(rf"torch{_SEP}utils{_SEP}checkpoint\.py$")
 _RE_DATA = re.compile(rf"torch{_SEP}utils{_SEP}data{_SEP}")
-_RE_WORKSPACE = re.compile(r"getNewWorkspace|getCUDABlasLtWorkspace|cublasLt?Workspace")
+_RE_WORKSPACE = re.compile(r"getNewWorkspace|getNewCUDABlasLtWorkspace|getCUDABlasLtWorkspace|cublasLt?Workspace"
+                           r"|setWorkspaceForHandle|getCurrentCUDABlasL?t?Handle")
 _RE_COMM = re.compile(rf"c10d::|ProcessGroupNCCL|nccl|NCCL|torch{_SEP}distributed{_SEP}")
 _RE_AUTOTUNE = re.compile(rf"triton{_SEP}runtime{_SEP}autotuner|autotune|benchmarker")
 _RE_FACTORY = re.compile(

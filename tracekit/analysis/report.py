@@ -11,6 +11,7 @@ from .phases import when
 from .sites import group_sites, public, site_info
 
 TOP_STACKS = 10
+LIBRARY_ROWS = 30  # library_sites_at_peak rows kept in the report
 
 
 def build_report(trace: Trace, rules=None, estimate=None) -> dict:
@@ -38,7 +39,13 @@ def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
     p = rep.peak_index
     reserved_at_peak = rep.reserved_at(p)
     ev = trace.events
-    return {**_summary(trace, rep, p, reserved_at_peak, ev), **category_tables(trace, rep, rules)}
+    from .libraries import library_sites
+
+    out = {**_summary(trace, rep, p, reserved_at_peak, ev), **category_tables(trace, rep, rules)}
+    # the third-party line (transformers, peft, ...) that holds the memory, per category (issue 22)
+    out["library_sites_at_peak"] = library_sites(trace, rep.device, rep.allocations.live_at(p), rules,
+                                                 limit=LIBRARY_ROWS)
+    return out
 
 
 def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:

@@ -73,6 +73,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
             out.append("  live at the peak, by allocation site:")
             out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {_site(s)}")
                           for s in d["top_stacks_at_peak"]], indent="    ")
+        out += library_lines(d.get("library_sites_at_peak"), d.get("categories_at_peak") or {})
         from .modules import module_lines  # per module (issue 11)
         out += module_lines(d.get("modules"))
         out.append("")
@@ -91,6 +92,21 @@ def trace_report_text(trace, report: dict) -> str:
 
     t0 = time_origin(trace)
     return report_text(report, t0_by_device={d: t0 for d in trace.devices})
+
+
+def library_lines(rows, at_peak: dict, limit=8) -> list[str]:
+    """The third-party lines (transformers, peft, ...) holding memory at the peak (analysis/libraries.py)."""
+    from ..analysis.libraries import library_where
+
+    if not rows:
+        return []
+    covered = sum(r["bytes"] for r in rows if r["category"] in ("activation", "temporary"))
+    act = at_peak.get("activation", 0) + at_peak.get("temporary", 0)
+    share = f"; {covered / act:.0%} of activations and temporaries" if act else ""
+    out = [f"  live at the peak, by library line{share}:"]
+    out += _rows([(f"{fmt_bytes(r['bytes']):>10}", f"{r['count']:>5}×  {r['category']:<10} {library_where(r)}")
+                  for r in rows[:limit]], indent="    ")
+    return out
 
 
 def _shares(by_category: dict, limit=3) -> str:
