@@ -162,8 +162,8 @@ REASONS = (
     "made before the trace, live throughout, no stack: more blocks of a trainable parameter's size than "
     "parameter + optimizer state (frozen weight or buffer)",
     "KV cache (grows by the same bytes every decoding step)",
-    "made in a decoding step and freed in it",
-    "made in a decoding step, used after it (model output: logits, hidden states)",
+    "made in a model call of the generation (prefill or decoding step) and freed in it",
+    "made in a model call of the generation, used after it (model output: logits, hidden states)",
     "made by the generation loop between decoding steps and freed there",
     "made by the generation loop, kept across decoding steps (generated tokens, attention mask, positions)",
 )
@@ -218,7 +218,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
         (has(ph.F_COMM), OTHER, "NCCL / c10d communication buffer"),
         (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
-        (has(ph.F_KV_CACHE), KV_CACHE, "KV cache (Hugging Face cache)"),
+        (has(ph.F_KV_CACHE) & ~same_run, KV_CACHE, "KV cache (Hugging Face cache)"),
         (((free_flags & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before), PARAMETER, REASONS[6]),
         (cast_of_weight, PARAMETER, REASONS[35]),
         (has(ph.F_INIT_STATE) & ~same_run, OPTIMIZER_STATE, REASONS[7]),
@@ -245,12 +245,19 @@ def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next
     """(mask, category, reason) rules from the phase each allocation was made and freed in."""
     phase = phases.phase
     any_optim = bool((phase == ph.OPTIMIZER).any())
-    any_pass = bool(np.isin(phase, (ph.FORWARD, ph.BACKWARD)).any())
+    any_pass = bool(np.isin(phase, (ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE)).any())
     fwd, bwd, opt, none = (traced & (pa == p) for p in (ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.NONE))
+    step = traced & np.isin(pa, (ph.PREFILL, ph.DECODE))  # a generation's model calls
+    in_generation = none & (phases.generation is not None)
     at_backward, at_forward = alive_at_next(ph.BACKWARD), alive_at_next(ph.FORWARD)
     at_optim = alive_at_next(ph.OPTIMIZER)
     freed_by = lambda bits: (free_flags & bits) != 0  # noqa: E731
     return [
+        # a generation (inference): nothing is kept for a backward pass
+        (step & same_run, TEMPORARY, REASONS[39]),
+        (step, TEMPORARY, REASONS[40]),
+        (in_generation & same_run, TEMPORARY, REASONS[41]),
+        (in_generation, INPUT, REASONS[42]),
         (fwd & at_backward, ACTIVATION, REASONS[9]),
         (fwd & at_oom, ACTIVATION, REASONS[10]),
         (fwd & ~freed & has(ph.F_NO_GRAD), TEMPORARY, REASONS[11]),

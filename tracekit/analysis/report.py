@@ -45,6 +45,11 @@ def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
     # the third-party line (transformers, peft, ...) that holds the memory, per category (issue 22)
     out["library_sites_at_peak"] = library_sites(trace, rep.device, rep.allocations.live_at(p), rules,
                                                  limit=LIBRARY_ROWS)
+    from .generation import generation_summary, kv_cache, workload
+
+    out["workload"], out["workload_evidence"] = workload(trace, rep.device)
+    out["kv_cache"] = kv_cache(trace, rep.device, rules)  # null unless a generation
+    out["generation"] = generation_summary(trace, rep.device, rules)
     return out
 
 
@@ -52,7 +57,7 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
     from .replay import allocator_bytes
 
     blocks = allocator_bytes(trace, rep)
-    phase, iteration, _ = when(trace, rep.device, p)
+    phase, iteration, during = when(trace, rep.device, p)
     stats = next((d.get("allocator_stats") for d in (trace.recorder or {}).get("devices") or []
                   if isinstance(d, dict) and d.get("index") == rep.device and d.get("type") == "cuda"), None)
     return {
@@ -64,6 +69,7 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
         "peak_time_us": time_of(trace, rep, p),
         "peak_phase": phase,
         "peak_iteration": iteration,
+        "peak_during": during or None,  # "in the backward pass of iteration 0", "in decoding step 5"
         # requested bytes (what the trace records) above; the allocator's block sizes here, as
         # torch.cuda.max_memory_allocated counts them (its own figures under allocator_stats when recorded)
         "peak_allocated_block_bytes": blocks.peak,

@@ -29,6 +29,8 @@ def report_text(report: dict, t0_by_device=None) -> str:
             d.get("peak_phase"), f", in the {d.get('peak_phase')} pass") if d.get("peak_phase") else ""
         if during and d.get("peak_iteration") is not None:
             during += f" of iteration {d['peak_iteration']}"
+        if d.get("peak_during") and d.get("generation"):
+            during = f", {d['peak_during']}"
         pairs = [
             ("peak allocated", f"{fmt_bytes(d['peak_allocated_bytes']):>10}  "
                                f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}{during}"),
@@ -122,6 +124,8 @@ def _phase_rows(d: dict) -> list[str]:
         out += _rows([(p["phase"], f"peak {fmt_bytes(p['peak_bytes']):>10}  {_shares(p['categories_at_peak'])}")
                       for p in d["phases"]], indent="    ")
     its = d.get("iterations") or []
+    if d.get("generation"):
+        return out + generation_lines(d)
     if len(its) > 1:
         out.append("  by iteration:")
         rows = [(f"{it['iteration']}", f"peak {fmt_bytes(it['peak_bytes']):>10}   end {fmt_bytes(it['end_bytes']):>10}"
@@ -130,6 +134,28 @@ def _phase_rows(d: dict) -> list[str]:
             rows.append(("...", f"{len(its) - 12} more"))
         out += _rows(rows, indent="    ")
     return out
+
+
+def generation_lines(d: dict) -> list[str]:
+    """A generation's prefill and decoding steps, and its KV cache (analysis/generation.py)."""
+    g = d["generation"]
+    out = [f"  generation: {g['prefills']} prefill{'s' if g['prefills'] != 1 else ''} + {g['decode_steps']} decoding "
+           f"steps ({g['model_calls']} model calls)"]
+    kv = d.get("kv_cache") or {}
+    if kv:
+        out.append(f"    KV cache {fmt_bytes(kv['bytes_at_peak'])} at the peak; {fmt_bytes(kv['bytes_at_prefill'])} after "
+                   f"the prefill, +{fmt_bytes(kv['bytes_per_step'])} per decoding step, {fmt_bytes(kv['bytes_final'])} "
+                   f"after the last ({kv['steps']} steps)")
+    steps = g.get("steps") or []
+    shown = steps if len(steps) <= 6 else steps[:3] + steps[-2:]
+    rows = []
+    for i, c in enumerate(shown):
+        if len(steps) > 6 and i == 3:
+            rows.append(("...", f"{len(steps) - 5} more"))
+        name = "prefill" if c["kind"] == "prefill" else f"decode {c['step']}"
+        rows.append((name, f"peak {fmt_bytes(c['peak_bytes']):>10}   KV cache at its end "
+                           f"{fmt_bytes(c.get('kv_cache_bytes_end', 0)):>10}"))
+    return out + _rows(rows, indent="    ")
 
 
 def finding_lines(f: dict) -> list[str]:
