@@ -43,6 +43,7 @@ class AllocationLibraries:
     user: np.ndarray  # int32: user frame id, -1 where none
     how: np.ndarray  # int8: index into HOW
     backward: np.ndarray  # bool: the line is the forward op of a backward allocation
+    source: np.ndarray  # int64: the forward allocation (row) whose line it took, -1 where its own
 
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -88,9 +89,10 @@ def _allocation_libraries(trace: Trace, device: int) -> AllocationLibraries:
     user = ss.user_frame[own].copy()
     how = np.where(frame >= 0, OWN, NONE).astype(np.int8)
     backward = np.zeros(m, bool)
+    source = np.full(m, -1, np.int64)
     traced = al.alloc_index >= 0
     if not m or not rep.n:
-        return AllocationLibraries(frame, inner, user, how, backward)
+        return AllocationLibraries(frame, inner, user, how, backward, source)
     fwd = np.full(m, -1, np.int64)
     fwd[traced] = trace.events.forward_stack_id[rep.events][al.alloc_index[traced]]
     rec = (fwd >= 0) & (frame < 0)
@@ -104,11 +106,11 @@ def _allocation_libraries(trace: Trace, device: int) -> AllocationLibraries:
     need = traced & (frame < 0) & (node > 0)
     if need.any():
         ph = phases(trace)[device]
-        _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, BACKWARD)
-    return AllocationLibraries(frame, inner, user, how, backward)
+        _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, source, BACKWARD)
+    return AllocationLibraries(frame, inner, user, how, backward, source)
 
 
-def _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, BACKWARD):
+def _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, source, BACKWARD):
     """Backward allocations take the library line of the forward op their autograd node belongs to."""
     a = al.alloc_index
     n = ph.n
@@ -167,6 +169,7 @@ def _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward
             inner[b_rows] = inner[f_rows[pick]]
             user[b_rows] = np.where(user[b_rows] >= 0, user[b_rows], user[f_rows[pick]])
             how[b_rows], backward[b_rows] = kind, True
+            source[b_rows] = f_rows[pick]
 
 
 def library_frame(trace: Trace, frame_id: int) -> dict | None:

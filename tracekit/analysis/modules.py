@@ -19,6 +19,7 @@ from .replay import DeviceReplay
 from .sites import allocation_sites
 
 _INDEX = re.compile(r"(?<![^.])\d+(?=\.|$)")
+_BRACKET = re.compile(r"\[(\d+|\*)\]")
 
 
 def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
@@ -56,14 +57,31 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     return out
 
 
-def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | None:
-    """{"rows": per module and pass, largest at the peak first; "layers": repeated layers}; None without modules."""
-    al = rep.allocations
+def allocation_module_ids(trace: Trace, rep: DeviceReplay):
+    """(module string id per allocation, made by a backward pass, source, class chain string ids or None).
+
+    Our recorder's modules when the file has them ("recorder"), else the modules found from the stacks
+    ("stacks": analysis/modtree.py), else all zeros ("none")."""
     sites = allocation_sites(trace, rep)
-    mod = sites.module.astype(np.int64)
+    if (sites.module > 0).any():
+        return sites.module, sites.forward, "recorder", None
+    from .libraries import allocation_libraries
+    from .modtree import allocation_modules
+
+    am = allocation_modules(trace, rep.device)
+    if not (am.module > 0).any():
+        return am.module, np.zeros(len(am.module), bool), "none", None
+    return am.module, allocation_libraries(trace, rep.device).backward, "stacks", am.classes
+
+
+def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | None:
+    """{"rows": per module and pass, largest at the peak first; "layers": repeated layers; "source": where the
+    modules come from ("recorder" or "stacks")}; None without modules."""
+    al = rep.allocations
+    module_ids, backward, source, classes = allocation_module_ids(trace, rep)
+    mod = module_ids.astype(np.int64)
     if not len(al) or not (mod > 0).any():
         return None
-    backward = sites.forward
     key = np.where(al.alloc_index >= 0, mod * 2 + backward, -1)  # made in the trace; module 0: outside any
     uniq, inv = np.unique(key[key >= 0], return_inverse=True)
     group = np.full(len(al), -1, np.int64)
@@ -77,8 +95,19 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     rows = [{"module": trace.strings[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
              "bytes_at_peak": int(at_peak[k]), "peak_bytes": int(most[k]),
              "allocated_bytes": int(total[k]), "count": int(count[k])} for k, u in enumerate(uniq.tolist())]
+    if classes is not None:  # the class chain of each module found from the stacks, and how it was found
+        from .modtree import HOWS, allocation_modules
+
+        how = allocation_modules(trace, rep.device).how
+        first = {}
+        for r in np.flatnonzero(group >= 0).tolist():
+            first.setdefault(int(group[r]), r)
+        for k, row in enumerate(rows):
+            r = first.get(k)
+            row["classes"] = trace.strings[int(classes[r])] if r is not None and classes[r] > 0 else None
+            row["how"] = HOWS[int(how[r])] if r is not None else None
     rows.sort(key=lambda r: (-r["bytes_at_peak"], -r["peak_bytes"], r["module"], r["pass"]))
-    return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows)}
+    return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows), "source": source}
 
 
 def _layers(rows: list[dict]) -> list[dict]:
@@ -94,9 +123,14 @@ def _layers(rows: list[dict]) -> list[dict]:
             continue
         at_peak = [m["bytes_at_peak"] for m in members]
         peaks = [m["peak_bytes"] for m in members]
-        out.append({"pattern": pattern, "pass": kind, "layers": len(members),
-                    "bytes_at_peak_min": min(at_peak), "bytes_at_peak_max": max(at_peak),
-                    "bytes_at_peak_total": sum(at_peak), "peak_bytes_max": max(peaks)})
+        row = {"pattern": pattern, "pass": kind, "layers": len(members),
+               "bytes_at_peak_min": min(at_peak), "bytes_at_peak_max": max(at_peak),
+               "bytes_at_peak_total": sum(at_peak), "peak_bytes_max": max(peaks)}
+        cls = next((m.get("classes") for m in members if m.get("classes")), None)
+        if cls:  # Qwen2ForCausalLM > Qwen2Model > Qwen2DecoderLayer ×4 > Qwen2Attention
+            row["classes"] = _BRACKET.sub(lambda _: f" ×{len(members)}", cls, count=1)
+            row["classes"] = _BRACKET.sub("", row["classes"])
+        out.append(row)
     out.sort(key=lambda r: -r["bytes_at_peak_total"])
     return out
 
