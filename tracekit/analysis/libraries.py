@@ -147,13 +147,20 @@ def _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward
         uniq_stacks = np.unique(fw_stacks)
         in_w = rows[win == w]
         for nid in np.unique(node[in_w]).tolist():
-            target = node_op(strings[nid])
-            key = (nid, tuple(uniq_stacks.tolist())) if len(uniq_stacks) < 64 else None
-            good = match_memo.get(key) if key else None
-            if good is None:
-                good = np.array([any(op_matches(o, target) for o in roles.ops[s]) for s in uniq_stacks.tolist()], bool)
-                if key:
-                    match_memo[key] = good
+            known = match_memo.get(nid)
+            if known is None:  # per stack: -1 not looked at yet, 0 no, 1 it runs the node's forward op
+                known = match_memo[nid] = np.full(len(roles.ops), -1, np.int8)
+            todo = uniq_stacks[known[uniq_stacks] < 0]
+            if len(todo):
+                target = node_op(strings[nid])
+                ops_memo = {}
+                for s_ in todo.tolist():
+                    ops = roles.ops[s_]
+                    v = ops_memo.get(ops)
+                    if v is None:
+                        v = ops_memo[ops] = any(op_matches(o, target) for o in ops)
+                    known[s_] = v
+            good = known[uniq_stacks] == 1
             if not good.any():
                 continue
             f_rows = fw[np.isin(fw_stacks, uniq_stacks[good])]

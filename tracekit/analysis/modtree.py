@@ -347,8 +347,8 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
     take = src >= 0
     stack[take] = al.stack_id[src[take]]
     index_of = _instances(trace, rep, sm, stack)
-    has = np.array([bool(sm.chains[s + 1]) if s >= 0 else False for s in stack.tolist()], bool) if m else has
-    rows = np.flatnonzero(has)
+    with_chain = np.array([bool(c) for c in sm.chains], bool)
+    rows = np.flatnonzero(with_chain[stack + 1])
     if not len(rows):
         return AllocationModules(module, classes, how)
     depth = index_of.shape[1]

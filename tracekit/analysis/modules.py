@@ -99,9 +99,9 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
         from .modtree import HOWS, allocation_modules
 
         how = allocation_modules(trace, rep.device).how
-        first = {}
-        for r in np.flatnonzero(group >= 0).tolist():
-            first.setdefault(int(group[r]), r)
+        rows_g = np.flatnonzero(group >= 0)
+        gid, at = np.unique(group[rows_g], return_index=True)
+        first = dict(zip(gid.tolist(), rows_g[at].tolist()))
         for k, row in enumerate(rows):
             r = first.get(k)
             row["classes"] = trace.strings[int(classes[r])] if r is not None and classes[r] > 0 else None
