@@ -405,12 +405,13 @@ def _wait_exposed(window, timeout_s=20) -> bool:
 
 
 def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compare=False,
-               trace_window=None) -> int:
+               trace_window=None, group=None) -> int:
     """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
 
     On a real display (xcb under Xvfb, say) the window is shown there and must be
     exposed by the display server before it is rendered. `select` ("leak", "spike",
-    "peak", ...) selects the first finding of that kind first, as a click would."""
+    "peak", ...) selects the first finding of that kind first, as a click would; `group` ("line",
+    "library", "module") groups the allocations table so."""
     app = QApplication.instance() or QApplication([sys.argv[0]])
     window = MainWindow(remember=False)
     window.resize(*size)
@@ -427,6 +428,8 @@ def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compar
         kinds = [f.get("kind") for f in view.doc.findings(view.device)]
         if select and select in kinds:
             view.findings.select_finding(kinds.index(select))
+        if group:
+            view.group_by(group)
         view.timeline.refresh()
     app.processEvents()
     export.save_png(window, out)
@@ -453,7 +456,8 @@ def _open_all(window, files, compare=False, use_cache=True, trace_window=None):
             window.open_file(f, use_cache=use_cache, window=trace_window)
 
 
-def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False, trace_window=None) -> int:
+def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False, trace_window=None,
+         group=None) -> int:
     """Run the viewer on `files` (or render a screenshot and exit).
 
     Before Qt starts, checks that a window can open here; if not, says in one line
@@ -467,7 +471,7 @@ def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=Fa
     qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
         return screenshot(files, screenshot_path, select=select, use_cache=use_cache, compare=compare,
-                          trace_window=trace_window)
+                          trace_window=trace_window, group=group)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")
     app.setOrganizationName("tracekit")

@@ -238,3 +238,25 @@ def library_where(row: dict) -> str:
     if g:
         text += f" via {short_path(g['filename'])}:{g['line']} in {g['name']}"
     return ("backward of " + text) if row.get("pass") == "backward" else text
+
+
+def allocation_library_where(trace: Trace, device: int) -> tuple[np.ndarray, np.ndarray]:
+    """(strings, ids): every allocation's library line as one line of text (`library_where`), "" where it has
+    none, as an index into unique strings (tables, the viewer's "Library line" column)."""
+    from .replay import replay
+
+    al = replay(trace)[device].allocations
+    libs = allocation_libraries(trace, device)
+    key = np.stack([libs.frame.astype(np.int64), libs.inner.astype(np.int64), libs.backward.astype(np.int64)], axis=1)
+    if not len(key):
+        return np.array([""], dtype=object), np.zeros(len(al), np.int32)
+    uniq, inv = np.unique(key, axis=0, return_inverse=True)
+    strings = np.empty(len(uniq), dtype=object)
+    for k, (lib, inn, bwd) in enumerate(uniq.tolist()):
+        if lib < 0:
+            strings[k] = ""
+            continue
+        row = {"library_frame": library_frame(trace, lib), "inner_frame": library_frame(trace, inn) if inn != lib else None,
+               "pass": "backward" if bwd else "forward"}
+        strings[k] = library_where(row)
+    return strings, inv.reshape(-1).astype(np.int32)

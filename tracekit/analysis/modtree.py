@@ -315,11 +315,15 @@ def _short(filename: str) -> str:
 
 @dataclass
 class AllocationModules:
-    """Per allocation of a device: its module path (string id, 0: none) and class chain (string id)."""
+    """Per allocation of a device: its module path and class chain, as indices into `names` (0: "", none).
 
-    module: np.ndarray  # int32 string id: "model.layers.2.self_attn" (root: its class name)
-    classes: np.ndarray  # int32 string id: "Qwen2ForCausalLM > Qwen2Model > Qwen2DecoderLayer > Qwen2Attention"
+    (Indices into a table of their own, not the trace's interned strings: this result is kept in the cache
+    with the analysis, and strings interned while analysing are not.)"""
+
+    module: np.ndarray  # int32 index into names: "model.layers.2.self_attn" (root: its class name)
+    classes: np.ndarray  # int32 index into names: "Qwen2ForCausalLM > Qwen2Model > Qwen2DecoderLayer[2] > ..."
     how: np.ndarray  # int8 index into HOWS (the least sure of its chain)
+    names: np.ndarray  # object array of str; names[0] == ""
 
 
 def allocation_modules(trace: Trace, device: int) -> AllocationModules:
@@ -338,8 +342,15 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
     module = np.zeros(m, np.int32)
     classes = np.zeros(m, np.int32)
     how = np.zeros(m, np.int8)
+    table = {"": 0}
+    intern = lambda text: table.setdefault(text, len(table))  # noqa: E731
+
+    def done():
+        names = np.empty(len(table), dtype=object)
+        names[:] = list(table)
+        return AllocationModules(module, classes, how, names)
     if not m or not sm.nodes:
-        return AllocationModules(module, classes, how)
+        return done()
     # the stack that names each allocation's module: its own, or its forward op's for backward allocations
     libs = allocation_libraries(trace, device)
     stack = al.stack_id.astype(np.int64).copy()
@@ -350,21 +361,20 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
     with_chain = np.array([bool(c) for c in sm.chains], bool)
     rows = np.flatnonzero(with_chain[stack + 1])
     if not len(rows):
-        return AllocationModules(module, classes, how)
+        return done()
     depth = index_of.shape[1]
     key = np.concatenate([stack[rows][:, None], index_of[rows]], axis=1) if depth else stack[rows][:, None]
     uniq, inv = np.unique(key, axis=0, return_inverse=True)
     inv = inv.reshape(-1)
-    strings = trace.strings
     for k, row in enumerate(uniq.tolist()):
         chain = sm.chains[row[0] + 1]
         idx = row[1:]
         path, cls, worst = _path(sm.nodes, chain, idx)
         sel = rows[inv == k]
-        module[sel] = strings.intern(path)
-        classes[sel] = strings.intern(cls)
+        module[sel] = intern(path)
+        classes[sel] = intern(cls)
         how[sel] = worst
-    return AllocationModules(module, classes, how)
+    return done()
 
 
 def _path(nodes, chain, idx):
