@@ -55,13 +55,14 @@ def locate(filename: str, package: str | None, relative: str | None) -> tuple[st
         return filename, "the recorded path"
     if not package or not relative:
         return None, ""
-    return _installed(package, relative)
+    path, how = _installed(package, relative, tuple(sys.path))
+    return (path, how) if path and os.path.isfile(path) else (None, "")
 
 
 @functools.lru_cache(maxsize=4096)
-def _installed(package: str, relative: str) -> tuple[str | None, str]:
+def _installed(package: str, relative: str, search: tuple) -> tuple[str | None, str]:
     parts = [p for p in relative.split("/") if p and p not in (".", "..")]
-    for entry in sys.path:
+    for entry in search:
         if not entry or not os.path.isdir(entry):
             continue
         candidate = os.path.join(entry, package, *parts)
@@ -70,11 +71,19 @@ def _installed(package: str, relative: str) -> tuple[str | None, str]:
     return None, ""
 
 
-@functools.lru_cache(maxsize=512)
 def outline(path: str) -> Outline | None:
     """The functions and module calls of a Python source file, by `ast` (None: unreadable or not Python)."""
     try:
-        if os.path.getsize(path) > MAX_SOURCE_BYTES:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _outline(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=512)
+def _outline(path: str, size: int, mtime: int) -> Outline | None:
+    try:
+        if size > MAX_SOURCE_BYTES:
             return None
         with open(path, "rb") as f:
             text = f.read().decode("utf-8", errors="replace")
