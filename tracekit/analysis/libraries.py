@@ -189,7 +189,8 @@ def library_frame(trace: Trace, frame_id: int) -> dict | None:
 
 
 def library_sites(trace: Trace, device: int, mask: np.ndarray, rules=None, limit: int = 20) -> list[dict]:
-    """Allocations of `mask` grouped by (library line, user line, category, pass), largest first.
+    """Allocations of `mask` grouped by (library line, user line, category, pass), largest first (cuBLAS
+    workspaces left out: they are the handle's).
 
     Each row: bytes, count, library_frame {filename, line, name, package, found_by}, user_frame
     (frame dict or None), category, pass ("forward" or "backward": a backward row is memory autograd
@@ -201,7 +202,9 @@ def library_sites(trace: Trace, device: int, mask: np.ndarray, rules=None, limit
     al = rep.allocations
     libs = allocation_libraries(trace, device)
     cats = categorize(trace, rules)[device]
-    rows = np.flatnonzero(mask & (libs.frame >= 0))
+    # a cuBLAS workspace belongs to its handle, not to the line whose matmul happened to come first
+    workspace = cats.labels == cats.names.index("workspace") if "workspace" in cats.names else np.zeros(len(al), bool)
+    rows = np.flatnonzero(mask & (libs.frame >= 0) & ~workspace)
     if not len(rows):
         return []
     key = np.stack([libs.frame[rows].astype(np.int64), libs.inner[rows].astype(np.int64),

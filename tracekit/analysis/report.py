@@ -165,6 +165,14 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None) -
     peak["by_category"] = summary["categories_at_peak"]
     if peak["by_category"]:
         peak["summary"] += f" ({shares(peak['by_category'])})"
+    libs = summary.get("library_sites_at_peak") or []
+    if libs:  # the third-party line that holds the most (issue 22): the model's own line, not only the user's
+        from .libraries import library_where
+        from ..units import fmt_bytes
+
+        peak["library_line"] = library_where(libs[0])
+        peak["summary"] += f"; largest library line: {fmt_bytes(libs[0]['bytes'])} {libs[0]['category']} from " \
+                           f"{peak['library_line']}"
     found = [peak]
     spikes = spike_findings(trace, rep.device)
     found += spikes
