@@ -174,6 +174,7 @@ R = {text: i for i, text in enumerate(REASONS)}
 # cuBLASLt its own of CUBLASLT_WORKSPACE_SIZE's default, 1 MiB.
 CUBLAS_WORKSPACE_SIZES = (4096 * 1024 * 2 + 16 * 1024 * 8, 4096 * 1024 * 8, 4096 * 1024 * 8 + 16 * 1024 * 8, 1 << 20)
 WORKSPACES_PER_STREAM = 2  # handles that run matmuls: the user's thread and autograd's thread
+KV_SCALAR_BYTES = 16  # a KV-cache allocation this small holds a counter, not keys or values
 
 
 def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.ndarray, np.ndarray]:
@@ -218,7 +219,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
         (has(ph.F_COMM), OTHER, "NCCL / c10d communication buffer"),
         (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
-        (has(ph.F_KV_CACHE) & ~same_run, KV_CACHE, "KV cache (Hugging Face cache)"),
+        # a cache's scalars (≤ 16 B: cumulative_length, seen-token counters) are its bookkeeping, not keys/values
+        (has(ph.F_KV_CACHE) & ~same_run & (al.size > KV_SCALAR_BYTES), KV_CACHE, "KV cache (Hugging Face cache)"),
         (((free_flags & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before), PARAMETER, REASONS[6]),
         (cast_of_weight, PARAMETER, REASONS[35]),
         (has(ph.F_INIT_STATE) & ~same_run, OPTIMIZER_STATE, REASONS[7]),

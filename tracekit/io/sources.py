@@ -127,7 +127,10 @@ def _outline(path: str, size: int, mtime: int) -> Outline | None:
                 visit(child, child.name)
                 continue
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                out.functions.append((child.lineno, getattr(child, "end_lineno", child.lineno) or child.lineno,
+                # a function starts at its first decorator: frames may give that line (a profiler gives the
+                # line where a Python function was entered for the operators it runs itself)
+                first = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                out.functions.append((first, getattr(child, "end_lineno", child.lineno) or child.lineno,
                                       child.name, cls))
                 loops.clear()
                 visit(child, None, cls if child.name == "__init__" and cls else None)
