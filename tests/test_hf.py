@@ -366,3 +366,41 @@ def test_the_fixtures_are_read_as_plain_data():
     with gzip.open(os.path.join(CUDA, GENERATION[0])) as f:
         snap = restricted_load(f)
     assert isinstance(snap, dict) and snap["device_traces"]
+
+
+def test_pre_trace_state_and_gradients_kept_in_place():
+    """Recorded after a warm-up with zero_grad(set_to_none=False): the trace makes no gradient and no
+    state (both updated in place); AdamW (named by the annotation) keeps 2 moments, so each trainable weight
+    is 4 blocks of its size live throughout, besides two frameless cuBLAS workspaces."""
+    cpp = [{"filename": "CUDACachingAllocator.cpp", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"}]
+    fwd = cpp + [{"filename": "??", "line": 0, "name": "at::_ops::mm::call(...)"},
+                 {"filename": "/home/me/model.py", "line": 20, "name": "forward"},
+                 {"filename": "/home/me/train.py", "line": 6, "name": "main"}]
+    engine = cpp + [{"filename": "??", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply(...)"},
+                    {"filename": "??", "line": 0, "name": "torch::autograd::Engine::thread_main(...)"}]
+    step = cpp + [{"filename": "??", "line": 0, "name": "at::_ops::_foreach_mul::call(...)"},
+                  {"filename": "/home/me/train.py", "line": 9, "name": "main"}]
+    sim = Sim()
+    sizes = [4 * MiB] * 3 + [1 * MiB] * 2
+    for s in sizes * 4:  # weight, .grad, exp_avg, exp_avg_sq of each
+        sim.alloc(s, frames=[])
+    sim.alloc(8519680, frames=[])
+    sim.alloc(8519680, frames=[])
+    before = len(sim.traces[0])
+    a = sim.alloc(16 * MiB, frames=fwd)
+    t = sim.alloc(8 * MiB, frames=engine)
+    sim.free(t)
+    sim.free(a)
+    t0 = sim.traces[0][-1]["time_us"] + 1
+    tmp = sim.alloc(2 * MiB, frames=step)
+    sim.free(tmp)
+    snap = sim.snapshot(drop_first=before)
+    snap["external_annotations"] = [{"name": "Optimizer.step#AdamW.step", "stage": "START", "device": 0, "time_us": t0},
+                                    {"name": "Optimizer.step#AdamW.step", "stage": "END", "device": 0,
+                                     "time_us": sim.traces[0][-1]["time_us"] + 1}]
+    trace = snapshot_to_trace(snap, "<warm, set_to_none=False>")
+    rep = replay(trace)[0]
+    by = categorize(trace)[0].bytes_by_category(rep.allocations.size, rep.allocations.alloc_index < 0)
+    weights = sum(sizes)
+    assert by["parameter"] == weights and by["gradient"] == weights and by["optimizer_state"] == 2 * weights
+    assert by["workspace"] == 2 * 8519680

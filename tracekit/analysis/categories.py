@@ -394,7 +394,7 @@ def _trainable_sizes(trace, al, labels, size, iteration):
         t_of = {s: max(1, c // kk) for s, c in counts.items()}
         grads_kept = True
     else:
-        return {}, 0, False
+        return _all_trainable(al, labels, size, k_of_name)
     if state.any():
         return t_of, 0, grads_kept  # the state is in the trace already: nothing static is state
     static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER) & (al.stack_id < 0)
@@ -406,6 +406,29 @@ def _trainable_sizes(trace, al, labels, size, iteration):
 
 _OPTIMIZER_K = (("adam", 2), ("lamb", 2), ("lion", 1), ("adagrad", 1), ("rmsprop", 1), ("adadelta", 2),
                 ("sgd", None), ("adafactor", None))
+
+
+def _all_trainable(al, labels, size, k):
+    """No gradient or optimizer state made in the trace (gradients accumulated in place with
+    `zero_grad(set_to_none=False)`, state updated in place): with a stateful optimizer of k tensors per
+    parameter named in the file, each trainable parameter is k + 2 blocks of its size live throughout
+    (weight, .grad, state). When the sizes holding nearly all the static bytes come in multiples of
+    k + 2, the model is taken as fully trained: t(s) = count / (k + 2), gradients kept."""
+    if not k:
+        return {}, 0, False
+    static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER) & (al.stack_id < 0)
+    csize, ccount = np.unique(size[static], return_counts=True)
+    if not len(csize):
+        return {}, 0, False
+    fits = (ccount % (k + 2) == 0) & (ccount >= k + 2)
+    workspace_like = np.isin(csize, CUBLAS_WORKSPACE_SIZES) & ~fits  # judged by _before_trace, not here
+    total = float((csize * ccount)[~workspace_like].sum())
+    if not total or float((csize[fits] * ccount[fits]).sum()) < FULLY_TRAINED_SHARE * total:
+        return {}, 0, False
+    return dict(zip(csize[fits].tolist(), (ccount[fits] // (k + 2)).tolist())), k, True
+
+
+FULLY_TRAINED_SHARE = 0.9  # of the static bytes in sizes whose counts fit weight + grad + k states
 
 
 def _optimizer_k(trace) -> int | None:
