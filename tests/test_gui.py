@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -550,3 +551,14 @@ def test_generation_shows_prefill_steps_and_the_kv_cache(window, qtbot):
     assert int(y.max()) == view.doc.device_report(view.device)["kv_cache"]["bytes_max"]
     assert "decoding step" in view.doc.phase_at(view.device, len(view.doc.replays[view.device].allocated) // 2)
     assert view.findings.count() >= 1
+
+
+@needs(CUDA / "opt_amp_adamw_b4_s256.pickle.gz")
+def test_inspector_names_the_library_line_and_module(window, qtbot):
+    view = open_and_wait(window, qtbot, CUDA / "opt_amp_adamw_b4_s256.pickle.gz")
+    al = view.doc.replays[view.device].allocations
+    strings, ids = view.doc.library_table(view.device)
+    row = int(next(r for r in np.argsort(-al.size) if strings[ids[r]] and "modeling_opt.py" in strings[ids[r]]))
+    view.select_allocation(row)
+    text = view.inspector.text.toPlainText()
+    assert "library    " in text and "modeling_opt.py" in text and "module     " in text
