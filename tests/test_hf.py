@@ -404,3 +404,16 @@ def test_pre_trace_state_and_gradients_kept_in_place():
     weights = sum(sizes)
     assert by["parameter"] == weights and by["gradient"] == weights and by["optimizer_state"] == 2 * weights
     assert by["workspace"] == 2 * 8519680
+
+
+@pytest.mark.parametrize("name", GENERATION)
+def test_a_window_inside_a_generation_has_no_prefill(name):
+    """Decoding steps 3..5 only: the first call already replaces cached keys and values, so it is a step."""
+    from tracekit.analysis.window import Window, select, parse_iterations
+
+    t = TRUTH[name]
+    trace = select(_cuda(name), Window(iterations=parse_iterations("3..5")))
+    ph = phases(trace)[0]
+    assert ph.generation["prefills"] == 0 and ph.generation["decode_steps"] == 3
+    kv = kv_cache(trace, 0)
+    assert kv["bytes_per_step"] == t["kv_bytes_per_step"] and kv["steps"] == 2

@@ -56,7 +56,7 @@ def steps(trace: Trace, device: int) -> list[dict]:
     ends = inside[np.maximum(np.searchsorted(inside, loop_ends, side="right") - 1, 0)] if len(inside) else loop_ends
     out, k = [], 0
     for call, (lo, hi, loop_hi) in enumerate(zip(starts.tolist(), ends.tolist(), loop_ends.tolist())):
-        k = 0 if call in prefill else k + 1
+        k = 0 if call in prefill else k + 1  # no prefill seen (a window): steps counted from its start
         top = lo + int(np.argmax(rep.allocated[lo:loop_hi + 1])) if loop_hi >= lo else lo
         out.append({"call": call, "kind": "prefill" if call in prefill else "decode", "step": k,
                     "start_index": int(lo), "end_index": int(max(hi, lo)), "loop_end_index": int(loop_hi),
@@ -87,7 +87,7 @@ def kv_cache(trace: Trace, device: int, rules=None) -> dict | None:
         return None
     curve = kv_curve(trace, device, rules)
     at = lambda i: int(curve[i]) if 0 <= i < len(curve) else 0  # noqa: E731
-    first = next(i for i, c in enumerate(calls) if c["kind"] == "prefill")
+    first = next((i for i, c in enumerate(calls) if c["kind"] == "prefill"), 0)  # a window may have none
     run = [calls[first]]
     for c in calls[first + 1:]:  # the decoding steps of the first generation
         if c["kind"] != "decode":

@@ -279,7 +279,7 @@ def when(trace: Trace, device: int, index: int) -> tuple[str | None, int | None,
 def decode_step(ph: DevicePhases, call: int) -> int:
     """A generation's model call `call` as its step: 0 for a prefill, k for the k-th decoding step after it."""
     prefills = [p for p in (ph.generation or {}).get("prefill_calls", []) if p <= call]
-    return call - prefills[-1] if prefills else call
+    return call - prefills[-1] if prefills else call + 1  # no prefill seen (a window): counted from its start
 
 
 def metadata_iteration(text: str) -> int | None:
@@ -401,9 +401,14 @@ def _generation(code, flags, has_frames, is_alloc, is_free) -> DevicePhases | No
         is_prefill[np.unique(call[prefill_flag & in_model & (call >= 0)])] = True
         how = "transformers' _prefill frames mark the prefill"
     else:
+        # the first call is the prefill unless it frees keys/values of an earlier call (a decoding step
+        # appends to the cache and frees the tensors it replaces: a window that opens mid-generation)
         is_prefill = np.zeros(calls, bool)
-        is_prefill[0] = True
-        how = "the first model call is the prefill"
+        first = slice(starts[0], starts[1] if calls > 1 else len(code))
+        frees_kv = bool((is_free[first] & ((flags[first] & F_KV_CACHE) != 0)).any())
+        is_prefill[0] = not frees_kv
+        how = ("the first model call is the prefill" if not frees_kv
+               else "no prefill: the first model call already replaces cached keys and values")
     phase = np.zeros(len(code), np.int8)
     inside = (filled == 1) & (call >= 0)
     phase[inside] = np.where(is_prefill[call[inside]], PREFILL, DECODE)

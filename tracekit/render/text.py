@@ -143,8 +143,9 @@ def generation_lines(d: dict) -> list[str]:
            f"steps ({g['model_calls']} model calls)"]
     kv = d.get("kv_cache") or {}
     if kv:
+        first = "the prefill" if g["prefills"] else "the first step shown"
         out.append(f"    KV cache {fmt_bytes(kv['bytes_at_peak'])} at the peak; {fmt_bytes(kv['bytes_at_prefill'])} after "
-                   f"the prefill, +{fmt_bytes(kv['bytes_per_step'])} per decoding step, {fmt_bytes(kv['bytes_final'])} "
+                   f"{first}, +{fmt_bytes(kv['bytes_per_step'])} per decoding step, {fmt_bytes(kv['bytes_final'])} "
                    f"after the last ({kv['steps']} steps)")
     steps = g.get("steps") or []
     shown = steps if len(steps) <= 6 else steps[:3] + steps[-2:]
