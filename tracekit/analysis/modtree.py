@@ -83,6 +83,8 @@ def _relative(filename: str, package: str | None) -> str | None:
 
 
 def _source(filename: str):
+    if not filename.endswith(".py"):  # only Python source is read (a frame may name any file)
+        return None
     pkg, _ = package_of(filename)
     if pkg is None and _TORCH_MODULE.search(filename):
         pkg = "torch"
