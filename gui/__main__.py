@@ -1,4 +1,4 @@
-"""`python -m tracekit_gui [--check] [--screenshot OUT.png [--select KIND]] FILE ...`: the viewer's own entry point.
+"""`python -m tracekit_gui [--check] [--screenshot OUT.png [--select KIND] [--group line|library|module]] FILE ...`: the viewer's own entry point.
 
 `tracekit view` starts the viewer this way, in a process of its own, so the
 tracekit package never imports Qt (data flows one way: tracekit -> tracekit_gui).
@@ -17,6 +17,8 @@ parser.add_argument("--select", default=None, metavar="KIND",
                     help="with --screenshot: select the first finding of this kind (leak, spike, peak, oom)")
 parser.add_argument("--allocator", default=None, metavar="SETTINGS", nargs="?", const="",
                     help="with --screenshot: the allocator window instead, with a what-if on SETTINGS if given")
+parser.add_argument("--group", default=None, choices=("line", "library", "module"),
+                    help="with --screenshot: group the allocations table by your line, library line or module")
 parser.add_argument("--no-cache", action="store_true", help="do not read or write the columnar cache")
 parser.add_argument("--compare", action="store_true", help="compare two files (A before, B after)")
 parser.add_argument("--check", action="store_true", help="only check that a window can open here (exit 2 if not)")
@@ -46,4 +48,4 @@ except ValueError as e:
 from .app import main  # noqa: E402  (Qt is imported only past the check)
 
 sys.exit(main(args.files, screenshot_path=args.screenshot, select=args.select, use_cache=not args.no_cache,
-              compare=args.compare, trace_window=trace_window or None, allocator=args.allocator))
+              compare=args.compare, trace_window=trace_window or None, allocator=args.allocator, group=args.group))

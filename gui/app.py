@@ -416,12 +416,13 @@ def _wait_exposed(window, timeout_s=20) -> bool:
 
 
 def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compare=False,
-               trace_window=None, allocator=None) -> int:
+               trace_window=None, allocator=None, group=None) -> int:
     """Open files in a window of `size`, render it and write a PNG. Returns an exit code.
 
     On a real display (xcb under Xvfb, say) the window is shown there and must be
     exposed by the display server before it is rendered. `select` ("leak", "spike",
-    "peak", ...) selects the first finding of that kind first, as a click would."""
+    "peak", ...) selects the first finding of that kind first, as a click would; `group` ("line",
+    "library", "module") groups the allocations table so."""
     app = QApplication.instance() or QApplication([sys.argv[0]])
     window = MainWindow(remember=False)
     window.resize(*size)
@@ -438,6 +439,8 @@ def screenshot(files, out, size=(1440, 900), select=None, use_cache=True, compar
         kinds = [f.get("kind") for f in view.doc.findings(view.device)]
         if select and select in kinds:
             view.findings.select_finding(kinds.index(select))
+        if group:
+            view.group_by(group)
         view.timeline.refresh()
     app.processEvents()
     if allocator is not None:  # the allocator window (gui/fragmentation.py), with a what-if if settings are given
@@ -480,7 +483,7 @@ def _open_all(window, files, compare=False, use_cache=True, trace_window=None):
 
 
 def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=False, trace_window=None,
-         allocator=None) -> int:
+         allocator=None, group=None) -> int:
     """Run the viewer on `files` (or render a screenshot and exit).
 
     Before Qt starts, checks that a window can open here; if not, says in one line
@@ -494,7 +497,7 @@ def main(files=(), screenshot_path=None, select=None, use_cache=True, compare=Fa
     qInstallMessageHandler(_without_offscreen_noise)
     if screenshot_path:
         return screenshot(files, screenshot_path, select=select, use_cache=use_cache, compare=compare,
-                          trace_window=trace_window, allocator=allocator)
+                          trace_window=trace_window, allocator=allocator, group=group)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("tracekit")
     app.setOrganizationName("tracekit")

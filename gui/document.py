@@ -133,17 +133,30 @@ class Document:
         return self._xs[device]
 
     def phase_spans(self, device) -> list[tuple]:
-        """(phase, iteration, x0, x1) of each run of a training phase, on this device's x axis."""
+        """(phase, iteration, x0, x1) of each run of a training phase, on this device's x axis; in a generation
+        the phase of a decoding step is "step k" (its number after the prefill)."""
         if ("spans", device) not in self._kept:
-            self._kept["spans", device] = [(PHASES[code], it, self.x_of(device, first), self._x_after(device, last))
-                                           for it, code, first, last in self.phases[device].intervals()]
+            p = self.phases[device]
+            spans = []
+            for it, code, first, last in p.intervals():
+                name = PHASES[code]
+                if p.generation is not None and name == "decode":
+                    from tracekit.analysis.phases import decode_step
+
+                    name = f"step {decode_step(p, it)}"
+                spans.append((name, it, self.x_of(device, first), self._x_after(device, last)))
+            self._kept["spans", device] = spans
         return self._kept["spans", device]
 
     def phase_at(self, device, index) -> str:
-        """"forward, iteration 3" at a trace entry ("" when unknown)."""
+        """"forward, iteration 3" at a trace entry ("" when unknown); "decoding step 5" in a generation."""
         p = self.phases[device]
         if index < 0 or index >= p.n:
             return ""
+        if p.generation is not None:
+            from tracekit.analysis.phases import when
+
+            return when(self.trace, device, int(index))[2]
         name, it = PHASES[int(p.phase[index])], int(p.iteration[index])
         parts = ([name] if name != "none" else []) + ([f"iteration {it}"] if it >= 0 else [])
         return ", ".join(parts)
@@ -245,6 +258,50 @@ class Document:
             return None, name
         info = site_info(self.trace, int(rep.allocations.stack_id[row]), int(sites.site_stack[row]), True)
         return info["where"], name
+
+    def library_table(self, device):
+        """(strings, ids): the library line of each allocation ("" where none), as an index into unique strings."""
+        from tracekit.analysis.libraries import allocation_library_where
+
+        return self.kept("library", device, lambda: allocation_library_where(self.trace, device))
+
+    def module_table(self, device):
+        """(strings, ids): the module of each allocation ("" where none: recorder tags, else from the stacks)."""
+        from tracekit.analysis.modules import allocation_module_names
+
+        return self.kept("modules", device, lambda: allocation_module_names(self.trace, self.replays[device]))
+
+    def library_how(self, device, row) -> str:
+        """How an allocation's library line was found (its stack, or its autograd node's forward op)."""
+        from tracekit.analysis.libraries import HOW, allocation_libraries
+
+        return HOW[int(allocation_libraries(self.trace, device).how[row])] or "nothing"
+
+    def module_how(self, device, row) -> str:
+        """Where an allocation's module comes from: the recorder's tags, or the stacks (and how)."""
+        from tracekit.analysis.modules import allocation_module_ids
+        from tracekit.analysis.modtree import HOWS, allocation_modules
+
+        _, _, source, classes, names = allocation_module_ids(self.trace, self.replays[device])
+        if source != "stacks":
+            return "recorded by tracekit's recorder"
+        am = allocation_modules(self.trace, device)
+        chain = names[int(am.classes[row])]
+        return f"{chain} — from the stack's forward frames, {HOWS[int(am.how[row])]}"
+
+    def kv_series(self, device, max_points=4096):
+        """(x, bytes) of a generation's KV cache over the trace (min/max envelope), or None."""
+        if not (self.device_report(device).get("kv_cache")):
+            return None
+
+        def compute():
+            from tracekit.analysis.generation import kv_curve
+            from tracekit.analysis.timeline import envelope
+
+            curve = kv_curve(self.trace, device)
+            idx = envelope(curve, 0, len(curve), max_points)
+            return self.xs(device)[0][idx], curve[idx].astype(np.float64)
+        return self.kept("kv", device, compute)
 
     def where_table(self, device):
         """(strings, ids): the top user frame of each allocation, as an index into unique strings."""

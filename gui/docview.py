@@ -6,14 +6,15 @@ import os
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QComboBox, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
-                               QLineEdit, QProgressBar, QPushButton, QSplitter, QTableView, QVBoxLayout, QWidget)
+                               QLineEdit, QProgressBar, QPushButton, QSplitter, QTableView, QTabWidget, QVBoxLayout,
+                               QWidget)
 
 from .breakdown import BreakdownPanel
 from .modules_panel import ModulesPanel
 from .findings import FindingsList
 from .inspector import Inspector
 from .palette import fmt_bytes
-from .tables import ROW_ROLE, AllocationsModel
+from .tables import GROUPABLE, ROW_ROLE, AllocationsModel, GroupsModel
 from .timeline import TimelineWidget
 
 
@@ -80,6 +81,7 @@ class DocumentView(QWidget):
         self.findings = FindingsList()
         self.inspector = Inspector()
         self.model = AllocationsModel(self)
+        self.groups = GroupsModel(self)
         self.table = QTableView()
         self.table.setModel(self.model)
         self.table.setSortingEnabled(True)
@@ -91,11 +93,18 @@ class DocumentView(QWidget):
         self.table.setAlternatingRowColors(True)
         self.table.horizontalHeader().setStretchLastSection(True)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
-        for col, width in enumerate((90, 130, 150, 150, 100, 380, 130)):
-            self.table.setColumnWidth(col, width)
+        self._column_widths()
+        self.table.doubleClicked.connect(self._double_clicked)
 
         self.filter_edit = QLineEdit(placeholderText="Filter: category, file or function…", clearButtonEnabled=True)
         self.category_box = QComboBox()
+        self.group_box = QComboBox()
+        self.group_box.addItem("No grouping", None)
+        for col, what in GROUPABLE.items():
+            self.group_box.addItem(f"Group by {what}", col)
+        self.group_box.setToolTip("One row per line of your code, library line (transformers, peft, ...) or module; "
+                                  "double-click a group to list its allocations")
+        self.group_box.currentIndexChanged.connect(lambda *_: self._regroup())
         self.live_box = QCheckBox("Live at cursor")
         self.live_box.setToolTip("Only allocations live at the pinned cursor (click the timeline to pin it)")
         self.count_label = QLabel()
@@ -107,6 +116,7 @@ class DocumentView(QWidget):
         bar.setContentsMargins(0, 0, 0, 0)
         bar.addWidget(self.filter_edit, 1)
         bar.addWidget(self.category_box)
+        bar.addWidget(self.group_box)
         bar.addWidget(self.live_box)
         bar.addWidget(self.count_label)
         allocations = QWidget()
@@ -118,17 +128,20 @@ class DocumentView(QWidget):
         side = QSplitter(Qt.Vertical)
         side.addWidget(_boxed("Breakdown", self.breakdown))
         side.addWidget(_boxed("Findings", self.findings))
-        side.addWidget(_boxed("Modules", self.modules))
-        side.setSizes([300, 260, 200])
+        side.setSizes([250, 330])
         upper = QSplitter(Qt.Horizontal)
         upper.addWidget(self.timeline)
         upper.addWidget(side)
         upper.setStretchFactor(0, 1)
-        upper.setSizes([1000, 380])
+        upper.setSizes([960, 420])
+        # the allocations and the per-module table share the lower left: both list what holds the memory
+        self.tabs = QTabWidget()
+        self.tabs.addTab(allocations, "Allocations")
+        self.tabs.addTab(self.modules, "Modules")
         lower = QSplitter(Qt.Horizontal)
-        lower.addWidget(_boxed("Allocations", allocations))
+        lower.addWidget(self.tabs)
         lower.addWidget(_boxed("Inspector", self.inspector))
-        lower.setSizes([900, 480])
+        lower.setSizes([940, 440])
         self.splitter = QSplitter(Qt.Vertical)
         self.splitter.addWidget(upper)
         self.splitter.addWidget(lower)
@@ -173,6 +186,9 @@ class DocumentView(QWidget):
             self.category_box.addItem(n.replace("_", " "), n)
         self.category_box.blockSignals(False)
         self.model.set_document(doc, device)
+        self._regroup()
+        modules = info.get("modules")
+        self.tabs.setTabText(1, f"Modules ({modules['modules']})" if modules else "Modules")
         self._update_count()
         peak_at = f"entry {rep.peak_index:,}" if rep.peak_index >= 0 else "before the trace"
         if rep.peak_index >= 0 and doc.has_time(device):
@@ -226,10 +242,56 @@ class DocumentView(QWidget):
 
     # ---- selection --------------------------------------------------------------------------
 
+    def _column_widths(self):
+        if self.table.model() is self.groups:
+            for col, width in enumerate((85, 60, 85, 120, 600)):
+                self.table.setColumnWidth(col, width)
+        else:
+            for col, width in enumerate((80, 120, 125, 125, 85, 260, 380, 260, 130)):
+                self.table.setColumnWidth(col, width)
+
+    def _regroup(self):
+        """Show the allocations, or their groups by your line / library line / module."""
+        column = self.group_box.currentData()
+        want = self.groups if column is not None else self.model
+        if column is not None:
+            self.groups.set_groups(self.model, column)
+        if self.table.model() is not want:
+            self.table.setModel(want)
+            self.table.selectionModel().currentRowChanged.connect(lambda cur, _: self._row_selected(cur))
+            self.table.horizontalHeader().setSortIndicator(0, Qt.DescendingOrder)
+            self._column_widths()
+        self._update_count()
+
+    def group_by(self, what):
+        """Group the table by "line" (your line), "library" (library line) or "module"; None: no grouping."""
+        from .tables import LIBRARY, MODULE, WHERE
+
+        column = {"line": WHERE, "library": LIBRARY, "module": MODULE}.get(what)
+        i = self.group_box.findData(column) if column is not None else 0
+        self.group_box.setCurrentIndex(max(i, 0))
+
+    def _double_clicked(self, index):
+        """A group: list its allocations (the group filter, which the filter bar's text keeps)."""
+        if self.table.model() is not self.groups or not index.isValid():
+            return
+        column, gid = self.groups.column, self.groups.group_of(index.row())
+        self.group_box.blockSignals(True)
+        self.group_box.setCurrentIndex(0)
+        self.group_box.blockSignals(False)
+        self.model.set_filter(text=self.filter_edit.text(), category=self.category_box.currentData(),
+                              live_at=self._live_at(), group=(column, gid))
+        self._regroup()
+
+    def _live_at(self):
+        return self.cursor_index if self.live_box.isChecked() and self.cursor_index is not None else None
+
     def _row_selected(self, current):
         if not current.isValid():
             return
-        row = self.model.data(current, ROW_ROLE)
+        row = current.model().data(current, ROW_ROLE)
+        if row is None or row < 0:
+            return
         al = self.doc.replays[self.device].allocations
         category = self.model.category_of(row)
         self.inspector.show_allocation(self.doc, self.device, row, category, self.model.method_of(row))
@@ -241,6 +303,8 @@ class DocumentView(QWidget):
 
     def select_allocation(self, allocation_row):
         """Select an allocation (its row in the replay's allocations) in the table, if shown."""
+        if self.table.model() is not self.model:
+            self.group_box.setCurrentIndex(0)
         view_row = self.model.view_row_of(allocation_row)
         if view_row >= 0:
             self.table.selectRow(view_row)
@@ -261,13 +325,20 @@ class DocumentView(QWidget):
     # ---- table filter --------------------------------------------------------------------------
 
     def _apply_filter(self):
-        live = self.cursor_index if self.live_box.isChecked() and self.cursor_index is not None else None
-        self.model.set_filter(text=self.filter_edit.text(), category=self.category_box.currentData(), live_at=live)
-        self._update_count()
+        self.model.set_filter(text=self.filter_edit.text(), category=self.category_box.currentData(),
+                              live_at=self._live_at(), group=None)
+        self._regroup()
 
     def _update_count(self):
         total = len(self.doc.replays[self.device].allocations)
         if total == 0 and not self.doc.trace.meta.get("has_addresses", True):
             self.count_label.setText("no allocations: this file records sizes but no addresses")
+        elif self.table.model() is self.groups:
+            self.count_label.setText(f"{self.groups.rowCount():,} groups")
         else:
-            self.count_label.setText(f"{self.model.rowCount():,} of {total:,}")
+            one = self.model.filter_group
+            group = ""
+            if one is not None:
+                strings = self.model.ids_of(one[0])[0]
+                group = f" · one group: {strings[one[1]] or 'none'}"[:90]
+            self.count_label.setText(f"{self.model.rowCount():,} of {total:,}{group}")

@@ -79,6 +79,12 @@ class Inspector(QWidget):
         made, module = doc.allocation_origin(device, row)  # forward origin and module (issue 11)
         if made or module:
             lines.append(f"made in    {made or 'forward'}" + (f" · module {module}" if module else ""))
+        lib_strings, lib_ids = doc.library_table(device)  # the third-party line and the module (issue 22)
+        if lib_strings[lib_ids[row]]:
+            lines.append(f"library    {lib_strings[lib_ids[row]]}  (found from {doc.library_how(device, row)})")
+        mod_strings, mod_ids = doc.module_table(device)
+        if not module and mod_strings[mod_ids[row]]:
+            lines.append(f"module     {mod_strings[mod_ids[row]]}  ({doc.module_how(device, row)})")
         lines += ["", "Allocated at (innermost first, your code first):"]
         lines += format_frames(doc.allocation_frames(device, row))
         if al.free_stack_id[row] >= 0:

@@ -12,12 +12,13 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, PHASE_COLORS, RESERVED_COLOR, RESERVED_FILL, byte_unit,
-                      category_color, fmt_bytes)
+from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, RESERVED_COLOR, RESERVED_FILL, byte_unit,
+                      category_color, fmt_bytes, phase_color)
 from .snapshot import SnapshotBars
 
 REFRESH_MS = 25  # debounce between a view change and the re-query
 MAX_PHASE_LABELS = 40
+MAX_GENERATION_LABELS = 2000  # a generation's steps: labelled when zoomed in enough to read them
 MAX_ITERATION_LABELS = 30
 MIN_ITERATION_SPACING_PX = 6  # fewer pixels between iteration lines on average: none drawn
 LABEL_LIFT = 1.6  # a marker's caption sits this many caption heights above it
@@ -138,6 +139,20 @@ class TimelineWidget(QWidget):
         self.cursor_line.hide()
         self.plot.addItem(self.hover_line, ignoreBounds=True)
         self.plot.addItem(self.cursor_line, ignoreBounds=True)
+        # a generation's KV cache over time, on an axis of its own under the plot (it is small beside the weights)
+        self.kv = self.graphics.addPlot(row=2, col=0)
+        self.kv.setMaximumHeight(90)
+        self.kv.getAxis("left").setWidth(70)
+        self.kv.getAxis("left").enableAutoSIPrefix(False)
+        self.kv.hideAxis("bottom")
+        self.kv.setMouseEnabled(x=False, y=False)
+        self.kv.hideButtons()
+        self.kv.setMenuEnabled(False)
+        self.kv.showGrid(x=False, y=True, alpha=0.25)
+        self.kv.setXLink(self.plot)
+        self.kv_line = self.kv.plot(pen=pg.mkPen(category_color("kv_cache"), width=2), fillLevel=0,
+                                    brush=pg.mkBrush(_color(category_color("kv_cache"), 110)))
+        self.kv.setVisible(False)
         self.markers = pg.ScatterPlotItem(size=13, hoverable=True, tip=self._marker_tip)
         self.markers.setZValue(70)
         self.markers.sigClicked.connect(self._marker_clicked)
@@ -202,6 +217,7 @@ class TimelineWidget(QWidget):
             entries.append(("reserved", RESERVED_COLOR, "line"))
             entries.append(("unused reserved", "#D0D0D0", "fill"))
         self._add_phases(entries)
+        self._add_kv(entries)
         self._add_markers()
         self.legend.set_entries(entries)
         self.graphics.setVisible(not self.snapshot_only)
@@ -215,17 +231,18 @@ class TimelineWidget(QWidget):
 
     def _add_phases(self, legend_entries):
         spans = self.doc.phase_spans(self.device)
-        seen = list(dict.fromkeys(phase for phase, *_ in spans))
+        seen = list(dict.fromkeys("decode" if phase.startswith("step ") else phase for phase, *_ in spans))
         if spans:
             # One BarGraphItem for all spans: cheap, and (unlike QGraphicsRectItems) safe with PySide6 6.12.
             x0 = np.array([s[2] for s in spans], dtype=float)
             width = np.maximum(np.array([s[3] for s in spans], dtype=float) - x0, 0)
             bars = pg.BarGraphItem(x0=x0, width=width, y0=0.1, height=0.8, pen=pg.mkPen(None),
-                                   brushes=[pg.mkBrush(PHASE_COLORS.get(s[0], "#BBBBBB")) for s in spans])
+                                   brushes=[pg.mkBrush(phase_color(s[0])) for s in spans])
             self.lane.addItem(bars)
             self._decor.append((self.lane, bars))
         self._phase_labels = []
-        if len(spans) <= MAX_PHASE_LABELS:
+        generation = any(phase.startswith("step ") for phase, *_ in spans)
+        if len(spans) <= (MAX_GENERATION_LABELS if generation else MAX_PHASE_LABELS):  # shown where wide enough
             for phase, iteration, x0, x1 in spans:
                 text = pg.TextItem(phase, color="#222222", anchor=(0, 0.5))
                 text.setPos(x0, 0.5)
@@ -235,7 +252,7 @@ class TimelineWidget(QWidget):
         if seen:
             legend_entries.append(("  phases:", "", "caption"))
         for phase in seen:
-            legend_entries.append((phase, PHASE_COLORS.get(phase, "#BBBBBB"), "band"))
+            legend_entries.append(("decode steps" if phase == "decode" else phase, phase_color(phase), "band"))
         starts = self.doc.iteration_starts(self.device)
         # All iteration boundaries as one item of vertical segments (cheap with hundreds of them).
         self._iteration_x = np.repeat(np.array([x for _, x in starts], dtype=float), 2)
@@ -249,6 +266,30 @@ class TimelineWidget(QWidget):
                 self._decor.append((self.plot, label))
                 self._iteration_labels.append(label)
         self.lane.setVisible(bool(spans))
+
+    def _add_kv(self, legend_entries):
+        """The KV-cache lane of a generation: its bytes over time, growing step by step."""
+        got = None if self.snapshot_only else self.doc.kv_series(self.device)
+        if got is None or not len(got[1]) or not np.any(got[1]):
+            self.kv.setVisible(False)
+            self.plot.showAxis("bottom")
+            return
+        # the time axis moves under the lane
+        bottom = self.plot.getAxis("bottom")
+        self.kv.showAxis("bottom")
+        self.kv.setLabel("bottom", bottom.labelText, units=bottom.labelUnits)
+        self.kv.getAxis("bottom").enableAutoSIPrefix(self.doc.has_time(self.device))
+        self.kv.setMaximumHeight(120)
+        self.plot.hideAxis("bottom")
+        x, y = got
+        unit, scale = byte_unit(int(y.max()))
+        xs = np.repeat(x, 2)[1:]
+        ys = np.repeat(y / scale, 2)[:-1]
+        self.kv_line.setData(xs, ys)
+        self.kv.setLabel("left", f"KV cache ({unit})", **{"font-size": "8pt"})
+        self.kv.setYRange(0, float(y.max() / scale) * 1.15, padding=0)
+        self.kv.setVisible(True)
+        legend_entries.append(("KV cache (lane below)", category_color("kv_cache"), "line"))
 
     def _add_markers(self):
         """Findings that point at a trace entry become clickable markers on the curve."""

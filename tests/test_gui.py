@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -521,3 +522,58 @@ def test_summary_line_says_what_an_oomd_run_needed(window, qtbot):
     assert f"out of memory: needed <b>≥ {fmt_bytes(need)}</b>" in view.summary.text()
     clean = open_and_wait(window, qtbot, ROOT / "samples" / "gpt_adamw_cuda.pickle")
     assert "out of memory" not in clean.summary.text()
+
+
+# ---- Hugging Face models recorded with torch's own API (issue 22) ----------------------------------
+
+CUDA = ROOT / "tests" / "fixtures" / "cuda"
+
+
+@needs(CUDA / "qwen2_amp_adamw_b4_s256.pickle.gz")
+def test_torch_recorded_training_groups_by_library_line_and_module(window, qtbot):
+    from tracekit_gui.tables import LIBRARY
+
+    view = open_and_wait(window, qtbot, CUDA / "qwen2_amp_adamw_b4_s256.pickle.gz")
+    lib = view.doc.device_report(view.device)["library_sites_at_peak"][0]["library_frame"]
+    # the Library line column of the largest allocations names the model's line
+    texts = {view.model.index(r, LIBRARY).data() for r in range(min(40, view.model.rowCount()))}
+    assert any(f"modeling_qwen2.py:{lib['line']} in forward (transformers)" in t for t in texts)
+    view.group_by("library")
+    assert view.table.model() is view.groups and view.groups.rowCount() > 5
+    keys = [view.groups.index(r, 4).data() for r in range(view.groups.rowCount())]
+    assert any("modeling_qwen2.py" in k for k in keys)
+    # sizes of the groups add up to the allocations they group
+    al = view.doc.replays[view.device].allocations
+    assert int(view.groups.bytes.sum()) == int(al.size.sum())
+    # double-click a group: its allocations, all of that library line
+    row = next(r for r, k in enumerate(keys) if "modeling_qwen2.py" in k)
+    view._double_clicked(view.groups.index(row, 0))
+    assert view.table.model() is view.model and 0 < view.model.rowCount() < len(al)
+    assert {view.model.index(r, LIBRARY).data() for r in range(view.model.rowCount())} == {keys[row]}
+    view.group_by("module")
+    assert view.groups.rowCount() > 10
+    assert view.modules.table.rowCount() > 0 and "stacks" in view.modules.caption.text()
+    assert any(view.model.mod_strings[i].startswith("model.layers.3") for i in range(len(view.model.mod_strings)))
+
+
+@needs(CUDA / "qwen2_generate_b2_p256_n128.pickle.gz")
+def test_generation_shows_prefill_steps_and_the_kv_cache(window, qtbot):
+    view = open_and_wait(window, qtbot, CUDA / "qwen2_generate_b2_p256_n128.pickle.gz")
+    names = [s[0] for s in view.doc.phase_spans(view.device)]
+    assert names[0] == "prefill" and names[1] == "step 1" and names[-1] == "step 127"
+    assert view.timeline.kv.isVisible()
+    x, y = view.doc.kv_series(view.device)
+    assert int(y.max()) == view.doc.device_report(view.device)["kv_cache"]["bytes_max"]
+    assert "decoding step" in view.doc.phase_at(view.device, len(view.doc.replays[view.device].allocated) // 2)
+    assert view.findings.count() >= 1
+
+
+@needs(CUDA / "opt_amp_adamw_b4_s256.pickle.gz")
+def test_inspector_names_the_library_line_and_module(window, qtbot):
+    view = open_and_wait(window, qtbot, CUDA / "opt_amp_adamw_b4_s256.pickle.gz")
+    al = view.doc.replays[view.device].allocations
+    strings, ids = view.doc.library_table(view.device)
+    row = int(next(r for r in np.argsort(-al.size) if strings[ids[r]] and "modeling_opt.py" in strings[ids[r]]))
+    view.select_allocation(row)
+    text = view.inspector.text.toPlainText()
+    assert "library    " in text and "modeling_opt.py" in text and "module     " in text

@@ -39,8 +39,9 @@ from . import phases as ph
 from .memo import per_trace
 from .replay import DeviceReplay, block_size, replay
 
-CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "kv_cache", "other")
-PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, KV_CACHE, OTHER = range(8)
+CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "kv_cache", "workspace",
+              "other")
+PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, KV_CACHE, WORKSPACE, OTHER = range(9)
 METHODS = ("tag", "rule", "inferred")
 TAG, RULE, INFERRED = range(3)
 
@@ -123,7 +124,7 @@ def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
 REASONS = (
     "no evidence",
     "cuBLAS workspace",
-    "cuBLAS workspace (by its size: live before the trace, no stack)",
+    "cuBLAS workspace (by its size: live before the trace, no stack, torch's default workspace size)",
     "NCCL / c10d communication buffer",
     "Triton autotuning buffer",
     "KV cache (Hugging Face cache)",
@@ -157,11 +158,23 @@ REASONS = (
     "short-lived (no phase evidence)",
     "made in the trace, alive at an out-of-memory error",
     "autocast copy of a weight (alive at the end; half the size of a weight live throughout)",
+    "cuBLAS workspace (live before the trace, no stack; the size of a workspace this trace allocates by handle)",
+    "made before the trace, live throughout, no stack: more blocks of a trainable parameter's size than "
+    "parameter + optimizer state (frozen weight or buffer)",
+    "KV cache (grows by the same bytes every decoding step)",
+    "made in a model call of the generation (prefill or decoding step) and freed in it",
+    "made in a model call of the generation, used after it (model output: logits, hidden states)",
+    "made by the generation loop between decoding steps and freed there",
+    "made by the generation loop, kept across decoding steps (generated tokens, attention mask, positions)",
 )
 R = {text: i for i, text in enumerate(REASONS)}
-# cuBLAS keeps one workspace per handle and stream, of CUBLAS_WORKSPACE_CONFIG's default size:
-# ":4096:2:16:8" (8 MiB + 128 KiB) before Hopper, ":4096:8:16:8" (32 MiB + 128 KiB) on it.
-CUBLAS_WORKSPACE_SIZES = (4096 * 1024 * 2 + 16 * 1024 * 8, 4096 * 1024 * 8 + 16 * 1024 * 8)
+# cuBLAS keeps one workspace per handle and stream (a handle per thread: the user's and autograd's),
+# of CUBLAS_WORKSPACE_CONFIG's default size (aten/src/ATen/cuda/CublasHandlePool.cpp): ":4096:2:16:8"
+# (8 MiB + 128 KiB) before Hopper, 32 MiB on sm90 (":4096:8:16:8", 32 MiB + 128 KiB, in older torch);
+# cuBLASLt its own of CUBLASLT_WORKSPACE_SIZE's default, 1 MiB.
+CUBLAS_WORKSPACE_SIZES = (4096 * 1024 * 2 + 16 * 1024 * 8, 4096 * 1024 * 8, 4096 * 1024 * 8 + 16 * 1024 * 8, 1 << 20)
+WORKSPACES_PER_STREAM = 2  # handles that run matmuls: the user's thread and autograd's thread
+KV_SCALAR_BYTES = 16  # a KV-cache allocation this small holds a counter, not keys or values
 
 
 def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.ndarray, np.ndarray]:
@@ -203,11 +216,11 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     static_sizes = np.unique(block_size(al.size[before & ~freed]))
     cast_of_weight = has(ph.F_AUTOCAST) & ~freed & np.isin(block_size(2 * al.size), static_sizes)
     evidence = [  # what the frames say, whatever the phase
-        (has(ph.F_WORKSPACE), OTHER, "cuBLAS workspace"),
-        (before & no_stack & ~freed & np.isin(al.size, CUBLAS_WORKSPACE_SIZES), OTHER, REASONS[2]),
+        (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
         (has(ph.F_COMM), OTHER, "NCCL / c10d communication buffer"),
         (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
-        (has(ph.F_KV_CACHE), KV_CACHE, "KV cache (Hugging Face cache)"),
+        # a cache's scalars (≤ 16 B: cumulative_length, seen-token counters) are its bookkeeping, not keys/values
+        (has(ph.F_KV_CACHE) & ~same_run & (al.size > KV_SCALAR_BYTES), KV_CACHE, "KV cache (Hugging Face cache)"),
         (((free_flags & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before), PARAMETER, REASONS[6]),
         (cast_of_weight, PARAMETER, REASONS[35]),
         (has(ph.F_INIT_STATE) & ~same_run, OPTIMIZER_STATE, REASONS[7]),
@@ -224,8 +237,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         labels[take] = cat
         reason[take] = R[why]
         done |= take
-    if (phase == ph.OPTIMIZER).any():
-        _split_static(trace, al, labels, reason, phases.iteration)
+    _before_trace(trace, rep, labels, reason, phases.iteration, bool((phase == ph.OPTIMIZER).any()),
+                  has(ph.F_WORKSPACE))
     return labels, reason
 
 
@@ -234,12 +247,19 @@ def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next
     """(mask, category, reason) rules from the phase each allocation was made and freed in."""
     phase = phases.phase
     any_optim = bool((phase == ph.OPTIMIZER).any())
-    any_pass = bool(np.isin(phase, (ph.FORWARD, ph.BACKWARD)).any())
+    any_pass = bool(np.isin(phase, (ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE)).any())
     fwd, bwd, opt, none = (traced & (pa == p) for p in (ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.NONE))
+    step = traced & np.isin(pa, (ph.PREFILL, ph.DECODE))  # a generation's model calls
+    in_generation = none & (phases.generation is not None)
     at_backward, at_forward = alive_at_next(ph.BACKWARD), alive_at_next(ph.FORWARD)
     at_optim = alive_at_next(ph.OPTIMIZER)
     freed_by = lambda bits: (free_flags & bits) != 0  # noqa: E731
     return [
+        # a generation (inference): nothing is kept for a backward pass
+        (step & same_run, TEMPORARY, REASONS[39]),
+        (step, TEMPORARY, REASONS[40]),
+        (in_generation & same_run, TEMPORARY, REASONS[41]),
+        (in_generation, INPUT, REASONS[42]),
         (fwd & at_backward, ACTIVATION, REASONS[9]),
         (fwd & at_oom, ACTIVATION, REASONS[10]),
         (fwd & ~freed & has(ph.F_NO_GRAD), TEMPORARY, REASONS[11]),
@@ -271,23 +291,91 @@ def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next
     ]
 
 
-def _split_static(trace, al, labels, reason, iteration):
-    """Optimizer state and gradients made before the trace look like parameters: live throughout, no frames.
+def requested_sizes(trace: Trace, rep: DeviceReplay) -> np.ndarray:
+    """Bytes each allocation asked for: the trace's size for traced ones (newer torch records requests), the
+    final block's `requested_size` for blocks live before the trace (their `size` is the block's)."""
+    al = rep.allocations
+    out = al.size.astype(np.int64).copy()
+    before = np.flatnonzero(al.alloc_index < 0)
+    b = trace.blocks
+    bm = np.flatnonzero(b.device == rep.device)
+    if not len(before) or not len(bm):
+        return out
+    order = bm[np.argsort(b.addr[bm], kind="stable")]
+    addrs = b.addr[order]
+    pos = np.searchsorted(addrs, al.addr[before])
+    ok = pos < len(addrs)
+    ok[ok] = addrs[pos[ok]] == al.addr[before][ok]
+    rows, blocks = before[ok], order[pos[ok]]
+    req = b.requested_size[blocks]
+    good = (req > 0) & (req <= b.size[blocks]) & (b.size[blocks] == al.size[rows])
+    out[rows[good]] = req[good]
+    return out
 
-    Sizes tell them apart in aggregate. Stateful optimizers keep k tensors of
-    each trainable parameter's size (Adam: 2, SGD with momentum: 1), so the
-    optimizer state seen in the trace (made in the step, or replaced by it)
-    names the trainable sizes and k. Per size s with t(s) trainable
-    parameters and c(s) blocks live throughout: k·t are state when the trace
-    shows none yet; t more are gradients kept from before the trace when the
-    trace's backward made none of its own (they are accumulated in place) and
-    at least 2t remain. Which blocks of a size are which is not knowable from
-    the trace: state takes the highest addresses, then gradients.
+
+def _before_trace(trace, rep, labels, reason, iteration, any_optim, workspace_frames):
+    """Blocks live before the trace and throughout it, without a stack: what their sizes say they are.
+
+    They are parameters by lifetime (made before a trace whose passes they outlive). Sizes, compared as
+    the bytes each block asked for (its `requested_size`: the allocator may hand a request a bigger
+    cached block), tell more, as facts about PyTorch:
+
+    - a stateful optimizer keeps k tensors of each trainable parameter's size (Adam: 2, SGD with momentum:
+      1), so the optimizer state seen in the trace, or the gradients its backward made, name the trainable
+      sizes t(s) and k; per size, k·t blocks are state when the trace shows none yet, and t more are
+      gradients kept from before the trace when its backward made none of its own (accumulated in place);
+    - cuBLAS and cuBLASLt keep one workspace per handle (thread) and stream, of a fixed size: torch's
+      default size, or the size of a workspace the trace allocates by handle (`setWorkspaceForHandle`,
+      `getNewWorkspace`). The blocks of such a size beyond the t(s) parameters (and their state) are
+      workspaces, when they are no more than WORKSPACES_PER_STREAM per stream the trace uses; more than
+      that are weights of the same size.
+
+    This is right in aggregate; which of several equal-size blocks is which is not knowable from a memory
+    trace (state takes the highest addresses, then gradients, then workspaces).
     """
-    static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER) & (al.stack_id < 0)
+    al = rep.allocations
+    static = ((al.alloc_index < 0) & (al.free_index < 0) & (al.stack_id < 0)
+              & np.isin(reason, (R[REASONS[25]], R[REASONS[26]])))
     if not static.any():
         return
-    size = block_size(al.size)  # traced sizes are requests, static ones blocks: compare as blocks
+    size = requested_sizes(trace, rep)
+    t_of, k, grads_kept = _trainable_sizes(trace, al, labels, size, iteration) if any_optim else ({}, 0, False)
+    traced_ws = np.unique(size[workspace_frames & (al.alloc_index >= 0)]).tolist()
+    ws_sizes = set(CUBLAS_WORKSPACE_SIZES) | set(traced_ws)
+    ev = trace.events
+    streams = max(1, len(np.unique(ev.stream[rep.events][ev.action[rep.events] == 0]))) if rep.n else 1
+    max_ws = WORKSPACES_PER_STREAM * streams
+    csize, ccount = np.unique(size[static], return_counts=True)
+    for s, c in zip(csize.tolist(), ccount.tolist()):
+        t = t_of.get(s, 0)
+        rows = np.flatnonzero(static & (size == s))
+        rows = rows[np.argsort(al.addr[rows], kind="stable")]
+        n_state = max(0, min(c - t, k * t)) if t else 0
+        if not t:
+            n_grad = 0
+        elif grads_kept:
+            n_grad = max(0, min(t, c - t - n_state))
+        else:  # gradients kept across steps (zero_grad(set_to_none=False)) are one more block per parameter
+            n_grad = t if c - t - n_state >= 2 * t else 0
+        extra = c - n_state - n_grad - t
+        n_ws = extra if s in ws_sizes and 0 < extra <= max_ws else 0
+        end = len(rows)
+        st, end = rows[end - n_state:end], end - n_state
+        gr, end = rows[end - n_grad:end], end - n_grad
+        ws = rows[end - n_ws:end]
+        labels[st], reason[st] = OPTIMIZER_STATE, R[REASONS[23]]
+        labels[gr], reason[gr] = GRADIENT, R[REASONS[24]]
+        labels[ws] = WORKSPACE
+        reason[ws] = R[REASONS[36]] if s in traced_ws else R[REASONS[2]]
+        if t and extra > n_ws:  # more than parameter + state: frozen weights or buffers of that size
+            rest = rows[:end - n_ws]
+            frozen = rest[len(rest) - (extra - n_ws):]
+            labels[frozen], reason[frozen] = PARAMETER, R[REASONS[37]]
+
+
+def _trainable_sizes(trace, al, labels, size, iteration):
+    """({requested size: trainable parameters of it}, k state tensors per parameter, gradients kept from
+    before the trace) from the gradients the trace's backward made, or else from its optimizer state."""
     traced_grads = (labels == GRADIENT) & (al.alloc_index >= 0)
     state = labels == OPTIMIZER_STATE
     iters = max(1, len(np.unique(iteration[iteration >= 0]))) if len(iteration) else 1
@@ -302,38 +390,45 @@ def _split_static(trace, al, labels, reason, iteration):
         replaced = state & (al.alloc_index < 0)
         counts = {s: max(int((made & (size == s)).sum()) // iters, int((replaced & (size == s)).sum()))
                   for s in np.unique(size[state]).tolist()}
-        k = k_of_name or 2
-        t_of = {s: max(1, c // k) for s, c in counts.items()}
+        kk = k_of_name or 2
+        t_of = {s: max(1, c // kk) for s, c in counts.items()}
         grads_kept = True
     else:
-        return
-    csize, ccount = np.unique(size[static], return_counts=True)
+        return _all_trainable(al, labels, size, k_of_name)
     if state.any():
-        k = 0  # the state is in the trace already: nothing static is state
-    else:
-        ks = [(c - t_of[s]) // t_of[s] for s, c in zip(csize.tolist(), ccount.tolist()) if s in t_of and c > t_of[s]]
-        k = k_of_name if k_of_name is not None else (min(2, int(np.median(ks))) if ks else 0)
-    for s, c in zip(csize.tolist(), ccount.tolist()):
-        t = t_of.get(s, 0)
-        if not t:
-            continue
-        n_state = max(0, min(c - t, k * t))
-        if grads_kept:
-            n_grad = max(0, min(t, c - t - n_state))
-        else:  # gradients kept across steps (zero_grad(set_to_none=False)) are one more block per parameter
-            n_grad = t if c - t - n_state >= 2 * t else 0
-        if not (n_state or n_grad):
-            continue
-        rows = np.flatnonzero(static & (size == s))
-        rows = rows[np.argsort(al.addr[rows], kind="stable")]
-        st = rows[len(rows) - n_state:] if n_state else rows[:0]
-        gr = rows[len(rows) - n_state - n_grad:len(rows) - n_state]
-        labels[st], reason[st] = OPTIMIZER_STATE, R[REASONS[23]]
-        labels[gr], reason[gr] = GRADIENT, R[REASONS[24]]
+        return t_of, 0, grads_kept  # the state is in the trace already: nothing static is state
+    static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER) & (al.stack_id < 0)
+    csize, ccount = np.unique(size[static], return_counts=True)
+    ks = [(c - t_of[s]) // t_of[s] for s, c in zip(csize.tolist(), ccount.tolist()) if s in t_of and c > t_of[s]]
+    k = k_of_name if k_of_name is not None else (min(2, int(np.median(ks))) if ks else 0)
+    return t_of, k, grads_kept
 
 
 _OPTIMIZER_K = (("adam", 2), ("lamb", 2), ("lion", 1), ("adagrad", 1), ("rmsprop", 1), ("adadelta", 2),
                 ("sgd", None), ("adafactor", None))
+
+
+def _all_trainable(al, labels, size, k):
+    """No gradient or optimizer state made in the trace (gradients accumulated in place with
+    `zero_grad(set_to_none=False)`, state updated in place): with a stateful optimizer of k tensors per
+    parameter named in the file, each trainable parameter is k + 2 blocks of its size live throughout
+    (weight, .grad, state). When the sizes holding nearly all the static bytes come in multiples of
+    k + 2, the model is taken as fully trained: t(s) = count / (k + 2), gradients kept."""
+    if not k:
+        return {}, 0, False
+    static = (al.alloc_index < 0) & (al.free_index < 0) & (labels == PARAMETER) & (al.stack_id < 0)
+    csize, ccount = np.unique(size[static], return_counts=True)
+    if not len(csize):
+        return {}, 0, False
+    fits = (ccount % (k + 2) == 0) & (ccount >= k + 2)
+    workspace_like = np.isin(csize, CUBLAS_WORKSPACE_SIZES) & ~fits  # judged by _before_trace, not here
+    total = float((csize * ccount)[~workspace_like].sum())
+    if not total or float((csize[fits] * ccount[fits]).sum()) < FULLY_TRAINED_SHARE * total:
+        return {}, 0, False
+    return dict(zip(csize[fits].tolist(), (ccount[fits] // (k + 2)).tolist())), k, True
+
+
+FULLY_TRAINED_SHARE = 0.9  # of the static bytes in sizes whose counts fit weight + grad + k states
 
 
 def _optimizer_k(trace) -> int | None:

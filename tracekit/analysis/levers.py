@@ -75,8 +75,9 @@ def _no_grad(trace: Trace | None) -> bool:
 
 def forward_sequence(trace: Trace, device: int):
     """(rows of the alloc entries of one forward pass in the device's trace, their stack ids); None without phases.
-    The forward of the last iteration that has one (warm-up allocations are behind it)."""
-    from .phases import FORWARD, phases
+    The forward of the last iteration that has one (warm-up allocations are behind it); in a generation, which
+    has no forward phase, its prefill (the first model call, over the whole prompt)."""
+    from .phases import FORWARD, PREFILL, phases
 
     ph = phases(trace)[device]
     if ph.source == "none" or not ph.n:
@@ -84,6 +85,8 @@ def forward_sequence(trace: Trace, device: int):
     ev = trace.events
     sl = ev.device_slice(device)
     fwd = np.flatnonzero((ph.phase == FORWARD) & (ev.action[sl] == ALLOC))
+    if not len(fwd):
+        fwd = np.flatnonzero((ph.phase == PREFILL) & (ev.action[sl] == ALLOC))
     if not len(fwd):
         return None
     runs = ph.runs()[fwd]
@@ -131,6 +134,12 @@ def repeated_blocks(trace: Trace, device: int) -> dict:
                                 f"{blocks} times in a row under {_short(fr)}",
                          stacks=frozenset(int(s) for s in np.unique(got["sids"]).tolist()),
                          first_sizes=[int(x) for x in ev.size[sl][got["firsts"]].tolist()])
+    if found["count"] is None:  # the forward's sites do not repeat exactly (a layer that makes one more
+        # allocation): the module tree from the stacks' forward frames numbers the layers (analysis/modtree.py)
+        layers = _stack_layers(trace, device)
+        if layers is not None:
+            found.update(count=layers[0], source=f"the stacks' forward frames: {layers[0]} numbered instances of "
+                                                 f"{layers[1]} (the module tree, analysis/modtree.py)")
     rec_blocks = ((trace.recorder or {}).get("model") or {}).get("repeated_blocks")
     if isinstance(rec_blocks, int) and rec_blocks >= 2:
         if found["count"] is None:
@@ -138,6 +147,43 @@ def repeated_blocks(trace: Trace, device: int) -> dict:
         elif found["count"] != rec_blocks:
             found["source"] += f" (the recorder's model summary says {rec_blocks}: the stacks win)"
     return found
+
+
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def _stack_layers(trace: Trace, device: int):
+    """(count, "model.layers (Qwen2DecoderLayer)") of the numbered module with the most instances among the
+    modules named from the stacks; None when no module is numbered (or the file has module tags of its own)."""
+    if trace.events.module.any():
+        return None
+    from .modtree import allocation_modules
+
+    am = allocation_modules(trace, device)
+    seen = {}
+    for k, name in enumerate(am.names.tolist()):
+        m = _NUMBERED.match(name or "")
+        if m:
+            seen.setdefault(m.group(1), set()).add(int(m.group(2)))
+    if not seen:
+        return None
+    prefix, idx = max(seen.items(), key=lambda kv: len(kv[1]))
+    if len(idx) < 2:
+        return None
+    return len(idx), prefix
+
+
+def _stack_layer_rows(trace: Trace, device: int, n: int) -> np.ndarray | None:
+    """Allocations whose module (named from the stacks) is inside a numbered layer."""
+    if trace.events.module.any():
+        return None
+    from .modtree import allocation_modules
+
+    am = allocation_modules(trace, device)
+    if len(am.module) != n:
+        return None
+    numbered = np.array([bool(_NUMBERED.match(x or "")) for x in am.names.tolist()], bool)
+    return numbered[am.module]
 
 
 def _periodic(rows, sids, frames_of, python) -> dict | None:
@@ -289,6 +335,8 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
     sid = rep.allocations.stack_id
     in_blocks = np.isin(sid, np.fromiter(blocks["stacks"], np.int64)) if blocks["stacks"] else np.zeros(len(sid), bool)
     mods = _module_layers(trace, rep)
+    if mods is None:
+        mods = _stack_layer_rows(trace, device, len(sid))
     if mods is not None:
         in_blocks |= mods
     block_act = int(rep.allocations.size[live & in_blocks & (cats.labels == act)].sum())

@@ -19,6 +19,7 @@ from .replay import DeviceReplay
 from .sites import allocation_sites
 
 _INDEX = re.compile(r"(?<![^.])\d+(?=\.|$)")
+_BRACKET = re.compile(r"\[(\d+|\*)\]")
 
 
 def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
@@ -56,14 +57,32 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     return out
 
 
-def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | None:
-    """{"rows": per module and pass, largest at the peak first; "layers": repeated layers}; None without modules."""
-    al = rep.allocations
+def allocation_module_ids(trace: Trace, rep: DeviceReplay):
+    """(module id per allocation (0: none), made by a backward pass, source, class chain ids or None, names).
+
+    `names[id]` is the text of an id. Our recorder's modules when the file has them ("recorder": ids into
+    the trace's strings), else the modules found from the stacks ("stacks": analysis/modtree.py), else all
+    zeros ("none")."""
     sites = allocation_sites(trace, rep)
-    mod = sites.module.astype(np.int64)
+    if (sites.module > 0).any():
+        return sites.module, sites.forward, "recorder", None, trace.strings
+    from .libraries import allocation_libraries
+    from .modtree import allocation_modules
+
+    am = allocation_modules(trace, rep.device)
+    if not (am.module > 0).any():
+        return am.module, np.zeros(len(am.module), bool), "none", None, am.names
+    return am.module, allocation_libraries(trace, rep.device).backward, "stacks", am.classes, am.names
+
+
+def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | None:
+    """{"rows": per module and pass, largest at the peak first; "layers": repeated layers; "source": where the
+    modules come from ("recorder" or "stacks")}; None without modules."""
+    al = rep.allocations
+    module_ids, backward, source, classes, names = allocation_module_ids(trace, rep)
+    mod = module_ids.astype(np.int64)
     if not len(al) or not (mod > 0).any():
         return None
-    backward = sites.forward
     key = np.where(al.alloc_index >= 0, mod * 2 + backward, -1)  # made in the trace; module 0: outside any
     uniq, inv = np.unique(key[key >= 0], return_inverse=True)
     group = np.full(len(al), -1, np.int64)
@@ -74,11 +93,22 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     total = np.bincount(group[group >= 0], weights=al.size[group >= 0], minlength=n)
     count = np.bincount(group[group >= 0], minlength=n)
     most = group_peaks(group, al, n)
-    rows = [{"module": trace.strings[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
+    rows = [{"module": names[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
              "bytes_at_peak": int(at_peak[k]), "peak_bytes": int(most[k]),
              "allocated_bytes": int(total[k]), "count": int(count[k])} for k, u in enumerate(uniq.tolist())]
+    if classes is not None:  # the class chain of each module found from the stacks, and how it was found
+        from .modtree import HOWS, allocation_modules
+
+        how = allocation_modules(trace, rep.device).how
+        rows_g = np.flatnonzero(group >= 0)
+        gid, at = np.unique(group[rows_g], return_index=True)
+        first = dict(zip(gid.tolist(), rows_g[at].tolist()))
+        for k, row in enumerate(rows):
+            r = first.get(k)
+            row["classes"] = names[int(classes[r])] if r is not None and classes[r] > 0 else None
+            row["how"] = HOWS[int(how[r])] if r is not None else None
     rows.sort(key=lambda r: (-r["bytes_at_peak"], -r["peak_bytes"], r["module"], r["pass"]))
-    return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows)}
+    return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows), "source": source}
 
 
 def _layers(rows: list[dict]) -> list[dict]:
@@ -94,9 +124,14 @@ def _layers(rows: list[dict]) -> list[dict]:
             continue
         at_peak = [m["bytes_at_peak"] for m in members]
         peaks = [m["peak_bytes"] for m in members]
-        out.append({"pattern": pattern, "pass": kind, "layers": len(members),
-                    "bytes_at_peak_min": min(at_peak), "bytes_at_peak_max": max(at_peak),
-                    "bytes_at_peak_total": sum(at_peak), "peak_bytes_max": max(peaks)})
+        row = {"pattern": pattern, "pass": kind, "layers": len(members),
+               "bytes_at_peak_min": min(at_peak), "bytes_at_peak_max": max(at_peak),
+               "bytes_at_peak_total": sum(at_peak), "peak_bytes_max": max(peaks)}
+        cls = next((m.get("classes") for m in members if m.get("classes")), None)
+        if cls:  # Qwen2ForCausalLM > Qwen2Model > Qwen2DecoderLayer ×4 > Qwen2Attention
+            row["classes"] = _BRACKET.sub(lambda _: f" ×{len(members)}", cls, count=1)
+            row["classes"] = _BRACKET.sub("", row["classes"])
+        out.append(row)
     out.sort(key=lambda r: -r["bytes_at_peak_total"])
     return out
 
@@ -106,3 +141,16 @@ def add_modules(trace: Trace, devices: list[dict], reps) -> None:
     for d in devices:
         d["modules"] = module_table(trace, reps[d["device"]])
 
+
+
+def allocation_module_names(trace: Trace, rep: DeviceReplay) -> tuple[np.ndarray, np.ndarray]:
+    """(strings, ids): every allocation's module ("" where none; a backward one as "… (backward)"), as an
+    index into unique strings, from our recorder's tags or else from the stacks (analysis/modtree.py)."""
+    module_ids, backward, _, _, names = allocation_module_ids(trace, rep)
+    key = module_ids.astype(np.int64) * 2 + backward.astype(np.int64)
+    uniq, inv = np.unique(key, return_inverse=True)
+    strings = np.empty(len(uniq), dtype=object)
+    for k, u in enumerate(uniq.tolist()):
+        name = names[u // 2] if u >= 2 else ""
+        strings[k] = f"{name} (backward)" if name and u % 2 else name
+    return strings, inv.reshape(-1).astype(np.int32)

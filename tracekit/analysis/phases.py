@@ -24,8 +24,8 @@ import numpy as np
 from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace
 from .memo import per_trace
 
-PHASES = ("none", "forward", "backward", "optimizer")
-NONE, FORWARD, BACKWARD, OPTIMIZER = range(4)
+PHASES = ("none", "forward", "backward", "optimizer", "prefill", "decode")
+NONE, FORWARD, BACKWARD, OPTIMIZER, PREFILL, DECODE = range(6)
 
 # Bits of frame evidence, per frame and (OR-ed) per stack.
 F_OPTIM = 1  # torch/optim/, or an optimizer kernel (_foreach_*, fused Adam): the optimizer step
@@ -46,6 +46,8 @@ F_AUTOTUNE = 16384  # Triton autotuning
 F_FACTORY = 32768  # a tensor made from nothing or copied in: randn, zeros, tensor, to(device)...
 F_KV_CACHE = 65536  # a Hugging Face KV cache (cache_utils.py)
 F_NO_GRAD = 131072  # torch.no_grad / inference_mode decorators (grad_mode.py)
+F_GENERATE = 262144  # a library's generation loop (transformers' generate / _sample / _beam_search ...)
+F_PREFILL = 524288  # transformers' _prefill (the first model call of a generation)
 
 _SEP = r"[/\\]"
 _RE_OPTIM = re.compile(rf"torch{_SEP}optim{_SEP}(?!lr_scheduler)")
@@ -61,7 +63,8 @@ _PARAM_INIT_NAMES = {"_apply", "load_state_dict", "_load_from_state_dict", "rese
                      "cuda", "load", "from_pretrained", "_load_state_dict_into_model", "init_weights"}
 _RE_CHECKPOINT = re.compile(rf"torch{_SEP}utils{_SEP}checkpoint\.py$")
 _RE_DATA = re.compile(rf"torch{_SEP}utils{_SEP}data{_SEP}")
-_RE_WORKSPACE = re.compile(r"getNewWorkspace|getCUDABlasLtWorkspace|cublasLt?Workspace")
+_RE_WORKSPACE = re.compile(r"getNewWorkspace|getNewCUDABlasLtWorkspace|getCUDABlasLtWorkspace|cublasLt?Workspace"
+                           r"|setWorkspaceForHandle|getCurrentCUDABlasL?t?Handle")
 _RE_COMM = re.compile(rf"c10d::|ProcessGroupNCCL|nccl|NCCL|torch{_SEP}distributed{_SEP}")
 _RE_AUTOTUNE = re.compile(rf"triton{_SEP}runtime{_SEP}autotuner|autotune|benchmarker")
 _RE_FACTORY = re.compile(
@@ -71,6 +74,10 @@ _RE_FACTORY = re.compile(
 _RE_KV_CACHE = re.compile(rf"(transformers|vllm|peft){_SEP}.*cache(_utils)?\.py$")
 _RE_GRAD_MODE = re.compile(rf"torch{_SEP}(autograd{_SEP}grad_mode|utils{_SEP}_contextlib)\.py$")
 _RE_METADATA = re.compile(r"tracekit:iter=(-?\d+)(?::phase=(\w+))?")
+_RE_GENERATION_FILE = re.compile(rf"{_SEP}generation{_SEP}[^/\\]*\.py$|{_SEP}(vllm|sglang){_SEP}")
+_GENERATE_NAMES = {"generate", "_sample", "_greedy_search", "_beam_search", "_beam_sample", "_group_beam_search",
+                   "_contrastive_search", "_assisted_decoding", "_dola_decoding", "_prefill", "sample", "greedy_search",
+                   "beam_search"}
 
 
 def frame_flags(filename: str, name: str, line: int | None = None) -> int:
@@ -112,6 +119,8 @@ def frame_flags(filename: str, name: str, line: int | None = None) -> int:
         bits |= F_KV_CACHE
     if _RE_GRAD_MODE.search(filename):
         bits |= F_NO_GRAD
+    if name in _GENERATE_NAMES and _RE_GENERATION_FILE.search(filename):
+        bits |= F_GENERATE | (F_PREFILL if name == "_prefill" else 0)
     if not bits and filename and frame_kind(filename, name, line) == USER:
         bits |= F_USER
     return bits
@@ -171,6 +180,7 @@ class DevicePhases:
     iteration: np.ndarray  # int32 per entry (-1: before the first known iteration)
     source: str  # "metadata", "recorder", "inferred" or "none"
     stamped: np.ndarray | None = None  # metadata source: bool per entry, True where our string is on it
+    generation: dict | None = None  # a generation (prefill + decoding steps): how it was recognised
 
     @property
     def n(self):
@@ -254,10 +264,22 @@ def when(trace: Trace, device: int, index: int) -> tuple[str | None, int | None,
         return None, None, ""
     code, it = int(ph.phase[index]), int(ph.iteration[index])
     phase = PHASES[code] if code != NONE else "between"
+    if ph.generation is not None:  # a generation: the prefill, decoding step k, the loop between them
+        step = decode_step(ph, it)
+        text = {PREFILL: "in the prefill", DECODE: f"in decoding step {step}"}.get(
+            code, "before the prefill" if it < 0 else ("after the prefill" if step == 0
+                                                        else f"after decoding step {step}"))
+        return phase, (it if it >= 0 else None), text
     text = {NONE: "between steps", OPTIMIZER: "in the optimizer step"}.get(code, f"in the {phase} pass")
     if it >= 0:
         text += f" of iteration {it}"
     return phase, (it if it >= 0 else None), text
+
+
+def decode_step(ph: DevicePhases, call: int) -> int:
+    """A generation's model call `call` as its step: 0 for a prefill, k for the k-th decoding step after it."""
+    prefills = [p for p in (ph.generation or {}).get("prefill_calls", []) if p <= call]
+    return call - prefills[-1] if prefills else call + 1  # no prefill seen (a window): counted from its start
 
 
 def metadata_iteration(text: str) -> int | None:
@@ -334,10 +356,73 @@ def _inferred(trace, sl) -> DevicePhases:
     if (is_alloc & has_frames).any():  # Python stacks were recorded: frameless allocations are autograd's
         code[is_alloc & ~has_frames] = _E_FRAMELESS
     _annotate(trace, sl, code)
+    gen = _generation(code, flags, has_frames, is_alloc, is_free)
+    if gen is not None:
+        return gen
     if not code.any():
         return DevicePhases(phase=np.zeros(n, np.int8), iteration=np.full(n, -1, np.int32), source="none")
     phase, iteration = _resolve(code)
     return DevicePhases(phase=phase, iteration=iteration, source="inferred")
+
+
+MIN_MODEL_CALLS = 3  # a prefill and at least two decoding steps
+MAX_FRAMELESS_SHARE = 0.02  # more allocations without a stack than this: backward under stacks="python"
+
+
+def _generation(code, flags, has_frames, is_alloc, is_free) -> DevicePhases | None:
+    """A generation: repeated model calls with no backward pass and no optimizer step, from a library's
+    generation loop or growing a KV cache. Each call of the model is a step: the prefill (the first
+    call, or transformers' `_prefill`), then decoding steps 1..N; the loop's own code between calls
+    (sampling, appending the token) is phase none of the step before. Iteration = the call's number."""
+    if np.isin(code, (_E_BACKWARD, _E_OPTIM)).any():
+        return None
+    frameless = int((code == _E_FRAMELESS).sum())
+    if frameless > MAX_FRAMELESS_SHARE * max(1, int(is_alloc.sum())):
+        return None
+    seen = np.bitwise_or.reduce(flags[has_frames]) if has_frames.any() else 0
+    if not seen & (F_GENERATE | F_KV_CACHE):
+        return None
+    touch = has_frames & (is_alloc | is_free)
+    in_model = touch & ((flags & F_MODULE) != 0)
+    outside = touch & ((flags & F_MODULE) == 0)
+    state = np.where(in_model, 1, np.where(outside, 2, 0)).astype(np.int8)
+    idx = np.arange(len(state))
+    last = np.maximum.accumulate(np.where(state > 0, idx, -1))
+    filled = np.where(last >= 0, state[np.maximum(last, 0)], 0)
+    begins = (filled == 1) & np.r_[True, filled[:-1] != 1]
+    calls = int(begins.sum())
+    if calls < MIN_MODEL_CALLS:
+        return None
+    call = np.cumsum(begins) - 1  # -1 before the first call
+    starts = np.flatnonzero(begins)
+    prefill_flag = (flags & F_PREFILL) != 0
+    if (prefill_flag & in_model).any():
+        is_prefill = np.zeros(calls, bool)
+        is_prefill[np.unique(call[prefill_flag & in_model & (call >= 0)])] = True
+        how = "transformers' _prefill frames mark the prefill"
+    else:
+        # the first call is the prefill unless it frees keys/values of an earlier call (a decoding step
+        # appends to the cache and frees the tensors it replaces: a window that opens mid-generation)
+        is_prefill = np.zeros(calls, bool)
+        first = slice(starts[0], starts[1] if calls > 1 else len(code))
+        frees_kv = bool((is_free[first] & ((flags[first] & F_KV_CACHE) != 0)).any())
+        is_prefill[0] = not frees_kv
+        how = ("the first model call is the prefill" if not frees_kv
+               else "no prefill: the first model call already replaces cached keys and values")
+    phase = np.zeros(len(code), np.int8)
+    inside = (filled == 1) & (call >= 0)
+    phase[inside] = np.where(is_prefill[call[inside]], PREFILL, DECODE)
+    iteration = call.astype(np.int32)
+    info = {"model_calls": calls, "prefills": int(is_prefill.sum()), "decode_steps": int(calls - is_prefill.sum()),
+            "call_starts": starts.tolist(), "prefill_calls": np.flatnonzero(is_prefill).tolist(),
+            "evidence": ["no backward pass and no optimizer step in the trace",
+                         f"{calls} calls of the model (module forward frames), separated by the loop's own code",
+                         how]}
+    if seen & F_GENERATE:
+        info["evidence"].append("a library's generation loop in the stacks (e.g. transformers' generate / _sample)")
+    if seen & F_KV_CACHE:
+        info["evidence"].append("a KV cache in the stacks (Hugging Face cache_utils.py)")
+    return DevicePhases(phase=phase, iteration=iteration, source="inferred", generation=info)
 
 
 def _annotate(trace, sl, code):

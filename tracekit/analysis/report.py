@@ -9,6 +9,7 @@ from .phases import when
 from .sites import group_sites, public, site_info
 
 TOP_STACKS = 10
+LIBRARY_ROWS = 30  # library_sites_at_peak rows kept in the report
 
 
 def build_report(trace: Trace, rules=None, estimate=None) -> dict:
@@ -37,7 +38,18 @@ def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
     p = rep.peak_index
     reserved_at_peak = rep.reserved_at(p)
     ev = trace.events
-    return {**_summary(trace, rep, p, reserved_at_peak, ev), **category_tables(trace, rep, rules)}
+    from .libraries import library_sites
+
+    out = {**_summary(trace, rep, p, reserved_at_peak, ev), **category_tables(trace, rep, rules)}
+    # the third-party line (transformers, peft, ...) that holds the memory, per category (issue 22)
+    out["library_sites_at_peak"] = library_sites(trace, rep.device, rep.allocations.live_at(p), rules,
+                                                 limit=LIBRARY_ROWS)
+    from .generation import generation_summary, kv_cache, workload
+
+    out["workload"], out["workload_evidence"] = workload(trace, rep.device)
+    out["kv_cache"] = kv_cache(trace, rep.device, rules)  # null unless a generation
+    out["generation"] = generation_summary(trace, rep.device, rules)
+    return out
 
 
 def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
@@ -46,7 +58,7 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
 
     model = allocator_replays(trace).get(rep.device)  # the caching allocator's own figures (issue 24)
     blocks = allocator_bytes(trace, rep) if model is None else model
-    phase, iteration, _ = when(trace, rep.device, p)
+    phase, iteration, during = when(trace, rep.device, p)
     stats = next((d.get("allocator_stats") for d in (trace.recorder or {}).get("devices") or []
                   if isinstance(d, dict) and d.get("index") == rep.device and d.get("type") == "cuda"), None)
     return {
@@ -58,6 +70,7 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
         "peak_time_us": time_of(trace, rep, p),
         "peak_phase": phase,
         "peak_iteration": iteration,
+        "peak_during": during or None,  # "in the backward pass of iteration 0", "in decoding step 5"
         # requested bytes (what the trace records) above; the allocator's block sizes here, as
         # torch.cuda.max_memory_allocated counts them (its own figures under allocator_stats when recorded)
         "peak_allocated_block_bytes": blocks.peak,
@@ -166,6 +179,14 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None, s
     peak["by_category"] = summary["categories_at_peak"]
     if peak["by_category"]:
         peak["summary"] += f" ({shares(peak['by_category'])})"
+    libs = summary.get("library_sites_at_peak") or []
+    if libs:  # the third-party line that holds the most (issue 22): the model's own line, not only the user's
+        from .libraries import library_where
+        from ..units import fmt_bytes
+
+        peak["library_line"] = library_where(libs[0])
+        peak["summary"] += f"; largest library line: {fmt_bytes(libs[0]['bytes'])} {libs[0]['category']} from " \
+                           f"{peak['library_line']}"
     found = [peak]
     spikes = spike_findings(trace, rep.device)
     found += spikes

@@ -126,7 +126,12 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     # no user frame: the stack itself is the site; no stack at all: what the categories say of it
     from .categories import categorize
 
-    reason = categorize(trace)[device].reason.astype(np.int64)
+    cats = categorize(trace)[device]
+    reason = cats.reason.astype(np.int64)
+    # a cuBLAS workspace is the handle's, not the line's that happened to run the first matmul: a site apart
+    workspace = cats.labels == cats.names.index("workspace")
+    if workspace.any():
+        nodes = np.where(workspace, trace.strings.intern("cuBLAS workspace"), nodes)
     first = np.where(user >= 0, user, np.where(own >= 0, -2 - own, -(1 << 40) - reason))
     key = first * (len(trace.strings) + 1) + np.where(user >= 0, nodes, 0)
     return AllocationSites(site_stack=site.astype(np.int32), key=key, borrowed=borrowed, forward=forward,

@@ -100,6 +100,14 @@ def tag_names(trace: Trace, rep) -> tuple[np.ndarray, np.ndarray]:
     recorded = recorded_modules(trace, rep)
     fill = (module == None) & (recorded != None)  # noqa: E711 (object arrays)
     module[fill] = recorded[fill]
+    if not fill.any():  # no module tags in the file: the modules found from the stacks (analysis/modtree.py)
+        from .modules import allocation_module_ids
+
+        ids, _, source, _, names = allocation_module_ids(trace, rep)
+        if source == "stacks":
+            found = np.array(list(names), dtype=object)[ids]
+            fill = (module == None) & (ids > 0)  # noqa: E711
+            module[fill] = found[fill]
     return tensor, module
 
 

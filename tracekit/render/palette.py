@@ -17,6 +17,8 @@ CATEGORY_COLORS = {
     "activation": GREEN,
     "temporary": VERMILLION,
     "input": SKY,
+    "kv_cache": YELLOW,
+    "workspace": "#C9B79C",  # a handle's scratch space: a quiet sand, like overhead
     "other": GREY,
     "allocated": BLUE,  # shown when a file has no categories
 }
@@ -24,7 +26,18 @@ CATEGORY_COLORS = {
 EXTRA_COLORS = (YELLOW, "#7F3C8D", "#11A579", "#3969AC", "#F2B701", "#80BA5A", "#E68310")
 
 # Phases are greys, so they never read as a category.
-PHASE_COLORS = {"forward": "#DADADA", "backward": "#B4B4B4", "optimizer": "#8A8A8A"}
+PHASE_COLORS = {"forward": "#DADADA", "backward": "#B4B4B4", "optimizer": "#8A8A8A",
+                 "prefill": "#9C9C9C", "decode": "#D6D6D6", "decode (odd)": "#C2C2C2"}
+
+
+def phase_color(name: str) -> str:
+    """A phase band's colour: a generation's decoding steps ("step 7") alternate two light greys."""
+    if name.startswith("step "):
+        try:
+            return PHASE_COLORS["decode (odd)" if int(name[5:]) % 2 else "decode"]
+        except ValueError:
+            return PHASE_COLORS["decode"]
+    return PHASE_COLORS.get(name, "#BBBBBB")
 RESERVED_FILL = "#EFEFEF"  # reserved but not allocated (the caching allocator's spare)
 FINDING_COLORS = {"peak": BLACK, "spike": VERMILLION, "leak": PURPLE, "oom": "#C00000",
                   "fragmentation": "#666666", "advice": BLUE}

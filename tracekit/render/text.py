@@ -29,6 +29,8 @@ def report_text(report: dict, t0_by_device=None) -> str:
             d.get("peak_phase"), f", in the {d.get('peak_phase')} pass") if d.get("peak_phase") else ""
         if during and d.get("peak_iteration") is not None:
             during += f" of iteration {d['peak_iteration']}"
+        if d.get("peak_during") and d.get("generation"):
+            during = f", {d['peak_during']}"
         pairs = [
             ("peak allocated", f"{fmt_bytes(d['peak_allocated_bytes']):>10}  "
                                f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}{during}"),
@@ -82,6 +84,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
             out.append("  live at the peak, by allocation site:")
             out += _rows([(f"{fmt_bytes(s['bytes']):>10}", f"{s['count']:>5}×  {_site(s)}")
                           for s in d["top_stacks_at_peak"]], indent="    ")
+        out += library_lines(d.get("library_sites_at_peak"), d.get("categories_at_peak") or {})
         from .modules import module_lines  # per module (issue 11)
         out += module_lines(d.get("modules"))
         out.append("")
@@ -102,6 +105,21 @@ def trace_report_text(trace, report: dict) -> str:
     return report_text(report, t0_by_device={d: t0 for d in trace.devices})
 
 
+def library_lines(rows, at_peak: dict, limit=8) -> list[str]:
+    """The third-party lines (transformers, peft, ...) holding memory at the peak (analysis/libraries.py)."""
+    from ..analysis.libraries import library_where
+
+    if not rows:
+        return []
+    covered = sum(r["bytes"] for r in rows if r["category"] in ("activation", "temporary"))
+    act = at_peak.get("activation", 0) + at_peak.get("temporary", 0)
+    share = f"; {covered / act:.0%} of activations and temporaries" if act else ""
+    out = [f"  live at the peak, by library line{share}:"]
+    out += _rows([(f"{fmt_bytes(r['bytes']):>10}", f"{r['count']:>5}×  {r['category']:<10} {library_where(r)}")
+                  for r in rows[:limit]], indent="    ")
+    return out
+
+
 def _shares(by_category: dict, limit=3) -> str:
     total = sum(by_category.values()) or 1
     top = sorted(by_category.items(), key=lambda kv: -kv[1])[:limit]
@@ -115,6 +133,8 @@ def _phase_rows(d: dict) -> list[str]:
         out += _rows([(p["phase"], f"peak {fmt_bytes(p['peak_bytes']):>10}  {_shares(p['categories_at_peak'])}")
                       for p in d["phases"]], indent="    ")
     its = d.get("iterations") or []
+    if d.get("generation"):
+        return out + generation_lines(d)
     if len(its) > 1:
         out.append("  by iteration:")
         rows = [(f"{it['iteration']}", f"peak {fmt_bytes(it['peak_bytes']):>10}   end {fmt_bytes(it['end_bytes']):>10}"
@@ -123,6 +143,29 @@ def _phase_rows(d: dict) -> list[str]:
             rows.append(("...", f"{len(its) - 12} more"))
         out += _rows(rows, indent="    ")
     return out
+
+
+def generation_lines(d: dict) -> list[str]:
+    """A generation's prefill and decoding steps, and its KV cache (analysis/generation.py)."""
+    g = d["generation"]
+    out = [f"  generation: {g['prefills']} prefill{'s' if g['prefills'] != 1 else ''} + {g['decode_steps']} decoding "
+           f"steps ({g['model_calls']} model calls)"]
+    kv = d.get("kv_cache") or {}
+    if kv:
+        first = "the prefill" if g["prefills"] else "the first step shown"
+        out.append(f"    KV cache {fmt_bytes(kv['bytes_at_peak'])} at the peak; {fmt_bytes(kv['bytes_at_prefill'])} after "
+                   f"{first}, +{fmt_bytes(kv['bytes_per_step'])} per decoding step, {fmt_bytes(kv['bytes_final'])} "
+                   f"after the last ({kv['steps']} steps)")
+    steps = g.get("steps") or []
+    shown = steps if len(steps) <= 6 else steps[:3] + steps[-2:]
+    rows = []
+    for i, c in enumerate(shown):
+        if len(steps) > 6 and i == 3:
+            rows.append(("...", f"{len(steps) - 5} more"))
+        name = "prefill" if c["kind"] == "prefill" else f"decode {c['step']}"
+        rows.append((name, f"peak {fmt_bytes(c['peak_bytes']):>10}   KV cache at its end "
+                           f"{fmt_bytes(c.get('kv_cache_bytes_end', 0)):>10}"))
+    return out + _rows(rows, indent="    ")
 
 
 def finding_lines(f: dict) -> list[str]:
