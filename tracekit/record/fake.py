@@ -75,6 +75,8 @@ _SKIP_FILES = ("torch/utils/_python_dispatch.py", "torch/_subclasses/", "torch/_
                "torch/_compile.py", "torch/_dynamo/", "torch/overrides.py", "torch/utils/_pytree.py",
                "torch/_prims_common/", "torch/_decomp/", "torch/_refs/", "torch/_meta_registrations.py",
                "torch/fx/", "torch/_library/")
+# frames of the simulator's own machinery are left out; the training step (fake_step.py) stays, as a user's
+# training script would
 _SKIP_NAMES = {__file__, __file__.replace("fake.py", "cuda_kernels.py"), __file__.replace("fake.py", "hf_model.py")}
 
 
@@ -528,62 +530,6 @@ class _Marks:
         self.log.metadata = ""
 
 
-def _fake_model(model, dtype, tracker, log):
-    """Replace every parameter and buffer by a fake tensor in the same order `model.to(device)` makes them,
-    keeping shared (tied) tensors shared."""
-    import torch
-    memo = {}
-
-    def convert(t, is_param):
-        got = memo.get(id(t))
-        if got is not None:
-            return got
-        target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-        with log.op("empty_strided"):
-            new = torch.empty(t.shape, dtype=target, device="cpu")
-        if is_param:
-            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-        memo[id(t)] = new
-        return new
-
-    for module in _apply_order(model):
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = convert(p, True)
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                module._buffers[name] = convert(b, False)
-    return model
-
-
-def _apply_order(model):
-    """Module._apply's order: children first (depth first), then the module's own tensors."""
-    out = []
-
-    def walk(m):
-        for c in m.children():
-            walk(c)
-        out.append(m)
-    walk(model)
-    return out
-
-
-def _make_optimizer(name, params, lr, precision):
-    import torch
-    if name == "none":
-        return None
-    if name in ("adam", "adamw"):
-        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-        return cls(params, lr=lr, foreach=True)  # CUDA's default (_default_to_fused_or_foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=True)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
-    if name == "adafactor":
-        return torch.optim.Adafactor(params, lr=lr, foreach=True)
-    raise SimulationError(f"optimizer {name!r} cannot be simulated")
-
-
 @contextlib.contextmanager
 def _eager_transformers():
     """transformers treats fake tensors as tracing (torch.compile) and then takes its compile-safe paths
@@ -610,112 +556,69 @@ def simulate(w: Workload, progress=None) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 
     from . import cuda_kernels as ck
+    from . import fake_step
 
     if w.config.get("is_encoder_decoder"):
-        raise SimulationError("--simulate runs decoder-only causal language models (this config is encoder-decoder)")
+        raise SimulationError("--simulate trains decoder-only causal language models (this config is encoder-decoder)")
     model = build_meta(w.config)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     if not vocab:
         raise SimulationError("the config has no vocab_size: cannot make token ids for the batch")
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise SimulationError(f"{type(model).__name__} has no language-model head: --simulate trains causal LMs")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(w.precision)
     log = Log()
-    log.record_ops = True
-    Tracker = _tracker_class()
-    tracker = Tracker(log, tuple(w.sm))
+    tracker = _tracker_class()(log, tuple(w.sm))
     autocast = ck.CudaAutocast(on_cast=log.on_cast)
     sdpa = _sdpa_mode_class()(tuple(w.sm), autocast, log)
     marks = _Marks(log)
-    gen = torch.Generator().manual_seed(w.seed)
     tags = []
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     old_grad = torch.is_grad_enabled()
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_quiet_transformers())
             stack.enter_context(_eager_transformers())
             stack.enter_context(autocast.installed())
-            stack.enter_context(fake_mode)
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(tracker)
             stack.enter_context(sdpa)
-            log.metadata = "tracekit:setup"
-            _fake_model(model, dtype, tracker, log)
-            if w.checkpointing == "full":
-                model.gradient_checkpointing_enable()
-            model.train()
-            from .hf_model import unique_parameters
-            params = unique_parameters(model)
-            opt = _make_optimizer(w.optimizer, [p for p in params if p.requires_grad], w.lr, w.precision)
-            for n, p in model.named_parameters():
-                tags.append(("parameter", tracker.sid_of(p), n))
-            for n, b in model.named_buffers():
-                tags.append(("buffer", tracker.sid_of(b), n))
-            log.metadata = ""
+            torch.set_grad_enabled(True)
+            run = fake_step.Run(w, model, tracker=tracker, autocast=autocast, marks=marks, log=log, tags=tags)
+            run.setup()
             total = w.warmup + w.steps
             for i in range(total):
                 if progress:
-                    progress(i / total, f"step {i + 1} of {total}")
-                _step(i, model, opt, w, torch, tracker, autocast, marks, log, gen, vocab, tags, dtype)
+                    progress(i / total, f"simulating step {i + 1} of {total}")
+                run.step(i)
             gc.collect()
-            host = _host_sids(opt, tracker, log)
+            host = _host_sids(run.optimizer, tracker, log)
     except SimulationError:
         raise
     except UnsupportedOperatorException as e:
-        raise SimulationError(f"an operator has no fake implementation ({e}); use the formulas (without --simulate)") from None
+        raise SimulationError(f"an operator has no fake implementation ({e}): use the formulas (without "
+                              "--simulate)") from None
+    except MemoryError:
+        raise SimulationError("the simulation ran out of host memory") from None
     except Exception as e:
-        raise SimulationError(f"the simulated step failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]) from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise SimulationError(f"the simulated step failed: {type(e).__name__}: {first}"[:400]) from None
     finally:
         torch.set_grad_enabled(old_grad)
     return _snapshot(log, marks, tags, host, w, model, sdpa.used, transformers.__version__, torch.__version__)
 
 
-def _step(i, model, opt, w, torch, tracker, autocast, marks, log, gen, vocab, tags, dtype):
-    marks.start_iteration(i)
-    from torch.utils._python_dispatch import _disable_current_modes
-    with _disable_current_modes():
-        real_ids = torch.randint(0, vocab, (w.batch, w.seq), generator=gen)
-    with log.op("_to_copy"):
-        ids = torch.empty((w.batch, w.seq), dtype=torch.int64)  # batch.to(device)
-    tracker.set_shadow(ids, real_ids)
-    tags.append(("input", tracker.sid_of(ids), "input_ids"))
-    marks.start_phase("forward")
-    kwargs = {"input_ids": ids, "labels": ids}
-    if _accepts(model, "use_cache"):
-        kwargs["use_cache"] = False  # a training step keeps no KV cache
-    if w.precision == "amp":
-        with autocast.region(torch.bfloat16):
-            out = model(**kwargs)
-    else:
-        out = model(**kwargs)
-    loss = out.loss
-    marks.start_phase("backward")
-    if loss.grad_fn is not None:
-        tracker.watch_graph(loss.grad_fn)
-    loss.backward()
-    if opt is not None:
-        for n, p in model.named_parameters():
-            if p.grad is not None:
-                tags.append(("gradient", tracker.sid_of(p.grad), n + ".grad"))
-        marks.start_phase("optimizer")
-        opt.step()
-        for p, state in opt.state.items():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor):
-                    tags.append(("optimizer_state" if k != "step" else "step", tracker.sid_of(v), k))
-        opt.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
-    marks.end_phase()
-    del out, loss, ids
-    marks.end_iteration()
-
-
-def _accepts(model, name) -> bool:
-    import inspect
+@contextlib.contextmanager
+def _quiet_transformers():
+    import logging
+    import warnings
+    lg = logging.getLogger("transformers")
+    level = lg.level
+    lg.setLevel(logging.ERROR)
     try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        lg.setLevel(level)
 
 
 def _host_sids(opt, tracker, log) -> set:
@@ -739,7 +642,10 @@ def _host_sids(opt, tracker, log) -> set:
 
 def _snapshot(log, marks, tags, host, w, model, sdpa_used, hf_version, torch_version) -> dict:
     """The snapshot dict: device_traces without host storages, final segments, and the tracekit key."""
-    import torch
+    from .hf_model import unique_parameters
+    unique = unique_parameters(model)
+    params = int(sum(p.numel() for p in unique))
+    trainable = int(sum(p.numel() for p in unique if p.requires_grad))
     host_entries = set()
     for sid in host:
         info = log.info.get(sid)
@@ -777,11 +683,14 @@ def _snapshot(log, marks, tags, host, w, model, sdpa_used, hf_version, torch_ver
     live = [(addr, size, e) for sid, (addr, size, e) in log.live.items() if sid not in host]
     segments = []
     for addr, size, e in sorted(live, key=lambda x: x[0]):
+        # one segment per block live at the end (as the CPU backend writes them): the allocator's segments
+        # are not simulated, so reserved equals allocated here; blocks are the request rounded up to 512 B
+        block = max(ALIGN, (size + ALIGN - 1) // ALIGN * ALIGN)
         segments.append({
-            "device": 0, "address": addr, "total_size": size, "allocated_size": size, "active_size": size,
+            "device": 0, "address": addr, "total_size": block, "allocated_size": block, "active_size": block,
             "requested_size": size, "stream": 0, "segment_type": "large" if size > (1 << 20) else "small",
             "segment_pool_id": (0, 0), "is_expandable": False, "frames": e["frames"],
-            "blocks": [{"address": addr, "size": size, "requested_size": size, "state": "active_allocated",
+            "blocks": [{"address": addr, "size": block, "requested_size": size, "state": "active_allocated",
                         "frames": e["frames"]}],
         })
     tag_items = []
@@ -810,6 +719,8 @@ def _snapshot(log, marks, tags, host, w, model, sdpa_used, hf_version, torch_ver
                              "checkpointing": w.checkpointing, "sm": list(w.sm), "warmup": w.warmup,
                              "steps": w.steps},
                 "model_class": type(model).__name__,
+                "params": params,
+                "trainable_params": trainable,
                 "sdpa_backends": dict(sdpa_used),
                 "host_storages": len(host),
                 "reserved": "not modelled (the caching allocator's segments are not simulated)",
@@ -819,8 +730,9 @@ def _snapshot(log, marks, tags, host, w, model, sdpa_used, hf_version, torch_ver
 
 
 def _label(log, cat, marks):
-    """Categories of the untagged allocations: made in forward and alive when backward begins = activation,
-    the cuBLAS workspaces = other, autocast's weight copies = parameter (as tracekit's classifier names them)."""
+    """Categories of the untagged allocations, as our recorder would tag them: made in forward and alive when
+    backward begins = activation (what autograd saved, autocast's weight copies included), the cuBLAS workspaces
+    = other, autocast's weight copies that die with the autocast region = parameter, the rest temporary."""
     starts = {}
     for p in marks.phases:
         if p["phase"] == "backward":
@@ -831,9 +743,6 @@ def _label(log, cat, marks):
         if info.get("workspace"):
             cat[sid] = "other"
             continue
-        if info.get("weight_cast"):
-            cat[sid] = "parameter"  # autocast's copy of a weight (tracekit's classifier says the same)
-            continue
         md = info.get("metadata", "")
         if md.endswith("phase=forward"):
             it = int(md.split("iter=")[1].split(":")[0])
@@ -842,4 +751,7 @@ def _label(log, cat, marks):
             freed_at = log.entries[fe]["time_us"] if fe is not None else None
             if t0 is not None and (freed_at is None or freed_at > t0):
                 cat[sid] = "activation"
+                continue
+        if info.get("weight_cast"):  # autocast's copy of a weight freed when autocast exits (as tracekit names it)
+            cat[sid] = "parameter"
 
