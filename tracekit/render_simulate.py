@@ -47,7 +47,8 @@ def simulate_text(out: dict) -> str:
         lines.append(f"  {cat:<16} {fmt_bytes(b):>11}")
     lines += ["", "Largest lines at the peak"]
     for g in s["lines_at_peak"]:
-        lines.append(f"  {fmt_bytes(g['bytes']):>11}  {g['category']:<15} {g['line']}  ({g["count"]} block{"s" if g["count"] != 1 else ""})")
+        n = g["count"]
+        lines.append(f"  {fmt_bytes(g['bytes']):>11}  {g['category']:<15} {g['line']}  ({n} block{'s' if n != 1 else ''})")
     formula = out.get("formula") or {}
     if formula.get("per_gpu"):
         t = formula["per_gpu"]["total"]
