@@ -24,8 +24,8 @@ def simulate_text(out: dict) -> str:
              f"(counted by the {pc.get('path', 'formula')})",
              f"  micro-batch {w['batch']} x seq {w['seq']}, precision {PRECISION.get(w['precision'], w['precision'])}, "
              f"optimizer {w['optimizer']}, checkpointing {w['checkpointing']}",
-             f"  GPU {gpu['name']} (sm{gpu['compute_capability'][0]}{gpu['compute_capability'][1]}): attention "
-             + (", ".join(f"{k} x{v}" for k, v in s["sdpa_backends"].items()) or "without SDPA")
+             f"  GPU {gpu['name']} (sm{gpu['compute_capability'][0]}{gpu['compute_capability'][1]}): attention by "
+             + (", ".join(f"{k} ({v} calls a step)" for k, v in s["sdpa_backends"].items()) or "no SDPA call")
              + f"; torch {s['torch']}, transformers {s['transformers']}", ""]
     where = f"step {s['iteration']}" + (f", {s['phase']}" if s["phase"] else "") + (f", at {s['at']}" if s["at"] else "")
     lines.append(f"Peak allocated (max_memory_allocated): {_b(s['peak_allocated_bytes'])}")

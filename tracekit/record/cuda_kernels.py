@@ -241,7 +241,16 @@ class CudaAutocast:
                     if _overload(name) is not None:
                         lib.impl(name, self.kernel(name, "passthrough"), "AutocastCPU")
             self._lib = lib
-            yield self
+            clear = torch.clear_autocast_cache
+
+            def clear_both():  # torch.autocast.__exit__ at nesting 0 (checkpoint recomputes included)
+                self.cache.clear()
+                clear()
+            torch.clear_autocast_cache = clear_both
+            try:
+                yield self
+            finally:
+                torch.clear_autocast_cache = clear
         finally:
             self._lib = None
             lib._destroy()
@@ -450,3 +459,65 @@ def attention_function(backend: str, name_op):
     name = NODE_NAMES.get(backend, "ScaledDotProductAttention")
     return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+class CudaComposites:
+    """scaled_dot_product_attention and dropout as their CUDA composites run them, installed as Python kernels on
+    CompositeImplicitAutograd while `installed()` is active (dispatcher-level, so they also hold inside the
+    autograd engine, where checkpointing re-runs the forward and Python's function modes are off).
+
+    - scaled_dot_product_attention (attention.cpp): the backend select_sdp_backend picks for this GPU, the
+      boolean mask made additive (convert_boolean_attn_mask), the efficient kernel's mask padded to 16
+      (preprocess_mask), then the backend's own allocations (attention_function). Autocast has cast q, k, v
+      before (the lower-precision policy on AutocastCPU).
+    - dropout (Dropout.cpp): on CUDA 0 < p < 1 takes the fused native_dropout, which saves a bool mask; CPU's
+      composite multiplies by a noise tensor of the input's dtype."""
+
+    def __init__(self, sm, name_op):
+        self.sm, self.name_op = sm, name_op
+        self.functions = {}
+        self.used = {}
+
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+             enable_gqa=False):
+        backend = select_backend(self.sm, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        self.used[backend] = self.used.get(backend, 0) + 1
+        if backend == MATH:
+            return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
+                                                           scale=scale, enable_gqa=enable_gqa)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            with self.name_op("scaled_dot_product_attention"):
+                zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
+                attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), zero)
+        if attn_mask is not None and backend == EFFICIENT and attn_mask.size(-1) % 16:
+            with self.name_op("scaled_dot_product_attention"):
+                s = attn_mask.size(-1)
+                attn_mask = torch.nn.functional.pad(attn_mask, (0, _round_up(s, 16) - s))[..., :s]
+        fn = self.functions.get(backend)
+        if fn is None:
+            fn = self.functions[backend] = attention_function(backend, self.name_op)
+        return fn.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    @staticmethod
+    def dropout(input, p, train):
+        if not train or p == 0 or input.numel() == 0:
+            return input
+        if p == 1:
+            return input.mul(torch.zeros((), dtype=input.dtype, device=input.device))
+        if input.is_floating_point() and 0 < p < 1:
+            return aten.native_dropout(input, p, train)[0]
+        noise = torch.empty_like(input).bernoulli_(1 - p).div_(1 - p)
+        return input * noise
+
+    @contextlib.contextmanager
+    def installed(self):
+        import warnings
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lib.impl("scaled_dot_product_attention", self.sdpa, "CompositeImplicitAutograd")
+                lib.impl("dropout", self.dropout, "CompositeImplicitAutograd")
+            yield self
+        finally:
+            lib._destroy()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import time
 import weakref
@@ -425,76 +426,6 @@ def _tracker_class():
     return Tracker
 
 
-# -- SDPA as the CUDA dispatcher runs it -----------------------------------------------------------------------
-
-def _sdpa_mode_class():
-    import torch
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
-
-    from . import cuda_kernels as ck
-
-    targets = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-    dropouts = {F.dropout, torch.dropout, torch._VF.dropout, torch.nn.functional.dropout}
-
-    class CudaSdpa(TorchFunctionMode):
-        def __init__(self, sm, autocast, log):
-            super().__init__()
-            self.sm, self.autocast, self.log = sm, autocast, log
-            self.functions = {}
-            self.used = {}
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in targets:
-                return self.sdpa(*args, **kwargs)
-            if func in dropouts:
-                return self.dropout(func, *args, **kwargs)
-            return func(*args, **kwargs)
-
-        def dropout(self, func, input, p=0.5, training=True, inplace=False):
-            """aten::dropout on CUDA takes the fused native_dropout (a bool mask saved for backward) when
-            0 < p < 1 (Dropout.cpp is_fused_kernel_acceptable); CPU multiplies by a noise tensor of the input's
-            dtype instead."""
-            if not (training and 0 < p < 1 and input.numel() > 0 and input.is_floating_point()):
-                return func(input, p, training) if func is not F.dropout else func(input, p, training, inplace)
-            out = torch.ops.aten.native_dropout(input, p, True)[0]
-            if inplace:
-                return input.copy_(out)
-            return out
-
-        def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False):
-            if self.autocast is not None and self.autocast.active():
-                with self.log.op("scaled_dot_product_attention"):
-                    dt = self.autocast.dtype
-                    query, key, value = (self.autocast.cached_cast(dt, t) for t in (query, key, value))
-                    if attn_mask is not None and attn_mask.is_floating_point():
-                        attn_mask = self.autocast.cached_cast(dt, attn_mask)
-            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
-                backend = ck.select_backend(self.sm, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-                self.used[backend] = self.used.get(backend, 0) + 1
-                if backend == ck.MATH:
-                    return torch.ops.aten._scaled_dot_product_attention_math(
-                        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
-                        enable_gqa=enable_gqa)[0]
-                if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask
-                    with self.log.op("scaled_dot_product_attention"):
-                        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
-                        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), zero)
-                if attn_mask is not None and backend == ck.EFFICIENT and attn_mask.size(-1) % 16:
-                    with self.log.op("scaled_dot_product_attention"):  # preprocess_mask: pad_bias<16>
-                        s = attn_mask.size(-1)
-                        padded = torch.nn.functional.pad(attn_mask, (0, ck._round_up(s, 16) - s))
-                        attn_mask = padded[..., :s]
-                fn = self.functions.get(backend)
-                if fn is None:
-                    fn = self.functions[backend] = ck.attention_function(backend, self.log.op)
-                return fn.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-    return CudaSdpa
-
-
 # -- the workload ----------------------------------------------------------------------------------------------
 
 class _Marks:
@@ -569,7 +500,7 @@ def simulate(w: Workload, progress=None) -> dict:
     log = Log()
     tracker = _tracker_class()(log, tuple(w.sm))
     autocast = ck.CudaAutocast(on_cast=log.on_cast)
-    sdpa = _sdpa_mode_class()(tuple(w.sm), autocast, log)
+    composites = ck.CudaComposites(tuple(w.sm), log.op)
     marks = _Marks(log)
     tags = []
     old_grad = torch.is_grad_enabled()
@@ -578,9 +509,9 @@ def simulate(w: Workload, progress=None) -> dict:
             stack.enter_context(_quiet_transformers())
             stack.enter_context(_eager_transformers())
             stack.enter_context(autocast.installed())
+            stack.enter_context(composites.installed())
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(tracker)
-            stack.enter_context(sdpa)
             torch.set_grad_enabled(True)
             run = fake_step.Run(w, model, tracker=tracker, autocast=autocast, marks=marks, log=log, tags=tags)
             run.setup()
@@ -590,7 +521,7 @@ def simulate(w: Workload, progress=None) -> dict:
                     progress(i / total, f"simulating step {i + 1} of {total}")
                 run.step(i)
             gc.collect()
-            host = _host_sids(run.optimizer, tracker, log)
+            host = _host_sids(run.optimizer, tracker, log, tags)
     except SimulationError:
         raise
     except UnsupportedOperatorException as e:
@@ -600,10 +531,13 @@ def simulate(w: Workload, progress=None) -> dict:
         raise SimulationError("the simulation ran out of host memory") from None
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if os.environ.get("TRACEKIT_DEBUG"):
+            raise
         raise SimulationError(f"the simulated step failed: {type(e).__name__}: {first}"[:400]) from None
     finally:
         torch.set_grad_enabled(old_grad)
-    return _snapshot(log, marks, tags, host, w, model, sdpa.used, transformers.__version__, torch.__version__)
+    return _snapshot(log, marks, tags, host, w, model, composites.used, str(transformers.__version__),
+                     str(torch.__version__))
 
 
 @contextlib.contextmanager
@@ -621,7 +555,7 @@ def _quiet_transformers():
         lg.setLevel(level)
 
 
-def _host_sids(opt, tracker, log) -> set:
+def _host_sids(opt, tracker, log, tags) -> set:
     """Storages a real run keeps in host memory: torch.optim's step counters (CPU tensors unless capturable or
     fused) and what only they feed (bias corrections...)."""
     import torch
@@ -633,10 +567,34 @@ def _host_sids(opt, tracker, log) -> set:
                 sid = tracker.sid_of(t)
                 if sid is not None:
                     host.add(sid)
-    # lost references (released step tensors): any storage tagged "step" earlier is host too
-    for name, ins, outs in log.ops:
-        if ins and all(s in host for s in ins if s is not None) and any(s is not None for s in ins):
-            host.update(s for s in outs if s is not None)
+    for kind, sid, _ in tags:  # earlier steps' counters too (a foreach step may replace them)
+        if kind == "step" and sid is not None:
+            host.add(sid)
+    # a scalar made from a Python number (torch.tensor(1.0): a CPU tensor in a CUDA run) whose every use is
+    # beside host tensors is one of them (adam.py: _foreach_add_(steps, torch.tensor(1.0, device="cpu")))
+    uses = {}
+    for k, (name, ins, outs) in enumerate(log.ops):
+        for s in ins:
+            if s is not None:
+                uses.setdefault(s, []).append(k)
+    scalars = [sid for sid, info in log.info.items() if info.get("op") in ("lift_fresh", "lift_fresh_copy")
+               and info.get("shape") == ()]
+    changed = True
+    while changed:
+        changed = False
+        for name, ins, outs in log.ops:  # what only host tensors make is on the host
+            real = [s for s in ins if s is not None]
+            if real and all(s in host for s in real):
+                new = {s for s in outs if s is not None} - host
+                if new:
+                    host |= new
+                    changed = True
+        for sid in scalars:
+            if sid in host or sid not in uses:
+                continue
+            if all(any(s in host for s in log.ops[k][1] if s is not None and s != sid) for k in uses[sid]):
+                host.add(sid)
+                changed = True
     return host
 
 
@@ -721,7 +679,9 @@ def _snapshot(log, marks, tags, host, w, model, sdpa_used, hf_version, torch_ver
                 "model_class": type(model).__name__,
                 "params": params,
                 "trainable_params": trainable,
-                "sdpa_backends": dict(sdpa_used),
+                # scaled_dot_product_attention calls per step, by the backend a CUDA run takes (checkpointing
+                # calls it again in backward)
+                "sdpa_backends": {k: v // max(1, w.warmup + w.steps) for k, v in sdpa_used.items()},
                 "host_storages": len(host),
                 "reserved": "not modelled (the caching allocator's segments are not simulated)",
             },

@@ -250,7 +250,14 @@ def recorded_peak(trace: Trace, device: int | None = None, lines: int = 10) -> d
     its = tk.get("iterations") or []
     if its:  # our recorder's files: the first iteration is the measured start
         before = _before_measured(trace, rep, int(its[0]["start_us"]))
-    return {"peak_allocated_bytes": ab.peak, "peak_requested_bytes": int(rep.allocations.size[live].sum()),
+    requested = rep.allocations.size.copy()  # the trace's sizes are requests; blocks made before it have
+    b = trace.blocks  # their request in the final segments (a block's size is the allocator's)
+    final = dict(zip(b.addr[b.device == device].tolist(), b.requested_size[b.device == device].tolist()))
+    for r in np.flatnonzero(rep.allocations.alloc_index < 0).tolist():
+        got = final.get(int(rep.allocations.addr[r]))
+        if got:
+            requested[r] = got
+    return {"peak_allocated_bytes": ab.peak, "peak_requested_bytes": int(requested[live].sum()),
             "device": device, "categories_at_peak": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
             "lines_at_peak": _lines(trace, rep, live, sizes, cats, before)[:max(lines, 1000)],
             "peak_reserved_bytes": rep.peak_reserved}
