@@ -81,6 +81,11 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
     progress = StderrProgress("simulating")
     try:
         snap, trace = simulate_once(config, kw, gpu, progress=progress)
+    except TracekitError as e:
+        if not (out["formula"] or {}).get("per_gpu"):
+            raise  # nothing to fall back on: the simulation's own line
+        out.update(simulated=None, simulation_error=str(e), fallback="formula")
+        return out
     finally:
         progress.close()
     peak = sim.simulated_peak(trace)
@@ -114,7 +119,7 @@ def _formula(kw):
         est = estimate(shape_from(kw), setup_from(kw))
     except TracekitError as e:
         return {"error": str(e)}
-    return {"per_gpu": est.per_gpu, "params": est.params}
+    return {"per_gpu": est.per_gpu, "params": est.params, "estimate": est}
 
 
 def _largest(config, kw, gpu, what, capacity) -> dict:
@@ -153,6 +158,16 @@ def _max_positions(config) -> int | None:
 
 def emit(out, as_json):
     from ._common import echo_json
+    est = (out.get("formula") or {}).pop("estimate", None)
+    if out.get("simulated") is None and "simulation_error" in out:
+        click.echo(f"tracekit: --simulate: {out['simulation_error']}; the formula estimate follows", err=True)
+        if as_json:
+            echo_json(dict(est.to_dict(), simulated=None, simulation_error=out["simulation_error"],
+                           fallback="formula", gpu=out["gpu"]))
+        else:
+            from ..render_estimate import estimate_text
+            click.echo(estimate_text(est))
+        return
     if as_json:
         echo_json(out)
     else:

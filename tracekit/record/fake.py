@@ -542,17 +542,20 @@ def simulate(w: Workload, progress=None) -> dict:
 
 @contextlib.contextmanager
 def _quiet_transformers():
+    """transformers' advice and torch's fake-tensor error logs are not for the user: the one line we raise is."""
     import logging
     import warnings
-    lg = logging.getLogger("transformers")
-    level = lg.level
-    lg.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(n) for n in ("transformers", "torch._subclasses.fake_tensor", "torch._subclasses")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL if lg.name.startswith("torch") else logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        lg.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _host_sids(opt, tracker, log, tags) -> set:
