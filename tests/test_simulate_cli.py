@@ -152,3 +152,35 @@ def test_usage_errors_are_one_line(tmp_path, capsys, args, says):
 def test_bad_configs_are_one_line(tmp_path, capsys, config, says):
     code, out, err = cli(capsys, "--config", config_file(tmp_path, config), "--seq", "16", "--simulate")
     assert code == 2 and says in err and err.strip().count("\n") == 0 and "Traceback" not in err
+
+
+def test_a_step_that_cannot_be_simulated_falls_back_to_the_formulas(tmp_path, capsys, monkeypatch):
+    from tracekit.record import fake_step
+
+    def boom(self, i):
+        raise RuntimeError("Expected inputs of BF16 type")  # what a kernel's meta function may refuse
+    monkeypatch.setattr(fake_step.Run, "step", boom)
+    cfg = config_file(tmp_path, small(TRUTH[TRAINING[0]]["config"]))
+    code, out, err = cli(capsys, "--config", cfg, "--batch", "1", "--seq", "16", "--simulate", "--json")
+    assert code == 0 and err.strip().count("\n") == 0
+    assert "the simulated step failed: RuntimeError: Expected inputs of BF16 type" in err
+    assert "the formula estimate follows" in err
+    got = json.loads(out)
+    assert got["simulated"] is None and got["fallback"] == "formula" and got["per_gpu"]["total"] > 0
+
+
+def test_weights_follow_the_precision_not_the_configs_dtype(tmp_path, capsys):
+    """A config.json's torch_dtype is the checkpoint's; amp trains fp32 weights, bf16 trains bf16 ones."""
+    base = dict(small(TRUTH[TRAINING[0]]["config"]), torch_dtype="bfloat16")
+    cfg = config_file(tmp_path, base)
+    sizes = {}
+    for precision in ("amp", "bf16"):
+        code, out, err = cli(capsys, "--config", cfg, "--batch", "1", "--seq", "16", "--precision", precision,
+                             "--simulate", "--json")
+        assert code == 0, err
+        cats = json.loads(out)
+        sizes[precision] = cats["param_count"]["params"]
+        s = cats["simulated"]
+        sizes[precision + "_state"] = s["categories_at_peak"]["optimizer_state"]
+    assert sizes["amp"] == sizes["bf16"]
+    assert sizes["amp_state"] > 1.9 * sizes["bf16_state"]  # AdamW's state is made like the weight

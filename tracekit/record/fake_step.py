@@ -19,7 +19,9 @@ class Run:
         self.w, self.model = w, model
         self.tracker, self.autocast, self.marks, self.log, self.tags = tracker, autocast, marks, log, tags
         self.optimizer = None
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(w.precision)
+        # the weights' dtype: fp32 for fp32 and amp (autocast runs on fp32 weights), else 16-bit; a config's own
+        # torch_dtype (which transformers builds in) is what a checkpoint was saved in, not how it is trained
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(w.precision, torch.float32)
         self.vocab = int(model.config.vocab_size)
         self.generator = torch.Generator().manual_seed(w.seed)
         self.use_cache_kw = _accepts(model, "use_cache")
