@@ -25,7 +25,7 @@ import os
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import TracekitError
 
@@ -54,7 +54,6 @@ class Workload:
     steps: int = 1
     lr: float = 1e-4
     seed: int = 0
-    notes: list = field(default_factory=list)
 
     def check(self):
         if self.precision not in PRECISIONS:
@@ -238,7 +237,6 @@ def _tracker_class():
             self.workspaces = {}  # (kind, thread) -> sid
             self.prehook_node = None
             self.node_inputs = set()
-            self.unknown_scalar = []
 
         # storages --------------------------------------------------------------------
         def sid_of(self, t):
