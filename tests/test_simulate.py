@@ -269,3 +269,26 @@ def test_largest_fitting_is_exact(peak, budget):
         runs = {t["value"]: t["fits"] for t in got["tries"]}
         assert runs[brute] and not runs[brute + 1]  # both sides of the answer were simulated
     assert len(got["tries"]) <= 2 * np.log2(1 << 12) + 4
+
+
+def test_cuda_autocast_policy_on_fake_cpu_tensors():
+    """What torch.autocast("cuda", bfloat16) does, on fake CPU tensors: matmuls in bf16, softmax to fp32 (its dtype
+    argument set, positionally or not), weights cast once per region from a cache cleared at the region's end, and
+    none of CPU autocast's own choices (CPU promotes cat; CUDA does not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    casts = []
+    ac = ck.CudaAutocast(on_cast=lambda on, weight: casts.append(weight) if on else None)
+    with ac.installed(), FakeTensorMode():
+        w = torch.nn.Parameter(torch.empty(8, 8))
+        x = torch.empty(4, 8)
+        with ac.region(torch.bfloat16):
+            y = torch.nn.functional.linear(x, w)
+            y2 = torch.nn.functional.linear(x, w)
+            assert y.dtype == y2.dtype == torch.bfloat16
+            assert len(ac.cache) == 1 and casts.count(True) == 1  # the weight once, the input twice
+            assert torch.softmax(y, -1).dtype == torch.float32
+            assert torch.ops.aten.softmax.int(y, -1, None).dtype == torch.float32
+            assert torch.cat([y, x]).dtype == torch.float32  # plain type promotion, no autocast cast
+            assert torch.is_autocast_enabled("cuda")
+        assert ac.cache == {} and not torch.is_autocast_enabled("cuda")
+        assert torch.nn.functional.linear(x, w).dtype == torch.float32  # outside the region

@@ -194,10 +194,17 @@ class CudaAutocast:
                     args, kwargs = self.cast_all(to, args, kwargs)
                     return op(*args, **kwargs)
         elif policy == "fp32_set_opt_dtype":
+            names = [a.name for a in op._schema.arguments]
+            at = names.index("dtype") if "dtype" in names else None
+
             def k(*args, **kwargs):
                 with torch._C._ExcludeDispatchKeyGuard(exclude):
-                    if args and self.eligible(args[0]) and kwargs.get("dtype") is None:
-                        kwargs = dict(kwargs, dtype=torch.float32)
+                    if args and self.eligible(args[0]) and at is not None:  # set_opt_dtype: unless given, float
+                        if at < len(args):
+                            if args[at] is None:
+                                args = args[:at] + (torch.float32,) + args[at + 1:]
+                        elif kwargs.get("dtype") is None:
+                            kwargs = dict(kwargs, dtype=torch.float32)
                     return op(*args, **kwargs)
         elif policy == "fp32_append_dtype":
             target = _overload(FP32_APPEND_DTYPE[name])
