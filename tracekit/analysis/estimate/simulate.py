@@ -4,10 +4,11 @@ The simulator writes the stream a CUDA recording of the same step would hold: on
 storage (the requested size), its `free_requested` / `free_completed` when it is released, stacks,
 phases, a category per entry. Everything here is plain replay over that stream (no torch):
 
-- `block_sizes`: what each request costs the allocator, i.e. what `torch.cuda.memory_allocated()`
-  counts. The one place the caching-allocator model will plug in; until then, the allocator's usual
-  case (analysis.replay.block_size: every request rounded up to 512 B, one of 10 MiB or more takes its
-  whole fresh segment when the remainder is too small to split). Reserved memory is not modelled.
+- `replay_allocator`: what each request costs the allocator (what `torch.cuda.memory_allocated()` counts)
+  and what is reserved. The one place the caching-allocator model will plug in; until then, the
+  allocator's usual case per request (`block_sizes`, analysis.replay.block_size: every request rounded up
+  to 512 B, one of 10 MiB or more takes its whole fresh segment when the remainder is too small to split)
+  and reserved memory not modelled.
 - `simulated_peak`: `max_memory_allocated` over the measured steps (after the warm-up), the categories
   and the lines live at that moment.
 - `compare`: the simulation beside a recording of the same workload, category by category and line by
@@ -32,15 +33,40 @@ BEFORE = "(made before the measured steps)"
 
 
 def block_sizes(requested) -> np.ndarray:
-    """Bytes the CUDA caching allocator counts for each request (torch.cuda.memory_allocated's sense).
-
-    The caching-allocator model replaces this when it lands; `how["peak_allocated_bytes"]` says which ran."""
+    """Bytes the CUDA caching allocator counts for each request in its usual case (a fresh block)."""
     return block_size(np.asarray(requested, np.int64))
 
 
-def peak_reserved(trace: Trace):
-    """max_memory_reserved of a simulated stream: None until the allocator model replays it."""
-    return None
+@dataclass
+class AllocatorReplay:
+    """The caching allocator's view of a stream: each allocation's block size, allocated bytes after every entry
+    (torch.cuda.memory_allocated), reserved bytes after every entry (None: not modelled), and how it was made."""
+
+    sizes: np.ndarray  # int64 per allocation (rows of replay(trace)[device].allocations)
+    curve: np.ndarray  # int64 per entry
+    initial: int
+    reserved: np.ndarray | None
+    how: str
+
+
+def replay_allocator(trace: Trace, device: int = 0) -> AllocatorReplay:
+    """THE place the caching-allocator model plugs in (issue 24): replay the request stream in order and say what
+    each request costs and what is reserved. Until then: block_sizes per request, reserved not modelled."""
+    rep = replay(trace)[device]
+    sizes = block_sizes(rep.allocations.size)
+    curve, initial = _curve(rep, sizes)
+    return AllocatorReplay(sizes=sizes, curve=curve, initial=initial, reserved=None,
+                           how="replay of the simulated request stream, " + ROUNDING)
+
+
+def peak_reserved(trace: Trace, device: int = 0, index: int | None = None):
+    """max_memory_reserved of a simulated stream over its measured steps: None until the allocator model replays it."""
+    got = replay_allocator(trace, device).reserved
+    if got is None:
+        return None
+    start = measured_start(trace)
+    times = trace.events.time_us[replay(trace)[device].events]
+    return int(got[times >= start].max()) if (times >= start).any() else int(got.max())
 
 
 @dataclass
@@ -132,8 +158,8 @@ def simulated_peak(trace: Trace, device: int = 0, lines: int = 10) -> SimulatedP
     al = rep.allocations
     ev = trace.events
     sl = rep.events
-    sizes = block_sizes(al.size)
-    curve, initial = _curve(rep, sizes)
+    allocator = replay_allocator(trace, device)
+    sizes, curve, initial = allocator.sizes, allocator.curve, allocator.initial
     times = ev.time_us[sl]
     start = measured_start(trace)
     measured = times >= start
@@ -153,7 +179,7 @@ def simulated_peak(trace: Trace, device: int = 0, lines: int = 10) -> SimulatedP
     return SimulatedPeak(
         peak_allocated_bytes=int(curve[idx]),
         peak_requested_bytes=int(al.size[live].sum()),
-        peak_reserved_bytes=peak_reserved(trace),
+        peak_reserved_bytes=peak_reserved(trace, device),
         iteration=int(m.group(1)) if m else None,
         phase=(m.group(2) if m else None),
         at=at,
@@ -161,8 +187,8 @@ def simulated_peak(trace: Trace, device: int = 0, lines: int = 10) -> SimulatedP
         categories_at_peak=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         lines_at_peak=_lines(trace, rep, live, sizes, cats, before)[:lines],
         how={
-            "peak_allocated_bytes": "replay of the simulated request stream, " + ROUNDING,
-            "peak_reserved_bytes": RESERVED,
+            "peak_allocated_bytes": allocator.how,
+            "peak_reserved_bytes": RESERVED if allocator.reserved is None else allocator.how,
             "categories_at_peak": "the simulator's own labels (it knows which tensor each storage holds: parameters, "
                                   "gradients, optimizer state; forward storages alive when backward begins are "
                                   "activations (autocast's saved weight copies included); cuBLAS workspaces are other)",
