@@ -292,3 +292,14 @@ def test_cuda_autocast_policy_on_fake_cpu_tensors():
             assert torch.is_autocast_enabled("cuda")
         assert ac.cache == {} and not torch.is_autocast_enabled("cuda")
         assert torch.nn.functional.linear(x, w).dtype == torch.float32  # outside the region
+
+
+def test_the_analysis_side_needs_no_torch():
+    """analysis/ never imports torch: the simulated stream's figures, the comparison and the GPU table are plain replay."""
+    import subprocess
+    import sys
+    code = ("import sys; import tracekit.analysis.estimate.simulate, tracekit.analysis.estimate.gpus, "
+            "tracekit.render_simulate, tracekit.commands.estimate; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

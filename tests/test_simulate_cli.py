@@ -184,3 +184,10 @@ def test_weights_follow_the_precision_not_the_configs_dtype(tmp_path, capsys):
         sizes[precision + "_state"] = s["categories_at_peak"]["optimizer_state"]
     assert sizes["amp"] == sizes["bf16"]
     assert sizes["amp_state"] > 1.9 * sizes["bf16_state"]  # AdamW's state is made like the weight
+
+
+def test_a_sequence_past_learned_positions_is_a_usage_error(capsys):
+    """GPT-2 has 1024 learned positions: 2048 would be a device-side assert on a GPU, not an estimate."""
+    code, out, err = cli(capsys, "--config", str(CONFIGS / "gpt2.json"), "--seq", "2048", "--simulate")
+    assert code == 2 and "out of range for a table of 1024 rows" in err and err.strip().count("\n") == 0
+    assert out == ""

@@ -82,8 +82,9 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
     try:
         snap, trace = simulate_once(config, kw, gpu, progress=progress)
     except TracekitError as e:
-        if not (out["formula"] or {}).get("per_gpu"):
-            raise  # nothing to fall back on: the simulation's own line
+        from ..record.fake import WorkloadError
+        if isinstance(e, WorkloadError) or not (out["formula"] or {}).get("per_gpu"):
+            raise  # the step would fail on the GPU too, or nothing to fall back on: the simulation's own line
         out.update(simulated=None, simulation_error=str(e), fallback="formula")
         return out
     finally:

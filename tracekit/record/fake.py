@@ -41,6 +41,10 @@ class SimulationError(TracekitError):
     """The workload cannot be simulated (said in one line)."""
 
 
+class WorkloadError(SimulationError):
+    """The workload would fail on the GPU too (an index past a table...): no estimate stands in for it."""
+
+
 @dataclass
 class Workload:
     config: dict
@@ -225,6 +229,8 @@ def _tracker_class():
               aten.native_dropout.default, aten.randperm.default, aten.exponential_.default}
     SCALAR = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
     ADD = aten.add.Tensor
+    LOOKUPS_EMB = aten.embedding.default
+    LOOKUPS = {aten.embedding.default, aten.index_select.default}
     from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
 
     class Tracker(TorchDispatchMode):
@@ -328,6 +334,8 @@ def _tracker_class():
                         f"{self._where()}), which fake tensors do not have") from None
                 with _disable_current_modes():
                     return func(*rargs, **kwargs)
+            if func in LOOKUPS:
+                self._check_indices(func, args)
             out = func(*args, **kwargs)
             name = func.__name__
             if "." in name:
@@ -348,6 +356,21 @@ def _tracker_class():
                 outs = [self.sid_of(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
                 self.log.ops.append((name, ins, outs))
             return out
+
+        def _check_indices(self, func, args):
+            """An index past the table is a device-side assert on CUDA (a sequence longer than the model's learned
+            positions, a token id past the vocabulary); fake kernels do not look: check the real indices we have."""
+            weight, indices = (args[0], args[1]) if func is LOOKUPS_EMB else (args[0], args[2])
+            real = self.shadow.get(indices) if isinstance(indices, torch.Tensor) else None
+            if real is None or real.numel() == 0:
+                return
+            rows = weight.size(0)
+            with _disable_current_modes():
+                top, low = int(real.max()), int(real.min())
+            if top >= rows or low < -rows:
+                raise WorkloadError(f"index {top} is out of range for a table of {rows} rows in "
+                                      f"{self._where()} (a sequence longer than the model's positions, or a token "
+                                      "id past its vocabulary): CUDA stops with a device-side assert there")
 
         def _maybe_accumulation(self, args, kwargs, out):
             """An `old + new` the autograd engine makes when a gradient slot receives a second gradient
