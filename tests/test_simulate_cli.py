@@ -191,3 +191,11 @@ def test_a_sequence_past_learned_positions_is_a_usage_error(capsys):
     code, out, err = cli(capsys, "--config", str(CONFIGS / "gpt2.json"), "--seq", "2048", "--simulate")
     assert code == 2 and "out of range for a table of 1024 rows" in err and err.strip().count("\n") == 0
     assert out == ""
+
+
+def test_compare_with_a_file_that_is_not_a_recording(tmp_path, capsys):
+    bad = tmp_path / "not-a-trace.json"
+    bad.write_text('{"x": 1}')
+    cfg = config_file(tmp_path, small(TRUTH[TRAINING[0]]["config"]))
+    code, out, err = cli(capsys, "--config", cfg, "--seq", "16", "--simulate", "--compare", str(bad))
+    assert code == 2 and "cannot open" in err and err.strip().count("\n") == 0

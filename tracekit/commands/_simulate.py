@@ -74,6 +74,10 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
         except ValueError as e:
             raise TracekitError(f"--save-trace: {e}") from None
     config = read_config(kw["config"])
+    recorded = None
+    if compare_path:  # read it first: a file that cannot be opened is said before a simulation runs
+        from ..io import load
+        recorded = load(compare_path)
     capacity = budget if budget is not None else gpu.memory
     out = {"gpu": {"name": gpu.name, "memory_bytes": gpu.memory, "compute_capability": list(gpu.sm)},
            "budget_bytes": budget}
@@ -102,9 +106,7 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
     if save_trace:
         from ..io.write import write_snapshot
         out["saved_trace"] = write_snapshot(save_trace, snap)
-    if compare_path:
-        from ..io import load
-        recorded = load(compare_path)
+    if recorded is not None:
         out["compare"] = sim.compare(trace, recorded)
         out["compare"]["file"] = compare_path
     if largest:

@@ -637,7 +637,6 @@ def _snapshot(log, marks, tags, host, w, model, sdpa_used, hf_version, torch_ver
         fe = info.get("free_entry")
         if fe is not None:
             host_entries.update((fe - 1, fe))
-    entries = [e for k, e in enumerate(log.entries) if k not in host_entries]
     # categories per allocation (exact: the simulator knows which tensor each storage is)
     cat = {}
     for kind, sid, name in tags:
