@@ -15,7 +15,7 @@ import click
 from .errors import TracekitError
 
 # Commands that open files: any failure while they read or analyse one is one line and exit 2.
-READS_FILES = {"info", "report", "diff", "check", "whatif"}
+READS_FILES = {"info", "report", "diff", "check", "whatif", "estimate", "export", "query"}
 
 # name -> (module in tracekit.commands, one-line help shown in `tracekit --help`)
 COMMANDS = {
@@ -78,7 +78,7 @@ def guard(callback):
         except Exception as e:
             if os.environ.get("TRACEKIT_DEBUG"):
                 raise
-            named = [kwargs[k] for k in ("file", "files", "a", "b") if kwargs.get(k)]
+            named = [kwargs[k] for k in ("file", "files", "a", "b", "config", "compare_path") if kwargs.get(k)]
             files = " and ".join(str(f) for n in named for f in (n if isinstance(n, (list, tuple)) else [n]))
             files = files or "the file"
             if isinstance(e, MemoryError):

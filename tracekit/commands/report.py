@@ -4,7 +4,7 @@ import click
 
 from ._common import (json_option, no_cache_option, open_trace, rules_option, show, window_line, window_of,
                       window_options)
-from .estimate import report_options, report_spec
+from ._estimate_options import report_options, report_spec
 
 
 @click.command("report")

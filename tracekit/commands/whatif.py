@@ -11,7 +11,7 @@ import click
 
 from ..errors import TracekitError
 from ._common import json_option, no_cache_option, open_trace, show
-from .estimate import model_options, overrides_from, setup_options, shape_from
+from ._estimate_options import model_options, overrides_from, setup_options, shape_from
 
 
 def _budget(ctx, param, value):

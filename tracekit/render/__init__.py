@@ -10,7 +10,8 @@ widgets but reuses the text pieces (finding lines, diff changes, rank imbalance)
     info        analysis.info.file_info(trace)                        text, json
     diff        analysis.diff.diff(trace_a, trace_b)                  text, json
     ranks       analysis.rank_pool.open_ranks(paths)                  text, json
-    estimate    analysis.estimate.estimate(shape, setup)              text
+    estimate    analysis.estimate.estimate(shape, setup)              text, json
+    simulate    commands._simulate: estimate --simulate's answer      text, json
     whatif      analysis.estimate.whatif.whatif(points, budget, ...)  text, json
     alloc_whatif analysis.allocator.whatif.compare(trace, config)      text, json
     timeline    a Trace and a device (memory over time by category)   png
@@ -55,11 +56,12 @@ REPORTERS = {
     ("diff", "text"): "diff:DiffText",
     ("ranks", "text"): "ranks:RanksText",
     ("estimate", "text"): "estimate:EstimateText",
+    ("simulate", "text"): "simulate:SimulateText",
     ("whatif", "text"): "estimate:WhatifText",
     ("alloc_whatif", "text"): "allocator:AllocWhatifText",
     ("timeline", "png"): "png:TimelinePng",
 }
-JSON_KINDS = ("report", "info", "diff", "ranks", "whatif", "alloc_whatif", "estimate", "check")
+JSON_KINDS = ("report", "info", "diff", "ranks", "whatif", "alloc_whatif", "estimate", "simulate", "check")
 
 
 def reporter(kind: str, format: str = "text") -> Reporter:

@@ -47,6 +47,7 @@ class Run:
     events: list = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
     reserved: np.ndarray = None  # int64 per entry
     allocated: np.ndarray = None  # int64 per entry
+    blocks: np.ndarray = None  # int64 per entry: the block an alloc entry got (0 for other entries)
 
     @property
     def fragmentation_at_peak(self) -> int:
@@ -174,12 +175,15 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
     segs_at_peak = _segments(alloc)
     res_curve = np.zeros(n, np.int64) if curves else None
     alloc_curve = np.zeros(n, np.int64) if curves else None
+    block_of = np.zeros(n, np.int64) if curves else None
     lost = set()
     for i in range(n):
         a = acts[i]
         if a == ALLOC:
             try:
-                live[addr[i]] = alloc.malloc(size[i], stream[i])
+                live[addr[i]] = got = alloc.malloc(size[i], stream[i])
+                if curves:
+                    block_of[i] = got.size
             except OutOfMemory:
                 ooms.append({"index": i, "request_bytes": int(size[i])})
                 lost.add(addr[i])
@@ -227,7 +231,8 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
                device_allocs=sum(1 for e in log if e[0] in ("segment_alloc", "segment_map")),
                device_frees=sum(1 for e in log if e[0] in ("segment_free", "segment_unmap")),
                retries=alloc.retries, ooms=ooms, failed_request=failed,
-               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve, allocated=alloc_curve)
+               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve, allocated=alloc_curve,
+               blocks=block_of)
 
 
 def _segments(alloc: Allocator) -> list:
