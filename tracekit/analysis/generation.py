@@ -35,9 +35,34 @@ def workload(trace: Trace, device: int) -> tuple[str | None, list[str]]:
         ev = [f"a backward pass ({src})"] if BACKWARD in seen else []
         ev += [f"an optimizer step ({src})"] if OPTIMIZER in seen else []
         return "training", ev
+    training = _training_without_backward(trace, device, seen)
+    if training:
+        return "training", training
     if FORWARD in seen:
         return "inference", [f"forward passes only: no backward pass and no optimizer step ({src})"]
     return None, ["no forward, backward or optimizer evidence in the trace"]
+
+
+def _training_without_backward(trace: Trace, device: int, seen: set) -> list[str]:
+    """Evidence that a run with no backward pass in the trace is training all the same (it ran out of memory, or
+    the recording stopped, before its first backward): the recorder saw an optimizer; gradients or optimizer state
+    are live; tensors were saved for backward; a trainable model ran its forward outside torch.no_grad."""
+    rec = trace.recorder or {}
+    if rec.get("optimizer"):
+        return ["the recorder saw an optimizer (no backward pass recorded yet)"]
+    cats = categorize(trace)[device]
+    names = list(cats.names)
+    for c in ("gradient", "optimizer_state"):
+        if c in names and (cats.labels == names.index(c)).any():
+            return [f"{c.replace('_', ' ')} in the trace (no backward pass recorded)"]
+    model = rec.get("model") or {}
+    if (model.get("trainable_parameters") or 0) > 0 and FORWARD in seen:
+        from .phases import F_NO_GRAD, stack_flags
+
+        if not len(trace.stacks) or not (stack_flags(trace) & F_NO_GRAD).any():
+            return ["the model has trainable parameters and its forward builds an autograd graph (no "
+                    "torch.no_grad in the stacks); the run ended before a backward pass"]
+    return []
 
 
 def steps(trace: Trace, device: int) -> list[dict]:
