@@ -26,9 +26,10 @@ import warnings
 class Hooks:
     def __init__(self, listener, model=None, optimizer=None, activations=True):
         self.listener = listener
-        self.model = model
-        self.optimizer = optimizer
+        self.has_model = model is not None
+        self.has_optimizer = optimizer is not None
         self.activations = activations
+        self.guard = None  # the op log (oplog.py): torch calls made by our listener are not the user's
         self.active = False
         self._handles = []
         self._patched = []  # (module, attribute, original, wrapper)
@@ -40,7 +41,8 @@ class Hooks:
         self._warned = False
 
     # -- install / remove --------------------------------------------------
-    def install(self):
+    def install(self, model=None, optimizer=None):
+        """Install every hook; `model`, `optimizer`: the ones given to the recorder (not kept here)."""
         import torch
         import torch.autograd
         import torch.optim.optimizer as optim
@@ -50,16 +52,16 @@ class Hooks:
         _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
         _node_names_keep_suffix()  # asked now, outside any backward
         self._thread = threading.get_ident()
-        if self.model is not None:
-            self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         else:
             self._handles.append(nn_module.register_module_forward_pre_hook(self._global_pre))
             self._handles.append(
                 nn_module.register_module_forward_hook(self._global_post, with_kwargs=True, always_call=True)
             )
-        if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
-            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre))
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
         else:
             self._handles.append(optim.register_optimizer_step_pre_hook(self._optimizer_pre))
             self._handles.append(optim.register_optimizer_step_post_hook(self._optimizer_post))
@@ -136,12 +138,20 @@ class Hooks:
         return self.active and not _compiling() and threading.get_ident() == self._thread
 
     def _call(self, method, *args):
+        listener, guard = self.listener, self.guard
+        if listener is None:
+            return
+        if guard is not None:
+            guard.busy += 1
         try:
-            getattr(self.listener, method)(*args)
+            getattr(listener, method)(*args)
         except Exception as e:  # the recorder never breaks training
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"tracekit: a recorder hook failed ({e!r}); recording goes on", RuntimeWarning)
+        finally:
+            if guard is not None:
+                guard.busy -= 1
 
     def _model_pre(self, module, args, kwargs):
         if self._listening():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+MAX_MARKS = 100_000  # phases (and iterations) kept, the newest: bounded on long runs
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 
 
@@ -160,6 +161,8 @@ class Marks:
             self.phases.append(
                 {"iteration": self.iteration, "phase": self.phase, "start_us": self._phase_start, "end_us": t}
             )
+            if len(self.phases) > MAX_MARKS:
+                del self.phases[:MAX_MARKS // 10]
         self.phase = None
         self._phase_start = None
 
@@ -168,6 +171,8 @@ class Marks:
         has_phases = bool(self.phases) and self.phases[-1]["iteration"] == self.iteration
         if keep_empty or has_phases:
             self.iterations.append({"iteration": self.iteration, "start_us": self._iteration_start, "end_us": t})
+            if len(self.iterations) > MAX_MARKS:
+                del self.iterations[:MAX_MARKS // 10]
         self.iteration += 1
         self._iteration_start = t
         self._stepped = False

@@ -102,6 +102,12 @@ def main():
     """The bootstrap: sys.argv is ['-c', SETTINGS_JSON, MODE, TARGET, *ARGS]."""
     settings = json.loads(sys.argv[1])
     mode, target, args = sys.argv[2], sys.argv[3], sys.argv[4:]
+    try:  # the bootstrap's own line (`-c "...main()"`) is not part of the script's stacks
+        from .stacks import hide
+
+        hide(sys._getframe(1).f_code)
+    except Exception:
+        pass
     _hide_bootstrap_frames()
     recorder = _start_recorder(settings)
     try:

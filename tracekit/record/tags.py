@@ -12,6 +12,7 @@ from .marks import now_us
 PARAMETER, BUFFER, GRADIENT = "parameter", "buffer", "gradient"
 OPTIMIZER_STATE, ACTIVATION, INPUT = "optimizer_state", "activation", "input"
 KINDS = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT)
+MAX_TAGS = 200_000  # the newest kept: parameters, gradients and state are tagged again every iteration
 
 
 def storage_span(tensor):
@@ -45,6 +46,8 @@ class Tags:
         return [t for t in self._items if t is not None]
 
     def new_iteration(self):
+        if len(self._items) > MAX_TAGS:  # bounded on long runs: the oldest go (the trace keeps the newest too)
+            del self._items[:len(self._items) - MAX_TAGS // 2]
         self._seen.clear()
         self._owned.clear()
         self._activation_at.clear()

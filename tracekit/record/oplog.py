@@ -1,0 +1,371 @@
+"""Where each allocation comes from: every torch call made from Python, logged as it runs.
+
+`OpLog` is a ``TorchFunctionMode`` pushed on the recording thread: every call of a torch function or
+tensor method from Python (``torch.ones(n)``, ``x.softmax(-1)``, ``q @ k``, ``F.linear``...) passes
+through it once (the mode is off while the call runs, so the calls a torch function makes inside are
+not logged again). For each call it keeps one row:
+
+- the allocation source's event index before and after (`mark`), or the time: the allocations made
+  in between are the call's, exactly (cpu.py, cuda.py);
+- the Python stack at the call, with each frame's executing line (stacks.py);
+- the module running (global forward hooks keep a stack of running modules and their names);
+- the autograd sequence numbers before and after: the nodes the call made, so that an allocation made
+  when backward runs one of them is named by this call's line and module (origins.py).
+
+Cheap by construction: a stack is walked only up to the frame of the innermost running module's call
+(`_call_impl`), whose own stack was interned when the module began (every frame above it is suspended
+at the same instruction until the module returns); property reads and writes (``x.shape``, ``p.grad =
+None``) are not logged. ``backward`` / ``autograd.grad`` calls are logged, and the mode stays on inside
+them, so hooks and recomputation run by backward (activation checkpointing) are logged too.
+
+Numerics: every call runs exactly as without the mode. Inside code that ``torch.compile`` traces the
+handler only calls through (no graph break); on other threads, in a forked child, and while the
+recorder's own hooks run it does nothing.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import types
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .stacks import StackTable
+
+_MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
+_METHOD_WRAPPER = types.MethodWrapperType  # Tensor property __get__ / __set__: never allocate
+_forked = [False]
+_get_seq = torch._C._autograd._get_sequence_nr
+
+
+def _after_fork():
+    _forked[0] = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def _never():
+    return False
+
+
+def compiling_probe():
+    return getattr(getattr(torch, "compiler", None), "is_compiling", None) or _never
+
+
+def _special_funcs():
+    """{func: 1} for calls that neither allocate nor make autograd nodes (not logged), {func: 2} for the
+    calls inside which the autograd engine runs Python (hooks, recomputation): logged, mode kept on."""
+    T = torch.Tensor
+    out = {}
+    for name in ("item", "dim", "size", "numel", "is_contiguous", "data_ptr", "element_size", "stride",
+                 "storage_offset", "is_complex", "is_floating_point", "tolist", "__len__", "__bool__",
+                 "nelement", "ndimension", "get_device", "is_shared", "is_pinned", "__hash__", "__format__",
+                 "__repr__", "__iter__", "is_set_to", "has_names", "_is_view"):
+        f = getattr(T, name, None)
+        if f is not None:
+            out[f] = 1
+    for f in (getattr(torch, "is_complex", None), getattr(torch, "is_floating_point", None),
+              getattr(torch, "is_tensor", None), getattr(torch, "numel", None),
+              getattr(torch._C, "_set_grad_enabled", None), getattr(torch, "is_grad_enabled", None)):
+        if f is not None:
+            out[f] = 1
+    import inspect
+
+    for f in (T.backward, torch.autograd.backward, torch.autograd.grad):
+        out[f] = 2
+        out[inspect.unwrap(f)] = 2  # torch.autograd.backward may be wrapped (hooks.py): its own name inside
+    return out
+
+
+class OpLog(TorchFunctionMode):
+    """Rows ``(k0, k1, t0, t1, stack, module, s0, s1, parent, op)`` of torch calls (see the module doc).
+
+    mark(): the allocation source's event counter (0 when it has none: times are used instead).
+    roots(): [(prefix, module)] of the models whose qualified names name the modules.
+    metadata: a `CallMetadata` (CUDA): each call's id stamped on the allocator's entries.
+    """
+
+    def __init__(self, stacks: StackTable | None = None, mark=None, roots=lambda: (), modules=True,
+                 op_names=False, metadata=None):
+        super().__init__()
+        self.stacks = stacks or StackTable()
+        self.mark = mark or (lambda: 0)
+        self.roots = roots
+        self.track_modules = modules
+        self.op_names = op_names
+        self.metadata = metadata
+        self.rows = []
+        self.limit = 1 << 62  # rows that make it call on_full() (the backend drains at its next safe point)
+        self.on_full = None
+        self.on = False
+        self.busy = 0  # > 0 while the recorder's own code runs: its calls are not the user's
+        self.pushed = False
+        self.calls = 0  # call ids (for rows' parent and the allocator's metadata)
+        self._container = -1  # id of the backward call running, if any
+        self._thread = None
+        self._compiling = _never
+        self._special = {}
+        self.op_names_table = {}  # op name -> id (op_names=True)
+        # modules: the running ones, innermost last: (path id, anchor frame, id of the stack above it, id(module))
+        self.paths = {"": 0}
+        self.path_names = [""]
+        self._mods = [(0, None, 0, 0)]
+        self._names = weakref.WeakKeyDictionary()  # module -> qualified name
+        self._named = weakref.WeakSet()  # roots already named
+        self._handles = []
+
+    # -- install / remove --------------------------------------------------
+    def install(self, timed=True):
+        """timed: stamp each call with its start and end time (when allocations are joined by time)."""
+        self._thread = threading.get_ident()
+        self._compiling = compiling_probe()
+        self._special = _special_funcs()
+        self._timed = timed
+        if self.track_modules:
+            from torch.nn.modules import module as nn_module
+
+            self._handles = [nn_module.register_module_forward_pre_hook(self._pre),
+                             nn_module.register_module_forward_hook(self._post, always_call=True)]
+        self._patch_engine()
+        self.__enter__()
+        self.pushed = True
+        self.on = True
+
+    def _patch_engine(self):
+        """While autograd's engine runs Python (hooks, checkpoint recomputation) inside a logged backward
+        call, the mode is off (a mode is off inside its own handler): put it back on for the engine's run."""
+        import torch.autograd as autograd
+
+        original = getattr(autograd, "_engine_run_backward", None)
+        if original is None or not callable(original):
+            return
+        log = self
+
+        def run(*args, **kwargs):
+            if log._on_stack():
+                return original(*args, **kwargs)
+            with log:
+                return original(*args, **kwargs)
+
+        def _engine_run_backward(*args, **kwargs):
+            if not log.on or _forked[0] or threading.get_ident() != log._thread:
+                return original(*args, **kwargs)
+            if log._container < 0:  # not inside a logged backward call (an older torch): log one here
+                return log._logged(run, args, kwargs, sys._getframe(1), container=True)
+            return run(*args, **kwargs)
+
+        self._engine = (autograd, original, _engine_run_backward)
+        autograd._engine_run_backward = _engine_run_backward
+
+    def _unpatch_engine(self):
+        engine, self._engine = getattr(self, "_engine", None), None
+        if engine is not None:
+            module, original, wrapper = engine
+            if getattr(module, "_engine_run_backward", None) is wrapper:
+                module._engine_run_backward = original
+
+    def _on_stack(self):
+        from torch.overrides import _get_current_function_mode_stack
+
+        return any(m is self for m in _get_current_function_mode_stack())
+
+    def remove(self):
+        """Stop logging and take the mode off the stack (only if it is on top: never someone else's)."""
+        self.on = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._unpatch_engine()
+        self._mods = [(0, None, 0, 0)]
+        if self.pushed and threading.get_ident() == self._thread:
+            from torch.overrides import _get_current_function_mode_stack
+
+            stack = _get_current_function_mode_stack()
+            if stack and stack[-1] is self:
+                self.__exit__(None, None, None)
+                self.pushed = False
+            # else: a mode of the user's was pushed above ours and is still on: ours stays below it, inert
+
+    def take_rows(self):
+        rows, self.rows = self.rows, []
+        return rows
+
+    # -- the mode ----------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        kind = self._special.get(func, 0) if type(func) is not _METHOD_WRAPPER else 1
+        if (kind == 1 or not self.on or self.busy or self._compiling() or _forked[0]
+                or threading.get_ident() != self._thread):
+            return func(*args, **kwargs)
+        if kind == 2 or self.metadata is not None or self._timed or self.op_names:
+            return self._logged(func, args, kwargs, sys._getframe(1), kind == 2)
+        # the common path, inlined: no times, no metadata
+        mark = self.mark
+        cid = self.calls
+        self.calls = cid + 1
+        # the stack: frames up to the innermost running module's call (see _stack)
+        f = sys._getframe(1)
+        _, anchor, above, _ = self._mods[-1]
+        parts = []
+        app = parts.append
+        while f is not None:
+            app(f.f_code)
+            app(f.f_lasti)
+            if f is anchor:
+                app(above)
+                break
+            f = f.f_back
+        else:
+            app(0)
+        stack = self.stacks.key(tuple(parts))
+        module = self._mods[-1][0]
+        s0 = _get_seq()
+        k0 = mark()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            rows = self.rows
+            rows.append((k0, mark(), 0, 0, stack, module, s0, _get_seq(), self._container, cid, -1, False))
+            if len(rows) >= self.limit:
+                self._full()
+
+    def _logged(self, func, args, kwargs, frame, container=False):
+        """Run func(*args, **kwargs), logging one row for it (container: the engine runs inside it)."""
+        mark = self.mark
+        get_seq = _get_seq
+        cid = self.calls
+        self.calls = cid + 1
+        stack = self._stack(frame)
+        module = self._mods[-1][0]
+        parent = self._container
+        md = self.metadata
+        if md is not None:
+            md.enter(cid)
+        s0 = get_seq()
+        t0 = time.time_ns()
+        k0 = mark()
+        try:
+            if container:
+                self._container = cid  # the engine's Python (hooks, recomputation) is logged inside it
+            return func(*args, **kwargs)
+        finally:
+            k1 = mark()
+            t1 = time.time_ns()
+            if container:
+                self._container = parent
+            if md is not None:
+                md.exit(parent)
+            op = self._op_id(func) if self.op_names else -1
+            self.rows.append((k0, k1, t0, t1, stack, module, s0, get_seq(), parent, cid, op, container))
+            if len(self.rows) >= self.limit:
+                self._full()
+
+    def _full(self):
+        if self.on_full is not None:
+            self.busy += 1
+            try:
+                self.on_full()
+            except Exception:
+                pass
+            finally:
+                self.busy -= 1
+
+    def _stack(self, f):
+        """The interned stack of frame `f` (innermost) outwards."""
+        _, anchor, above, _ = self._mods[-1]
+        parts = []
+        parent = 0
+        while f is not None:
+            parts.append(f.f_code)
+            parts.append(f.f_lasti)
+            if f is anchor:
+                parent = above
+                break
+            f = f.f_back
+        parts.append(parent)
+        return self.stacks.key(tuple(parts))
+
+    def _op_id(self, func):
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+        k = self.op_names_table.get(name)
+        if k is None:
+            k = self.op_names_table[name] = len(self.op_names_table)
+        return k
+
+    # -- modules -----------------------------------------------------------
+    def _pre(self, module, args):
+        if not self.on or self._compiling() or _forked[0] or threading.get_ident() != self._thread:
+            return
+        try:
+            anchor = sys._getframe(1)  # the frame of Module._call_impl (or its `inner`): it calls forward
+            code = anchor.f_code
+            if code.co_name not in ("inner", "_call_impl") or not code.co_filename.endswith(_MODULE_FILE):
+                anchor = None
+            above = self._stack(anchor.f_back) if anchor is not None else 0
+            self._mods.append((self._path_id(module), anchor, above, id(module)))
+        except Exception:
+            pass
+
+    def _post(self, module, args, output):
+        if self._compiling() or _forked[0] or threading.get_ident() != self._thread:
+            return
+        mods = self._mods
+        if len(mods) > 1 and mods[-1][3] == id(module):
+            mods.pop()
+        else:  # hooks added or removed mid-forward: find it
+            for i in range(len(mods) - 1, 0, -1):
+                if mods[i][3] == id(module):
+                    del mods[i:]
+                    break
+
+    def _path_id(self, module):
+        name = self._names.get(module)
+        if name is None:
+            for prefix, root in self.roots():
+                if root not in self._named:
+                    self._named.add(root)
+                    for n, m in root.named_modules():
+                        if m not in self._names:
+                            self._names[m] = (prefix + n) if n else (prefix.rstrip(".") or type(m).__name__)
+            name = self._names.get(module)
+        if name is None:
+            top = self.path_names[self._mods[-1][0]]
+            name = (top + "." if top else "") + type(module).__name__
+        k = self.paths.get(name)
+        if k is None:
+            k = self.paths[name] = len(self.path_names)
+            self.path_names.append(name)
+        return k
+
+    def current_module(self) -> str:
+        return self.path_names[self._mods[-1][0]]
+
+
+class CallMetadata:
+    """CUDA: the allocator's per-thread metadata string carries the running call's id
+    (``tracekit:iter=3:phase=forward:op=1234``), so each history entry names its call exactly."""
+
+    def __init__(self, setter):
+        self.setter = setter  # torch._C._cuda_setMemoryMetadata
+        self.base = ""
+        self.active = False
+
+    def set_base(self, base):
+        self.base = base
+        if self.active:
+            self.setter(base)
+
+    def enter(self, cid):
+        if self.active:
+            self.setter(f"{self.base}:op={cid}")
+
+    def exit(self, parent):
+        if self.active:
+            self.setter(f"{self.base}:op={parent}" if parent >= 0 else self.base)
