@@ -85,7 +85,10 @@ class CudaBackend:
         from .stacks import StackTable
 
         self._started = True
-        setter = getattr(torch._C, "_cuda_setMemoryMetadata", None)
+        mem = self._memory()
+        setter = getattr(mem, "_set_memory_metadata", None)
+        if mem is getattr(torch.cuda, "memory", None) and hasattr(torch._C, "_cuda_setMemoryMetadata"):
+            setter = torch._C._cuda_setMemoryMetadata  # the same, without a Python frame per call
         self.metadata = CallMetadata(setter) if setter is not None else None
         self.table = OriginTable()
         self.oplog = OpLog(StackTable(), roots=self.roots, modules=self.origins, metadata=self.metadata)

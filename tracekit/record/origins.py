@@ -149,7 +149,11 @@ class Ranges:
                     inside |= h
                     jj = np.where(ok & ~h, jj - 1, -1)
                 free = idx[~inside]
-                out[free] = seqs[last[free]]
+                # the node that finished last before the time (an outer node ends after the nested ones)
+                by_end = np.argsort(ends, kind="stable")
+                k = np.searchsorted(ends[by_end], times_ns[free], side="right") - 1
+                ok = k >= 0
+                out[free[ok]] = seqs[by_end[k[ok]]]
         return out
 
 

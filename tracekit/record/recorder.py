@@ -483,14 +483,16 @@ class Recorder:
         return best
 
     def _backend_settings(self):
-        out = {}
-        for key in ("source", "source_note", "context"):
-            v = getattr(self._backend, key, None)
-            if v:
-                out[{"source": "cpu_source", "source_note": "cpu_source_note", "context": "cuda_context"}[key]] = v
-        if self._backend.name == "cuda":
-            out["checkpoint_early_stop"] = False if self._checkpoint is not None else None
-        return out
+        """What the backend chose: where CPU allocations came from (the hook, or the profiler and why),
+        what CUDA's history gathered with each entry (None: nothing, the op log names it)."""
+        b = self._backend
+        if b.name == "cpu":
+            out = {"cpu_source": b.source}
+            if b.source_note:
+                out["cpu_source_note"] = b.source_note
+            return out
+        return {"cuda_context": getattr(b, "context", None),
+                "checkpoint_early_stop": False if self._checkpoint is not None else None}
 
     def _prefix_of(self, module):
         return next((prefix for prefix, ref, _ in self._models if ref() is module), "")
