@@ -191,7 +191,7 @@ def test_recording_that_cannot_start_warns_and_training_runs(tmp_path, monkeypat
 def test_failing_hook_warns_once_and_recording_goes_on(tmp_path, monkeypatch):
     from tracekit.record.tags import Tags
 
-    def broken(self, tensor):
+    def broken(self, tensor, *rest):
         raise RuntimeError("broken tagger")
 
     monkeypatch.setattr(Tags, "add_activation", broken)

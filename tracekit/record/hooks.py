@@ -182,9 +182,10 @@ class Hooks:
             self._call("optimizer_ended", optimizer)
 
     def _pack(self, tensor):
+        fn = tensor.grad_fn
         if self._listening():
-            self._call("saved_tensor", tensor)
-        return pack(tensor)
+            self._call("saved_tensor", tensor, fn)
+        return pack(tensor, fn)
 
     def _wrap_backward(self, original):
         hooks = self
@@ -214,7 +215,7 @@ def _never():
 _compiling = _never  # torch.compiler.is_compiling, once install() has found it
 
 
-def pack(tensor):
+def pack(tensor, fn=False):
     """What our pack hook saves: the tensor detached, and its version now.
 
     Autograd checks a saved tensor's version counter at backward only when no
@@ -227,18 +228,23 @@ def pack(tensor):
         version = tensor._version
     except Exception:  # inference tensors have no version counter
         version = None
-    return _Saved(tensor.detach(), version, tensor)
+    if fn is False:
+        fn = tensor.grad_fn
+    return _Saved(tensor.detach(), version, fn, tensor.output_nr)
 
 
 class _Saved:
-    __slots__ = ("tensor", "version", "fn", "output_nr")
+    __slots__ = ("tensor", "version", "fn_type", "output_nr")
 
-    def __init__(self, detached, version, original):
+    def __init__(self, detached, version, fn, output_nr):
         self.tensor = detached
         self.version = version
-        fn = original.grad_fn  # its name only: holding the node would make a reference cycle
-        self.fn = type(fn).__name__ if fn is not None else None
-        self.output_nr = original.output_nr
+        self.fn_type = type(fn) if fn is not None else None  # its class only: the node would make a cycle
+        self.output_nr = output_nr
+
+    @property
+    def fn(self):
+        return self.fn_type.__name__ if self.fn_type is not None else None
 
 
 def _unpack(saved):

@@ -95,6 +95,7 @@ class OpLog(TorchFunctionMode):
                  op_names=False, metadata=None):
         super().__init__()
         self.stacks = stacks or StackTable()
+        self._ids = self.stacks._ids  # its intern table, read directly on the hot path
         self.mark = mark or (lambda: 0)
         self.roots = roots
         self.track_modules = modules
@@ -116,7 +117,7 @@ class OpLog(TorchFunctionMode):
         self.paths = {"": 0}
         self.path_names = [""]
         self._mods = [(0, None, 0, 0)]
-        self._names = weakref.WeakKeyDictionary()  # module -> qualified name
+        self._names = {}  # id(module) -> (weakref to it, qualified name); a dead module's id is never trusted
         self._named = weakref.WeakSet()  # roots already named
         self._handles = []
 
@@ -200,9 +201,13 @@ class OpLog(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        kind = self._special.get(func, 0) if type(func) is not _METHOD_WRAPPER else 1
-        if (kind == 1 or not self.on or self.busy or self._compiling() or _forked[0]
-                or threading.get_ident() != self._thread):
+        if type(func) is _METHOD_WRAPPER:  # a property read or write (x.shape, p.grad = None)
+            return func(*args, **kwargs)
+        # torch.compile traces this handler: is_compiling() is first, so that it traces nothing else (no graph break)
+        if self._compiling():
+            return func(*args, **kwargs)
+        kind = self._special.get(func, 0)
+        if kind == 1 or not self.on or self.busy or _forked[0] or threading.get_ident() != self._thread:
             return func(*args, **kwargs)
         if kind == 2 or self.metadata is not None or self._timed or self.op_names:
             return self._logged(func, args, kwargs, sys._getframe(1), kind == 2)
@@ -224,7 +229,10 @@ class OpLog(TorchFunctionMode):
             f = f.f_back
         else:
             app(0)
-        stack = self.stacks.key(tuple(parts))
+        parts = tuple(parts)
+        stack = self._ids.get(parts)
+        if stack is None:
+            stack = self.stacks.key(parts)
         module = self._mods[-1][0]
         s0 = _get_seq()
         k0 = mark()
@@ -325,16 +333,21 @@ class OpLog(TorchFunctionMode):
                     del mods[i:]
                     break
 
+    def _name_of(self, module):
+        v = self._names.get(id(module))
+        return v[1] if v is not None and v[0]() is module else None
+
     def _path_id(self, module):
-        name = self._names.get(module)
+        name = self._name_of(module)
         if name is None:
             for prefix, root in self.roots():
                 if root not in self._named:
                     self._named.add(root)
                     for n, m in root.named_modules():
-                        if m not in self._names:
-                            self._names[m] = (prefix + n) if n else (prefix.rstrip(".") or type(m).__name__)
-            name = self._names.get(module)
+                        if self._name_of(m) is None:
+                            self._names[id(m)] = (weakref.ref(m), (prefix + n) if n else
+                                                  (prefix.rstrip(".") or type(m).__name__))
+            name = self._name_of(module)
         if name is None:
             top = self.path_names[self._mods[-1][0]]
             name = (top + "." if top else "") + type(module).__name__

@@ -255,9 +255,9 @@ class Recorder:
         if self.recording:
             self._tags.add_optimizer_state(optimizer, self._param_names())
 
-    def saved_tensor(self, tensor):
+    def saved_tensor(self, tensor, fn=False):
         if self.recording:
-            self._tags.add_activation(tensor)
+            self._tags.add_activation(tensor, fn)
 
     # -- internals ---------------------------------------------------------
     def _terminated(self, signum):
