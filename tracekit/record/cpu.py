@@ -33,7 +33,7 @@ from .entries import CPU_DEVICE
 from .marks import now_us
 from .ring import ROW, Ring
 
-HOOK_CAPACITY = 1 << 21  # events between two drains (48 MiB); more and the oldest undrained are dropped
+HOOK_CAPACITY = 1 << 20  # events between two drains at most (24 MiB); more, and the oldest undrained are dropped
 MAX_ROWS = 1 << 18  # op-log rows that make the recorder drain at its next safe point
 
 
@@ -63,6 +63,12 @@ class CpuBackend:
     @property
     def gaps(self):
         return list(self.session.gaps) if self.session is not None else []
+
+    def window_start(self):
+        """The time (µs) of the oldest entry kept, once the ring has dropped some (else None)."""
+        if self._ring is None or not self._ring.dropped:
+            return None
+        return self._ring.first_time()
 
     @property
     def exact_frees(self):
@@ -96,7 +102,8 @@ class CpuBackend:
         if self.source == "hook":
             from .allochook import AllocHook
 
-            self.hook = AllocHook(HOOK_CAPACITY)
+            # a drain comes when half of it is used: a small `max_entries` needs no big buffer either
+            self.hook = AllocHook(min(HOOK_CAPACITY, max(1 << 16, 2 * (self.max_entries or HOOK_CAPACITY))))
         self.oplog = OpLog(StackTable(), mark=self.hook.mark if self.hook else None, roots=self.roots,
                            modules=self.origins, op_names=self.stacks == "all")
         self.oplog.limit = MAX_ROWS
@@ -125,7 +132,8 @@ class CpuBackend:
         if self.oplog is None or self.oplog._container >= 0:  # a backward call is open: its row is to come
             return
         due = self.chunk_seconds is not None and time.monotonic() - self._last >= self.chunk_seconds
-        if not due and len(self.oplog.rows) < MAX_ROWS and (self.hook is None or self.hook.pending() < HOOK_CAPACITY // 2):
+        if not due and len(self.oplog.rows) < MAX_ROWS and (self.hook is None
+                                                              or self.hook.pending() < self.hook.capacity // 2):
             return
         self._drain()
 
@@ -204,6 +212,7 @@ class CpuBackend:
         out["stack"] = stack
         out["fstack"] = fstack
         out["module"] = module
+        self._ring.compact_metas()
         out["meta"] = self._metas(out["t"])
         self._ring.add(out)
         first = self._ring.first_time()

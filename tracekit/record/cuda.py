@@ -61,6 +61,9 @@ class CudaBackend:
     def gaps(self):
         return []
 
+    def window_start(self):
+        return None  # the allocator's ring: what it kept is known at the end
+
     @staticmethod
     def _memory():
         import torch.cuda.memory

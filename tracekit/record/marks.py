@@ -85,6 +85,15 @@ class Marks:
         self._end_iteration(t, keep_empty=not self.iterations)
         self._iteration_start = None
 
+    def forget_before(self, t):
+        """Drop the phases and iterations that ended before `t` (the trace keeps nothing of them)."""
+        for marks in (self.phases, self.iterations):
+            i = 0
+            while i < len(marks) and marks[i]["end_us"] < t:
+                i += 1
+            if i:
+                del marks[:i]
+
     @property
     def started(self):
         return self._iteration_start is not None

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 BACKWARD_RANGE = "autograd::engine::evaluate_function: "
-MAX_CALLS = 1 << 19  # node-making calls remembered (their backward may come many chunks later)
+MAX_CALLS = 1 << 17  # node-making calls remembered, the newest (their backward may come some iterations later)
 
 # columns of an op-log row (oplog.OpLog.rows)
 K0, K1, T0, T1, STACK, MODULE, S0, S1, PARENT, CID, OP, CONTAINER = range(12)

@@ -28,8 +28,8 @@ from .tags import (
 
 FORMAT_VERSION = 1
 # The newest trace entries kept (and written). Building and writing the file costs about 0.5 KiB of memory
-# per entry, so this default keeps the recorder within ~150 MB of the plain run however long it runs.
-DEFAULT_MAX_ENTRIES = 250_000
+# per entry, so this default keeps the recorder within ~200 MB of the plain run however long it runs.
+DEFAULT_MAX_ENTRIES = 200_000
 DEFAULT_PATH = "memory.pickle"
 
 
@@ -272,6 +272,11 @@ class Recorder:
 
     def _iteration_began(self):
         self._tags.new_iteration()
+        if self.recording:
+            start = self._backend.window_start()  # bounded on long runs: what the kept trace no longer covers goes
+            if start is not None:
+                self._tags.forget_before(start)
+                self._marks.forget_before(start)
         it = self._marks.iteration
         if not self.recording and not self._done and it >= self.warmup:
             try:

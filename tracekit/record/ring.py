@@ -43,6 +43,21 @@ class Ring:
             self.metas.append(s)
         return k
 
+    def compact_metas(self):
+        """Keep only the metadata strings the kept rows use (one per phase: bounded on long runs)."""
+        if len(self.metas) < 4096:
+            return
+        used = np.unique(np.concatenate([c["meta"] for c in self.chunks])) if self.chunks else np.zeros(0, int)
+        used = used[used >= 0]
+        remap = np.full(len(self.metas) + 1, -1, np.int32)
+        remap[used] = np.arange(len(used), dtype=np.int32)
+        self.metas = [self.metas[i] for i in used.tolist()]
+        self._meta_ids = {m: i for i, m in enumerate(self.metas)}
+        for i, c in enumerate(self.chunks):
+            c = c.copy()
+            c["meta"] = np.where(c["meta"] >= 0, remap[c["meta"]], -1)
+            self.chunks[i] = c
+
     def add(self, rows: np.ndarray):
         if not len(rows):
             return

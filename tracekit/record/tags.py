@@ -12,7 +12,7 @@ from .marks import now_us
 PARAMETER, BUFFER, GRADIENT = "parameter", "buffer", "gradient"
 OPTIMIZER_STATE, ACTIVATION, INPUT = "optimizer_state", "activation", "input"
 KINDS = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT)
-MAX_TAGS = 200_000  # the newest kept: parameters, gradients and state are tagged again every iteration
+MAX_TAGS = 50_000  # the newest kept (CUDA: the kept window is known at the end only); all are re-tagged every iteration
 
 
 def storage_span(tensor):
@@ -55,6 +55,17 @@ class Tags:
             out.append({"addr": addr, "size": size, "device": device, "time_us": time_us, "kind": kind,
                         "name": name})
         return out
+
+    def forget_before(self, time_us):
+        """Drop the tags older than `time_us` (the oldest entry the trace still keeps): every iteration tags
+        parameters, gradients and state again, so what the kept window needs stays."""
+        items = self._items
+        i = 0
+        while i < len(items) and (items[i] is None or items[i][3] < time_us):
+            i += 1
+        if i:
+            del items[:i]
+            self._activation_at = {a: k - i for a, k in self._activation_at.items() if k >= i}
 
     def new_iteration(self):
         if len(self._items) > MAX_TAGS:  # bounded on long runs: the oldest go (the trace keeps the newest too)
