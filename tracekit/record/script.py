@@ -155,6 +155,7 @@ def _start_recorder(settings):
             settings["output"], backend=settings.get("backend", "auto"), stacks=settings.get("stacks", "python"),
             max_entries=settings.get("max_entries"), activations=settings.get("activations", True),
             warmup=settings.get("warmup", 0), steps=settings.get("steps"), command=settings.get("command"),
+            origins=settings.get("origins", True),
         )
         return rec.start()
     except Exception as e:  # never stop the script from running
