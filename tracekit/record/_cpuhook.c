@@ -415,6 +415,410 @@ static PyObject *py_state(PyObject *self, PyObject *noargs) {
 #endif
 }
 
+
+/* -- the op log's hot path (oplog.py): one torch call logged, in C --------------------------------
+ *
+ * `Core.call(func, args, kwargs)` is what the op log's __torch_function__ does for every torch call made
+ * from Python (after asking torch.compiler.is_compiling(), which must stay in Python): skip what is not
+ * logged, walk the caller's frames up to the running module's frame, intern the stack, note the
+ * allocation hook's event index and the autograd sequence number before and after, call the function,
+ * and append one row of 12 int64 (k0, k1, t0, t1, stack, module, s0, s1, parent, cid, op, container).
+ * The Python version (oplog.py) does the same, slower; this one exists because the cost of each call is
+ * the recorder's cost on a step made of many small ops.
+ */
+#include <structmember.h>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define TK_POSIX 1
+#endif
+
+static int core_forked = 0;
+#if TK_POSIX
+static void core_after_fork(void) { core_forked = 1; }
+#endif
+
+#define NCOLS 12
+
+typedef struct {
+    PyObject_HEAD
+    int on, busy, use_mark, timed;
+    unsigned long thread;
+    PyObject *special;   /* dict: func -> 1 (not logged) or 2 (a backward call) */
+    PyObject *mods;      /* list of (path id, anchor frame, stack above it, id(module)); innermost last */
+    PyObject *ids;       /* dict: parts tuple -> stack id (StackTable._ids) */
+    PyObject *parts;     /* list: stack id -> parts tuple (StackTable._parts) */
+    PyObject *get_seq;   /* torch._C._autograd._get_sequence_nr */
+    PyObject *setter;    /* CUDA: the allocator's metadata setter, or None */
+    PyObject *md_base;   /* str */
+    int md_active;
+    int op_names;
+    PyObject *op_ids;    /* dict: func -> op id (op_names) */
+    PyObject *op_funcs;  /* list: op id -> func */
+    PyObject *on_full;
+    long long calls, container;
+    Py_ssize_t limit;
+    int64_t *rows;
+    Py_ssize_t nrows, caprows;
+} Core;
+
+static int64_t core_mark(Core *c) {
+#if TK_SUPPORTED
+    if (c->use_mark) return (int64_t)__atomic_load_n(&total, __ATOMIC_ACQUIRE);
+#endif
+    (void)c;
+    return 0;
+}
+
+static int64_t core_now(Core *c) {
+    if (!c->timed) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int64_t core_seq(Core *c) {
+    PyObject *r = PyObject_CallNoArgs(c->get_seq);
+    if (!r) { PyErr_Clear(); return -1; }
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+    return v;
+}
+
+static int core_push_row(Core *c, const int64_t *row) {
+    if (c->nrows >= c->caprows) {
+        Py_ssize_t cap = c->caprows ? c->caprows * 2 : 4096;
+        int64_t *r = PyMem_Realloc(c->rows, (size_t)cap * NCOLS * sizeof(int64_t));
+        if (!r) return -1;
+        c->rows = r;
+        c->caprows = cap;
+    }
+    memcpy(c->rows + c->nrows * NCOLS, row, NCOLS * sizeof(int64_t));
+    c->nrows++;
+    return 0;
+}
+
+static int core_set_md(Core *c, long long cid) {
+    if (!c->md_active || c->setter == NULL || c->setter == Py_None) return 0;
+    PyObject *s = cid >= 0 ? PyUnicode_FromFormat("%U:op=%lld", c->md_base, cid) : (Py_INCREF(c->md_base), c->md_base);
+    if (!s) return -1;
+    PyObject *r = PyObject_CallOneArg(c->setter, s);
+    Py_DECREF(s);
+    if (!r) { PyErr_Clear(); return 0; }  /* never fail the user's call over the metadata */
+    Py_DECREF(r);
+    return 0;
+}
+
+static int frame_lasti(PyFrameObject *f) {
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else
+    PyObject *v = PyObject_GetAttrString((PyObject *)f, "f_lasti");
+    if (!v) { PyErr_Clear(); return -1; }
+    long n = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return (int)n;
+#endif
+}
+
+/* The interned stack of `f` outwards, up to the innermost running module's frame (then the stack interned
+ * when that module began is the parent). Returns the stack id, or -1 with an exception set. */
+static long long core_stack(Core *c, PyFrameObject *f, long long *module) {
+    Py_ssize_t n = PyList_GET_SIZE(c->mods);
+    PyObject *top = n ? PyList_GET_ITEM(c->mods, n - 1) : NULL;
+    PyObject *anchor = NULL;
+    long long above = 0;
+    *module = 0;
+    if (top && PyTuple_Check(top) && PyTuple_GET_SIZE(top) >= 3) {
+        *module = PyLong_AsLongLong(PyTuple_GET_ITEM(top, 0));
+        anchor = PyTuple_GET_ITEM(top, 1);
+        above = PyLong_AsLongLong(PyTuple_GET_ITEM(top, 2));
+        if (PyErr_Occurred()) return -1;
+    }
+    PyObject *items[256];
+    Py_ssize_t k = 0;
+    long long parent = 0;
+    PyObject *list = NULL;  /* used past 256 frames */
+    Py_XINCREF(f);
+    while (f != NULL) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        PyObject *lasti = PyLong_FromLong(frame_lasti(f));
+        if (!lasti) { Py_DECREF(code); Py_DECREF(f); goto fail; }
+        if (k + 2 > 256 && list == NULL) {
+            list = PyList_New(0);
+            if (!list) { Py_DECREF(code); Py_DECREF(lasti); Py_DECREF(f); goto fail; }
+            for (Py_ssize_t i = 0; i < k; i++) { PyList_Append(list, items[i]); Py_DECREF(items[i]); }
+            k = 0;
+        }
+        if (list) {
+            PyList_Append(list, (PyObject *)code);
+            PyList_Append(list, lasti);
+            Py_DECREF(code);
+            Py_DECREF(lasti);
+        } else {
+            items[k++] = (PyObject *)code;
+            items[k++] = lasti;
+        }
+        if ((PyObject *)f == anchor) {
+            parent = above;
+            Py_DECREF(f);
+            break;
+        }
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    PyObject *p = PyLong_FromLongLong(parent);
+    if (!p) goto fail;
+    PyObject *key;
+    if (list) {
+        PyList_Append(list, p);
+        Py_DECREF(p);
+        key = PyList_AsTuple(list);
+        Py_CLEAR(list);
+        if (!key) return -1;
+    } else {
+        key = PyTuple_New(k + 1);
+        if (!key) { Py_DECREF(p); goto fail; }
+        for (Py_ssize_t i = 0; i < k; i++) PyTuple_SET_ITEM(key, i, items[i]);
+        PyTuple_SET_ITEM(key, k, p);
+        k = 0;
+    }
+    PyObject *id = PyDict_GetItemWithError(c->ids, key);  /* borrowed */
+    long long out;
+    if (id) {
+        out = PyLong_AsLongLong(id);
+    } else {
+        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
+        out = PyList_GET_SIZE(c->parts);
+        PyObject *v = PyLong_FromLongLong(out);
+        if (!v || PyDict_SetItem(c->ids, key, v) < 0 || PyList_Append(c->parts, key) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(key);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    Py_DECREF(key);
+    return out;
+fail:
+    for (Py_ssize_t i = 0; i < k; i++) Py_DECREF(items[i]);
+    Py_XDECREF(list);
+    return -1;
+}
+
+static PyObject *core_call(Core *c, PyObject *const *argv, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "call(func, args, kwargs)"); return NULL; }
+    PyObject *func = argv[0], *args = argv[1], *kwargs = argv[2];
+    if (kwargs == Py_None) kwargs = NULL;
+    if (!PyTuple_Check(args)) { PyErr_SetString(PyExc_TypeError, "args must be a tuple"); return NULL; }
+    long kind = 0;
+    if (Py_TYPE(func) == &_PyMethodWrapper_Type) {
+        kind = 1;  /* a property read or write (x.shape, p.grad = None) */
+    } else {
+        PyObject *k = PyDict_GetItemWithError(c->special, func);
+        if (k) kind = PyLong_AsLong(k);
+        else if (PyErr_Occurred()) PyErr_Clear();
+    }
+    if (kind == 1 || !c->on || c->busy || core_forked || PyThread_get_thread_ident() != c->thread)
+        return PyObject_Call(func, args, kwargs);
+    long long cid = c->calls++;
+    long long module = 0;
+    PyFrameObject *here = PyEval_GetFrame();  /* borrowed: the __torch_function__ frame */
+    PyFrameObject *caller = here ? PyFrame_GetBack(here) : NULL;
+    long long stack = core_stack(c, caller, &module);
+    Py_XDECREF(caller);
+    if (stack < 0) { PyErr_Clear(); stack = 0; }  /* never fail the user's call over the log */
+    long long parent = c->container;
+    int container = kind == 2;
+    long long op = -1;
+    if (c->op_names) {
+        PyObject *o = PyDict_GetItemWithError(c->op_ids, func);
+        if (o) op = PyLong_AsLongLong(o);
+        else {
+            PyErr_Clear();
+            op = PyList_GET_SIZE(c->op_funcs);
+            PyObject *v = PyLong_FromLongLong(op);
+            if (!v || PyDict_SetItem(c->op_ids, func, v) < 0 || PyList_Append(c->op_funcs, func) < 0) {
+                PyErr_Clear();
+                op = -1;
+            }
+            Py_XDECREF(v);
+        }
+    }
+    core_set_md(c, cid);
+    int64_t row[NCOLS];
+    row[8] = parent;
+    row[9] = cid;
+    row[10] = op;
+    row[11] = container;
+    row[4] = stack;
+    row[5] = module;
+    row[6] = core_seq(c);
+    row[2] = core_now(c);
+    row[0] = core_mark(c);
+    if (container) c->container = cid;  /* the engine's Python (hooks, recomputation) is logged inside it */
+    PyObject *result = PyObject_Call(func, args, kwargs);
+    row[1] = core_mark(c);
+    row[3] = core_now(c);
+    if (container) c->container = parent;
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    core_set_md(c, parent);
+    row[7] = core_seq(c);
+    if (core_push_row(c, row) == 0 && c->nrows >= c->limit && c->on_full && c->on_full != Py_None) {
+        c->busy++;
+        PyObject *r = PyObject_CallNoArgs(c->on_full);
+        c->busy--;
+        if (r) Py_DECREF(r); else PyErr_Clear();
+    }
+    PyErr_Restore(et, ev, etb);
+    return result;
+}
+
+static PyObject *core_append(Core *c, PyObject *row) {
+    /* a row made in Python (the op log's slow path) */
+    int64_t r[NCOLS];
+    if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != NCOLS) {
+        PyErr_SetString(PyExc_TypeError, "a row is a tuple of 12 ints");
+        return NULL;
+    }
+    for (int i = 0; i < NCOLS; i++) {
+        r[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(row, i));
+        if (r[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    if (core_push_row(c, r) < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_take(Core *c, PyObject *noargs) {
+    PyObject *out = PyBytes_FromStringAndSize((const char *)c->rows, c->nrows * NCOLS * (Py_ssize_t)sizeof(int64_t));
+    if (!out) return NULL;
+    c->nrows = 0;
+    if (c->caprows > (1 << 16)) {  /* give a big buffer back */
+        PyMem_Free(c->rows);
+        c->rows = NULL;
+        c->caprows = 0;
+    }
+    return out;
+}
+
+static PyObject *core_len(Core *c, PyObject *noargs) { return PyLong_FromSsize_t(c->nrows); }
+
+static int core_init(Core *c, PyObject *args, PyObject *kw) {
+    static char *names[] = {"special", "mods", "ids", "parts", "get_seq", "use_mark", "timed", NULL};
+    PyObject *special, *mods, *ids, *parts, *get_seq;
+    int use_mark = 0, timed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!O!O|pp", names, &PyDict_Type, &special, &PyList_Type, &mods,
+                                     &PyDict_Type, &ids, &PyList_Type, &parts, &get_seq, &use_mark, &timed))
+        return -1;
+    Py_INCREF(special); Py_XSETREF(c->special, special);
+    Py_INCREF(mods); Py_XSETREF(c->mods, mods);
+    Py_INCREF(ids); Py_XSETREF(c->ids, ids);
+    Py_INCREF(parts); Py_XSETREF(c->parts, parts);
+    Py_INCREF(get_seq); Py_XSETREF(c->get_seq, get_seq);
+    Py_INCREF(Py_None); Py_XSETREF(c->setter, Py_None);
+    Py_XSETREF(c->md_base, PyUnicode_FromString(""));
+    Py_XSETREF(c->op_ids, PyDict_New());
+    Py_XSETREF(c->op_funcs, PyList_New(0));
+    Py_INCREF(Py_None); Py_XSETREF(c->on_full, Py_None);
+    if (!c->md_base || !c->op_ids || !c->op_funcs) return -1;
+    c->use_mark = use_mark;
+    c->timed = timed;
+    c->thread = PyThread_get_thread_ident();
+    c->container = -1;
+    c->limit = PY_SSIZE_T_MAX;
+    return 0;
+}
+
+static int core_traverse(Core *c, visitproc visit, void *arg) {
+    Py_VISIT(c->special); Py_VISIT(c->mods); Py_VISIT(c->ids); Py_VISIT(c->parts); Py_VISIT(c->get_seq);
+    Py_VISIT(c->setter); Py_VISIT(c->md_base); Py_VISIT(c->op_ids); Py_VISIT(c->op_funcs); Py_VISIT(c->on_full);
+    return 0;
+}
+
+static int core_clear(Core *c) {
+    Py_CLEAR(c->special); Py_CLEAR(c->mods); Py_CLEAR(c->ids); Py_CLEAR(c->parts); Py_CLEAR(c->get_seq);
+    Py_CLEAR(c->setter); Py_CLEAR(c->md_base); Py_CLEAR(c->op_ids); Py_CLEAR(c->op_funcs); Py_CLEAR(c->on_full);
+    return 0;
+}
+
+static void core_dealloc(Core *c) {
+    PyObject_GC_UnTrack(c);
+    core_clear(c);
+    PyMem_Free(c->rows);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyObject *core_get_obj(Core *c, void *which) {
+    PyObject *v = NULL;
+    switch ((intptr_t)which) {
+        case 0: v = c->setter; break;
+        case 1: v = c->md_base; break;
+        case 2: v = c->on_full; break;
+        case 3: v = c->op_funcs; break;
+    }
+    if (!v) v = Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int core_set_obj(Core *c, PyObject *v, void *which) {
+    if (!v) { PyErr_SetString(PyExc_AttributeError, "cannot delete"); return -1; }
+    if ((intptr_t)which == 1 && !PyUnicode_Check(v)) { PyErr_SetString(PyExc_TypeError, "md_base is a str"); return -1; }
+    Py_INCREF(v);
+    switch ((intptr_t)which) {
+        case 0: Py_XSETREF(c->setter, v); break;
+        case 1: Py_XSETREF(c->md_base, v); break;
+        case 2: Py_XSETREF(c->on_full, v); break;
+        default: Py_DECREF(v); PyErr_SetString(PyExc_AttributeError, "read-only"); return -1;
+    }
+    return 0;
+}
+
+static PyGetSetDef core_getset[] = {
+    {"setter", (getter)core_get_obj, (setter)core_set_obj, NULL, (void *)0},
+    {"md_base", (getter)core_get_obj, (setter)core_set_obj, NULL, (void *)1},
+    {"on_full", (getter)core_get_obj, (setter)core_set_obj, NULL, (void *)2},
+    {"op_funcs", (getter)core_get_obj, NULL, NULL, (void *)3},
+    {NULL},
+};
+
+static PyMemberDef core_members[] = {
+    {"on", T_INT, offsetof(Core, on), 0, NULL},
+    {"busy", T_INT, offsetof(Core, busy), 0, NULL},
+    {"md_active", T_INT, offsetof(Core, md_active), 0, NULL},
+    {"op_names", T_INT, offsetof(Core, op_names), 0, NULL},
+    {"calls", T_LONGLONG, offsetof(Core, calls), 0, NULL},
+    {"container", T_LONGLONG, offsetof(Core, container), 0, NULL},
+    {"limit", T_PYSSIZET, offsetof(Core, limit), 0, NULL},
+    {NULL},
+};
+
+static PyMethodDef core_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))core_call, METH_FASTCALL, "call(func, args, kwargs): run it, logged"},
+    {"append", (PyCFunction)core_append, METH_O, "append(row): a row made in Python"},
+    {"take", (PyCFunction)core_take, METH_NOARGS, "the rows so far as bytes of int64 (n x 12); emptied"},
+    {"rows", (PyCFunction)core_len, METH_NOARGS, "rows not yet taken"},
+    {NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tracekit.record._cpuhook.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_methods = core_methods,
+    .tp_members = core_members,
+    .tp_getset = core_getset,
+};
+
 static PyMethodDef methods[] = {
     {"install", py_install, METH_VARARGS, "install(library_suffix) -> None, or why not (str)"},
     {"uninstall", py_uninstall, METH_NOARGS, "put libc10's jump slots back"},
@@ -430,4 +834,18 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpuhook", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cpuhook(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpuhook(void) {
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+#if TK_POSIX
+    pthread_atfork(NULL, NULL, core_after_fork);
+#endif
+    return m;
+}

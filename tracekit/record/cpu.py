@@ -132,7 +132,7 @@ class CpuBackend:
         if self.oplog is None or self.oplog._container >= 0:  # a backward call is open: its row is to come
             return
         due = self.chunk_seconds is not None and time.monotonic() - self._last >= self.chunk_seconds
-        if not due and len(self.oplog.rows) < MAX_ROWS and (self.hook is None
+        if not due and self.oplog.pending_rows() < MAX_ROWS and (self.hook is None
                                                               or self.hook.pending() < self.hook.capacity // 2):
             return
         self._drain()
@@ -231,8 +231,7 @@ class CpuBackend:
         return np.where(j >= 0, ids[np.maximum(j, 0)], -1).astype(np.int32)
 
     def _with_ops(self, stack, op, seq):
-        """stacks="all": the torch call that allocated (``Tensor.softmax``, ``linear``) as a first frame."""
-        names = {v: k for k, v in self.oplog.op_names_table.items()}
+        """stacks="all": the torch call that allocated (``TensorBase.softmax``, ``linear``) as a first frame."""
         table = self.oplog.stacks
         out = stack.copy()
         cache = {}
@@ -240,7 +239,7 @@ class CpuBackend:
             key = (int(stack[i]), int(op[i]))
             k = cache.get(key)
             if k is None:
-                k = cache[key] = table.key_op(names.get(key[1], "?"), key[0])
+                k = cache[key] = table.key_op(self.oplog.op_name(key[1]), key[0])
             out[i] = k
         return out
 
@@ -262,8 +261,7 @@ class CpuBackend:
     def release(self):
         """Drop the tables once the file is written (code objects, rows): nothing outlives the recording."""
         if self.oplog is not None:
-            self.oplog.stacks.clear()
-            self.oplog.rows = []
+            self.oplog.release()
         if self.table is not None:
             self.table.clear()
         self._ring = None

@@ -167,7 +167,7 @@ class CudaBackend:
         """Keep the op log and the backward ranges compact and bounded (at safe points)."""
         if self.oplog is None or self.oplog._container >= 0:
             return
-        if time.monotonic() - self._last < self.chunk_seconds and len(self.oplog.rows) < (1 << 16):
+        if time.monotonic() - self._last < self.chunk_seconds and self.oplog.pending_rows() < (1 << 16):
             return
         self._last = time.monotonic()
         self._collect(restart=True)
@@ -176,7 +176,7 @@ class CudaBackend:
         from .origins import Calls, Ranges
 
         rows = self.oplog.take_rows()
-        if rows:
+        if len(rows):
             calls = Calls(rows, by_time=True)
             if self.origins:
                 self.table.add(calls)
@@ -250,8 +250,7 @@ class CudaBackend:
 
     def release(self):
         if self.oplog is not None:
-            self.oplog.stacks.clear()
-            self.oplog.rows = []
+            self.oplog.release()
         self._calls = np.zeros((0, ROW_COLS), np.int64)
         self._ranges = np.zeros((0, 3), np.int64)
         if self.table is not None:

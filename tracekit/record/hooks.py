@@ -144,7 +144,10 @@ class Hooks:
         if guard is not None:
             guard.busy += 1
         try:
-            getattr(listener, method)(*args)
+            # the listener only reads tensors (addresses, sizes, names): no torch function dispatch for
+            # those reads (the op log's mode would make each one a Python call)
+            with _no_torch_function():
+                getattr(listener, method)(*args)
         except Exception as e:  # the recorder never breaks training
             if not self._warned:
                 self._warned = True
@@ -210,6 +213,12 @@ class Hooks:
 
 def _never():
     return False
+
+
+def _no_torch_function():
+    import torch
+
+    return torch._C.DisableTorchFunction()
 
 
 _compiling = _never  # torch.compiler.is_compiling, once install() has found it

@@ -101,14 +101,15 @@ class OpLog(TorchFunctionMode):
         self.track_modules = modules
         self.op_names = op_names
         self.metadata = metadata
+        self._core = None  # _cpuhook.Core: the hot path in C (else the Python one below)
         self.rows = []
         self.limit = 1 << 62  # rows that make it call on_full() (the backend drains at its next safe point)
         self.on_full = None
-        self.on = False
-        self.busy = 0  # > 0 while the recorder's own code runs: its calls are not the user's
+        self._on = False
+        self._busy = 0  # > 0 while the recorder's own code runs: its calls are not the user's
         self.pushed = False
-        self.calls = 0  # call ids (for rows' parent and the allocator's metadata)
-        self._container = -1  # id of the backward call running, if any
+        self._calls = 0  # call ids (for rows' parent and the allocator's metadata)
+        self._cont = -1  # id of the backward call running, if any
         self._thread = None
         self._compiling = _never
         self._special = {}
@@ -121,13 +122,43 @@ class OpLog(TorchFunctionMode):
         self._named = weakref.WeakSet()  # roots already named
         self._handles = []
 
+    # -- state, in the core when there is one -------------------------------
+    def _state(name, doc):  # noqa: N805 (a property factory)
+        private = "_" + {"on": "on", "busy": "busy", "calls": "calls", "container": "cont"}[name]
+
+        def get(self):
+            return getattr(self._core, name) if self._core is not None else getattr(self, private)
+
+        def put(self, value):
+            if self._core is not None:
+                setattr(self._core, name, value)
+            else:
+                setattr(self, private, value)
+        return property(get, put, doc=doc)
+
+    on = _state("on", "logging now")
+    busy = _state("busy", "> 0 while the recorder's own code runs")
+    calls = _state("calls", "call ids given so far")
+    _container = _state("container", "id of the backward call running, or -1")
+    del _state
+
+    @property
+    def container(self):
+        return self._container
+
+    def pending_rows(self) -> int:
+        return self._core.rows() + len(self.rows) if self._core is not None else len(self.rows)
+
     # -- install / remove --------------------------------------------------
-    def install(self, timed=True):
-        """timed: stamp each call with its start and end time (when allocations are joined by time)."""
+    def install(self, timed=True, fast=True):
+        """timed: stamp each call with its start and end time (when allocations are joined by time).
+        fast: use the compiled hot path when it is built (_cpuhook.Core)."""
         self._thread = threading.get_ident()
         self._compiling = compiling_probe()
         self._special = _special_funcs()
         self._timed = timed
+        if fast and not self.op_names_needs_python():
+            self._core = _make_core(self, timed)
         if self.track_modules:
             from torch.nn.modules import module as nn_module
 
@@ -183,7 +214,7 @@ class OpLog(TorchFunctionMode):
             h.remove()
         self._handles = []
         self._unpatch_engine()
-        self._mods = [(0, None, 0, 0)]
+        self._mods[:] = [(0, None, 0, 0)]  # in place: the core holds this list
         if self.pushed and threading.get_ident() == self._thread:
             from torch.overrides import _get_current_function_mode_stack
 
@@ -194,8 +225,39 @@ class OpLog(TorchFunctionMode):
             # else: a mode of the user's was pushed above ours and is still on: ours stays below it, inert
 
     def take_rows(self):
+        """The rows logged since the last take: a list of tuples, or (with the core) an int64 array n x 12."""
         rows, self.rows = self.rows, []
-        return rows
+        if self._core is None:
+            return rows
+        import numpy as np
+
+        a = np.frombuffer(self._core.take(), dtype=np.int64).reshape(-1, 12).copy()
+        if rows:
+            a = np.concatenate([a, np.array(rows, dtype=np.int64).reshape(-1, 12)])
+        return a
+
+    def release(self):
+        """Drop every table (code objects included) once the recording is written."""
+        self.rows = []
+        core, self._core = self._core, None
+        if core is not None:
+            core.take()
+            self._on, self._busy, self._calls, self._cont = 0, 0, core.calls, -1
+        self.stacks.clear()
+        self._names = {}
+        self._special = {}
+
+    def op_names_needs_python(self) -> bool:
+        return False
+
+    def op_name(self, op: int) -> str:
+        """The name of the torch call `op` (stacks="all")."""
+        if self._core is not None:
+            funcs = self._core.op_funcs
+            func = funcs[op] if 0 <= op < len(funcs) else None
+            return _func_name(func) if func is not None else "?"
+        names = {v: k for k, v in self.op_names_table.items()}
+        return names.get(op, "?")
 
     # -- the mode ----------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -206,6 +268,9 @@ class OpLog(TorchFunctionMode):
         # torch.compile traces this handler: is_compiling() is first, so that it traces nothing else (no graph break)
         if self._compiling():
             return func(*args, **kwargs)
+        core = self._core
+        if core is not None:
+            return core.call(func, args, kwargs)
         kind = self._special.get(func, 0)
         if kind == 1 or not self.on or self.busy or _forked[0] or threading.get_ident() != self._thread:
             return func(*args, **kwargs)
@@ -271,8 +336,12 @@ class OpLog(TorchFunctionMode):
             if md is not None:
                 md.exit(parent)
             op = self._op_id(func) if self.op_names else -1
-            self.rows.append((k0, k1, t0, t1, stack, module, s0, get_seq(), parent, cid, op, container))
-            if len(self.rows) >= self.limit:
+            row = (k0, k1, t0, t1, stack, module, s0, get_seq(), parent, cid, op, int(container))
+            if self._core is not None:
+                self._core.append(row)
+            else:
+                self.rows.append(row)
+            if self.pending_rows() >= self.limit:
                 self._full()
 
     def _full(self):
@@ -301,7 +370,7 @@ class OpLog(TorchFunctionMode):
         return self.stacks.key(tuple(parts))
 
     def _op_id(self, func):
-        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+        name = _func_name(func)
         k = self.op_names_table.get(name)
         if k is None:
             k = self.op_names_table[name] = len(self.op_names_table)
@@ -309,7 +378,8 @@ class OpLog(TorchFunctionMode):
 
     # -- modules -----------------------------------------------------------
     def _pre(self, module, args):
-        if not self.on or self._compiling() or _forked[0] or threading.get_ident() != self._thread:
+        # is_compiling() first: torch.compile traces this hook, and must see nothing else (no graph break)
+        if self._compiling() or not self.on or _forked[0] or threading.get_ident() != self._thread:
             return
         try:
             anchor = sys._getframe(1)  # the frame of Module._call_impl (or its `inner`): it calls forward
@@ -361,6 +431,29 @@ class OpLog(TorchFunctionMode):
         return self.path_names[self._mods[-1][0]]
 
 
+def _func_name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _make_core(log, timed):
+    """The compiled hot path for `log`, or None (not built: the Python one runs)."""
+    try:
+        from ._cpuhook import Core
+    except ImportError:
+        return None
+    from .allochook import LIBRARY  # noqa: F401  (the hook and the core live in one module)
+
+    use_mark = getattr(log.mark, "__self__", None) is not None and getattr(log.mark, "__name__", "") == "mark"
+    core = Core(log._special, log._mods, log.stacks._ids, log.stacks._parts, _get_seq, use_mark=use_mark,
+                timed=bool(timed))
+    core.limit = min(int(log.limit), (1 << 62))
+    core.on_full = log._full
+    core.op_names = int(bool(log.op_names))
+    if log.metadata is not None:
+        log.metadata.attach(core)
+    return core
+
+
 class CallMetadata:
     """CUDA: the allocator's per-thread metadata string carries the running call's id
     (``tracekit:iter=3:phase=forward:op=1234``), so each history entry names its call exactly."""
@@ -368,11 +461,31 @@ class CallMetadata:
     def __init__(self, setter):
         self.setter = setter  # torch._C._cuda_setMemoryMetadata
         self.base = ""
-        self.active = False
+        self._active = False
+        self._core = None
+
+    def attach(self, core):
+        """The compiled hot path stamps the strings itself: keep it told."""
+        self._core = core
+        core.setter = self.setter
+        core.md_base = self.base
+        core.md_active = int(self._active)
+
+    @property
+    def active(self):
+        return self._active
+
+    @active.setter
+    def active(self, value):
+        self._active = bool(value)
+        if self._core is not None:
+            self._core.md_active = int(self._active)
 
     def set_base(self, base):
         self.base = base
-        if self.active:
+        if self._core is not None:
+            self._core.md_base = base
+        if self._active:
             self.setter(base)
 
     def enter(self, cid):

@@ -37,7 +37,7 @@ class Calls:
     """One chunk's op-log rows as arrays, for joining events to the call they happened in."""
 
     def __init__(self, rows, by_time=False):
-        a = np.array(rows, dtype=np.int64).reshape(-1, 12) if rows else np.zeros((0, 12), np.int64)
+        a = np.asarray(rows, dtype=np.int64).reshape(-1, 12) if len(rows) else np.zeros((0, 12), np.int64)
         lo, hi = (T0, T1) if by_time else (K0, K1)
         self.rows = a
         inner = a[a[:, CONTAINER] == 0]
