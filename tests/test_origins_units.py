@@ -221,3 +221,31 @@ def test_module_lines_text():
     assert "1.0 MiB     2.0 MiB  layers.0.mlp (forward)" in text
     assert "layers.*.mlp (forward): 2 modules hold 1.0 MiB each at the peak (2.0 MiB in all), at most 2.0 MiB" in text
     assert module_lines(None) == []
+
+
+def test_compiled_and_python_op_logs_agree():
+    """The op log's hot path in C (_cpuhook.Core) and its Python fallback log the same calls: same stacks
+    (frame by frame), modules, autograd sequence numbers and backward calls."""
+    from tracekit.record.oplog import OpLog
+
+    pytest.importorskip("tracekit.record._cpuhook")
+
+    def logged(fast):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Sequential(Inner()), torch.nn.Linear(4, 2))
+        log = OpLog(roots=lambda: [("", model)])
+        log.install(timed=True, fast=fast)
+        try:
+            assert (log._core is not None) is fast
+            y = model(torch.ones(3, 4, requires_grad=True))
+            (y * 2).sum().backward()
+        finally:
+            log.remove()
+        rows = np.asarray(log.take_rows(), dtype=np.int64).reshape(-1, 12)
+        rows = rows[np.argsort(rows[:, 9])]  # by call id
+        return [(tuple((f["filename"], f["line"], f["name"]) for f in log.stacks.frames(int(r[4]))),
+                 log.path_names[int(r[5])], int(r[7] - r[6]), int(r[11])) for r in rows]
+
+    fast, slow = logged(True), logged(False)
+    assert len(fast) == len(slow) > 5
+    assert fast == slow
