@@ -12,8 +12,8 @@ the process beside the wall time (less sensitive to other processes on a shared 
    GPT-2 124M from transformers' config (batch 1 x 128). Modes: `default` (`tracekit.record`),
    `no origins` (origins=False), `full detail` (stacks="all"), and `profiler source` (the CPU
    allocations from torch.profiler instead of the allocation hook: TRACEKIT_CPU_SOURCE=profiler).
-   Each recorded block is a `with tracekit.record(...)` around `--steps` steps, and at least 2.5 s
-   of them (the recorder drains and joins what it recorded about every second: the blocks pay for
+   Each recorded block is a `with tracekit.record(...)` around `--steps` steps, and at least 5 s
+   of them (the recorder drains and joins what it recorded every two seconds: the blocks pay for
    it in their steps); the time to write the file at the end is printed apart.
 2. script: the same Qwen2 loop (3 steps) as a script, `python train.py` against
    `tracekit record -- python train.py` per mode: wall time, CPU time and peak RSS of the whole process
@@ -126,9 +126,9 @@ def bench_steps(rounds, steps, gpt2, folder):
         model, opt, step = make()
         timed(step, 2)  # warm-up: optimizer state, allocator, lazy imports
         one = statistics.median(timed(step, 2)[0])
-        # blocks of at least 2.5 s: the recorder drains and joins what it recorded about every second,
+        # blocks of at least 5 s: the recorder drains and joins what it recorded every two seconds,
         # so each recorded block pays its share of that work inside its steps (block means, not medians)
-        n = max(steps, int(2.5 / max(one, 1e-3)) + 1)
+        n = max(steps, int(5.0 / max(one, 1e-3)) + 1)
         rows = {m: {"wall": [], "cpu": [], "write": []} for m in ["plain", *STEP_MODES]}
         for _ in range(rounds):
             w, c = timed(step, n)
@@ -168,17 +168,29 @@ def bench_steps(rounds, steps, gpt2, folder):
 
 
 # -- 2. and 3.: whole scripts in fresh processes --------------------------------------------------
+# Measured from a small launcher process: a child forked from this (big) process would count this
+# process's memory in its peak RSS until it execs.
+LAUNCHER = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    t = time.perf_counter()
+    p = subprocess.Popen(sys.argv[2:], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=sys.argv[1])
+    out = p.stdout.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    sys.stdout.buffer.write(out)
+    sys.stderr.write(json.dumps([time.perf_counter() - t, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024,
+                                 os.waitstatus_to_exitcode(status)]))
+""")
+
+
 def run(cmd, env=None, cwd=None):
     """(wall s, CPU s, peak RSS bytes of the process and its children, stdout) of one command."""
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
-    out = p.stdout.read()
-    p.stderr.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status) != 0:
+    import json
+
+    p = subprocess.run([sys.executable, "-c", LAUNCHER, cwd or os.getcwd(), *cmd], capture_output=True, env=env)
+    wall, cpu, rss, code = json.loads(p.stderr.decode().strip().splitlines()[-1])
+    if code != 0:
         raise SystemExit(f"bench_record: {' '.join(cmd)} failed")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, out
+    return wall, cpu, rss, p.stdout
 
 
 def script_modes(script, args, modes, rounds, folder):

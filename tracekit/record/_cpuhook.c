@@ -473,7 +473,11 @@ static int64_t core_mark(Core *c) {
 static int64_t core_now(Core *c) {
     if (!c->timed) return 0;
     struct timespec ts;
+#if defined(_WIN32)
+    timespec_get(&ts, TIME_UTC);  /* the clock of time.time_ns() */
+#else
     clock_gettime(CLOCK_REALTIME, &ts);
+#endif
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 

@@ -42,7 +42,7 @@ class CpuBackend:
     and modules, `stacks="all"` adds the torch call (forward) or backward node that allocated as a frame."""
 
     name = "cpu"
-    chunk_seconds = 1.0
+    chunk_seconds = 2.0  # drain, join and restart the profiler this often (at safe points)
 
     def __init__(self, stacks="python", max_entries=None, origins=True, roots=lambda: ()):
         self.stacks = stacks
@@ -78,7 +78,7 @@ class CpuBackend:
     # -- recording ---------------------------------------------------------
     def device_of(self, tensor):
         """The trace device a tensor's storage lives on, or None if this backend does not see it."""
-        return CPU_DEVICE if tensor.device.type == "cpu" else None
+        return CPU_DEVICE if tensor.is_cpu else None
 
     def choose_source(self):
         from .allochook import available
@@ -168,7 +168,7 @@ class CpuBackend:
 
     # -- joining -----------------------------------------------------------
     def _join(self):
-        from .origins import STACK, MODULE, OP, Calls, Ranges
+        from .origins import CONTAINER, MODULE, OP, STACK, Calls, Ranges
 
         rows = self.oplog.take_rows()
         ranges, prof_allocs = self.session.take() if self.session is not None else ([], [])
@@ -194,8 +194,9 @@ class CpuBackend:
         module = calls.column(which, row, MODULE, 0)
         if self.origins:
             # made by a backward node: inside a backward call (not a hook or recomputation logged inside it)
-            seq = Ranges(ranges).innermost(t_ns, between=which == 2)
-            seq[which != 2] = -1
+            in_backward = (which == 2) & (calls.column(which, row, CONTAINER, 0) == 1)
+            seq = Ranges(ranges).innermost(t_ns, between=in_backward)
+            seq[~in_backward] = -1
             self.table.add(calls)
             fstack, fmodule = self.table.lookup(seq)
             backward = seq >= 0

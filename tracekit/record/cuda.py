@@ -329,7 +329,8 @@ def annotate(snap, calls, ranges, table, stacks, path_names, origins=True):
             ok = (j >= 0) & (row_ids < 0) & (times >= 0)
             ok[ok] = t_ns[ok] <= outer[j[ok], T1] + 999
             container_stack[ok] = outer[j[ok], STACK]
-            in_backward = ok
+            in_backward = ok.copy()
+            in_backward[ok] = outer[j[ok], CONTAINER] == 1  # a backward call, not an optimizer step
         if origins and len(rng):
             seq = rng.innermost(t_ns, slack_ns=999, between=in_backward)
             seq[row_ids >= 0] = -1  # made inside a logged call (a hook, recomputation): that call's

@@ -186,8 +186,14 @@ class Hooks:
 
     def _pack(self, tensor):
         fn = tensor.grad_fn
-        if self._listening():
-            self._call("saved_tensor", tensor, fn)
+        listener = self.listener
+        if listener is not None and self._listening():
+            try:  # the hot path of _call, for every saved tensor: no context manager, no lookup by name
+                listener.saved_tensor(tensor, fn)
+            except Exception as e:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"tracekit: a recorder hook failed ({e!r}); recording goes on", RuntimeWarning)
         return pack(tensor, fn)
 
     def _wrap_backward(self, original):
@@ -258,7 +264,11 @@ class _Saved:
 
 def _unpack(saved):
     tensor = saved.tensor
-    if saved.version is not None and tensor._version != saved.version:
+    if saved.version is None:
+        return tensor
+    with _no_torch_function():  # a plain read: not a call of the user's for the op log to see
+        version = tensor._version
+    if version != saved.version:
         raise RuntimeError(inplace_message(saved, tensor._version))
     return tensor
 

@@ -92,7 +92,7 @@ class OpLog(TorchFunctionMode):
     """
 
     def __init__(self, stacks: StackTable | None = None, mark=None, roots=lambda: (), modules=True,
-                 op_names=False, metadata=None):
+                 op_names=False, metadata=None, coarse_optimizer=None):
         super().__init__()
         self.stacks = stacks or StackTable()
         self._ids = self.stacks._ids  # its intern table, read directly on the hot path
@@ -119,6 +119,10 @@ class OpLog(TorchFunctionMode):
         self.path_names = [""]
         self._mods = [(0, None, 0, 0)]
         self._names = {}  # id(module) -> (weakref to it, qualified name); a dead module's id is never trusted
+        # optimizer.step() logged as one span: the mode is off while it runs (its many small ops at full
+        # speed), its allocations named by the step's call (`coarse_optimizer`; full detail logs each op)
+        self.coarse_optimizer = (not op_names) if coarse_optimizer is None else coarse_optimizer
+        self._span = None
         self._named = weakref.WeakSet()  # roots already named
         self._handles = []
 
@@ -164,6 +168,11 @@ class OpLog(TorchFunctionMode):
 
             self._handles = [nn_module.register_module_forward_pre_hook(self._pre),
                              nn_module.register_module_forward_hook(self._post, always_call=True)]
+        if self.coarse_optimizer:
+            import torch.optim.optimizer as optim
+
+            self._handles += [optim.register_optimizer_step_pre_hook(self._opt_pre),
+                              optim.register_optimizer_step_post_hook(self._opt_post)]
         self._patch_engine()
         self.__enter__()
         self.pushed = True
@@ -209,6 +218,9 @@ class OpLog(TorchFunctionMode):
 
     def remove(self):
         """Stop logging and take the mode off the stack (only if it is on top: never someone else's)."""
+        if self._span is not None:
+            self._span[7] = False  # not pushed back: we are leaving
+            self.end_span()
         self.on = False
         for h in self._handles:
             h.remove()
@@ -375,6 +387,62 @@ class OpLog(TorchFunctionMode):
         if k is None:
             k = self.op_names_table[name] = len(self.op_names_table)
         return k
+
+    # -- optimizer steps as one span -----------------------------------------
+    def _opt_pre(self, optimizer, args, kwargs):
+        if self._compiling() or not self.on or _forked[0] or threading.get_ident() != self._thread:
+            return
+        if self._span is not None or self.busy:
+            return
+        try:
+            frame = sys._getframe(1)  # torch's step wrapper: it calls the step itself
+            cid = self.calls
+            self.calls = cid + 1
+            stack = self._stack(frame)
+            t0, k0, s0 = time.time_ns(), self.mark(), _get_seq()
+            popped = self._top_is_self()
+            if popped:
+                self.__exit__(None, None, None)  # the step's own ops run without the mode
+            self._span = [cid, k0, t0, s0, stack, self._mods[-1][0], self._container, popped]
+            md = self.metadata
+            if md is not None:
+                md.enter(cid)
+        except Exception:
+            pass
+
+    def _opt_post(self, optimizer, args, kwargs):
+        if self._compiling() or _forked[0] or threading.get_ident() != self._thread:
+            return
+        self.end_span()
+
+    def end_span(self):
+        """Close the optimizer step's span (its post-hook; or at stop, when the step raised)."""
+        span, self._span = self._span, None
+        if span is None:
+            return
+        cid, k0, t0, s0, stack, module, parent, popped = span
+        row = (k0, self.mark(), t0, time.time_ns(), stack, module, s0, _get_seq(), parent, cid, -1, 2)
+        if self._core is not None:
+            self._core.append(row)
+        else:
+            self.rows.append(row)
+        if self.metadata is not None:
+            self.metadata.exit(parent)
+        if popped and self.on and not self._on_stack():
+            self.__enter__()
+
+    def resume(self):
+        """A forward or backward inside optimizer.step (a closure: LBFGS, Lightning): log it again."""
+        span = self._span
+        if span is not None and span[7] and not self._on_stack():
+            self.__enter__()
+            span[7] = False
+
+    def _top_is_self(self):
+        from torch.overrides import _get_current_function_mode_stack
+
+        stack = _get_current_function_mode_stack()
+        return bool(stack) and stack[-1] is self
 
     # -- modules -----------------------------------------------------------
     def _pre(self, module, args):

@@ -118,6 +118,10 @@ class Ranges:
         out = np.full(n, -1, np.int64)
         if not n or not len(self.a):
             return out
+        if between is not None and n > 64 and between.sum() < n // 2:  # only the times inside a backward pass
+            sub = np.flatnonzero(between)
+            out[sub] = self.innermost(times_ns[sub], slack_ns, np.ones(len(sub), bool))
+            return out
         starts, ends, seqs = self.a[:, 0], self.a[:, 1] + slack_ns, self.a[:, 2]
         j = np.searchsorted(starts, times_ns, side="right") - 1
         last = j.copy()

@@ -82,6 +82,8 @@ class Recorder:
         self._term = None
         self.origins = origins  # forward origins of backward allocations, and modules (origins.py)
         self._checkpoint = None  # CUDA: torch.utils.checkpoint's early stop, switched off while recording
+        self._param_names_memo = None
+        self._named_memo = None
 
     @property
     def model(self):
@@ -117,7 +119,7 @@ class Recorder:
         except ValueError as e:  # found now, not after the run: the recording would be lost
             self._disable(f"cannot write the recording to {self.path} ({e}); training runs without it")
             return self
-        if _active and any(r.enabled for r in list(_active)):
+        if _active and any(r.enabled and not r._done for r in list(_active)):
             self._disable("another tracekit recording is running in this process; this one records nothing "
                           "(the outer one goes on)")
             return self
@@ -223,12 +225,18 @@ class Recorder:
             self._add_model(f"{type(module).__name__}." if self._models else "", module)
         if self._input_shape is None and self._models and module is self._models[0][1]():
             self._input_shape = summary.input_shape(args, kwargs)
+        self._resume_oplog()
         if self._marks.forward_started():
             self._iteration_began()
         elif self.recording:
             self._backend.tick()  # an inference loop has no phase changes: drain here
         if self.recording:
-            self._tags.add_model(module, self._prefix_of(module))
+            prefix = self._prefix_of(module)
+            if prefix == "" and module is (self._models[0][1]() if self._models else None):
+                self._tags.add_named(self._named_parameters(), PARAMETER)  # the memoised list
+                self._tags.add_named(module.named_buffers(), BUFFER)
+            else:
+                self._tags.add_model(module, prefix)
             self._tags.add_inputs(args, kwargs)
 
     def forward_kwargs(self, module, kwargs):
@@ -236,7 +244,13 @@ class Recorder:
             self._tags.add_inputs((), kwargs)
 
     def backward_started(self):
+        self._resume_oplog()
         self._marks.backward_started()
+
+    def _resume_oplog(self):
+        oplog = getattr(self._backend, "oplog", None) if self.recording else None
+        if oplog is not None:
+            oplog.resume()
 
     def backward_ended(self):
         self._marks.backward_ended()
@@ -503,12 +517,21 @@ class Recorder:
         return next((prefix for prefix, ref, _ in self._models if ref() is module), "")
 
     def _named_parameters(self):
-        for prefix, model in self._roots():
-            for n, p in model.named_parameters():
-                yield prefix + n, p
+        """(qualified name, parameter) of the known models (memoised per iteration: several hooks ask)."""
+        key = self._marks.iteration if self._marks is not None else None
+        memo = self._named_memo
+        if memo is None or memo[0] != key:
+            named = [(prefix + n, p) for prefix, model in self._roots() for n, p in model.named_parameters()]
+            memo = self._named_memo = (key, named)
+        return memo[1]
 
     def _param_names(self):
-        return param_names(self._roots())
+        """id(parameter) -> qualified name (memoised per iteration: every optimizer hook asks)."""
+        key = self._marks.iteration if self._marks is not None else None
+        memo = self._param_names_memo
+        if memo is None or memo[0] != key:
+            memo = self._param_names_memo = (key, param_names(self._roots()))
+        return memo[1]
 
     def _disable(self, message, pop_saved_hooks=True):
         """Warn once and let the program run on untouched (from a hook: leave the saved-tensor hooks to close())."""

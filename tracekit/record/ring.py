@@ -62,16 +62,25 @@ class Ring:
         if not len(rows):
             return
         live, pre = self.live, self.pre
-        for t, addr, size, stack in zip(rows["t"].tolist(), rows["addr"].tolist(), rows["size"].tolist(),
-                                        rows["stack"].tolist()):
-            if size > 0:
-                live[addr] = (size, stack)
-                if pre is not None:
+        if pre is not None:  # the profiler source: pre-existing storages' state needs every event, in order
+            for t, addr, size, stack in zip(rows["t"].tolist(), rows["addr"].tolist(), rows["size"].tolist(),
+                                            rows["stack"].tolist()):
+                if size > 0:
+                    live[addr] = (size, stack)
                     pre.allocated(addr, size, t)
-            else:
-                live.pop(addr, None)
-                if pre is not None:
+                else:
+                    live.pop(addr, None)
                     pre.freed(addr, -size, t)
+        else:  # only the last event at each address decides whether it is live after this chunk
+            addr = rows["addr"]
+            rev = addr[::-1]
+            _, first_in_rev = np.unique(rev, return_index=True)
+            last = len(addr) - 1 - first_in_rev
+            for a, size, stack in zip(addr[last].tolist(), rows["size"][last].tolist(), rows["stack"][last].tolist()):
+                if size > 0:
+                    live[a] = (size, stack)
+                else:
+                    live.pop(a, None)
         self.chunks.append(rows)
         self.total += len(rows)
         self.entries += int(np.where(rows["size"] > 0, 2, 3).sum())

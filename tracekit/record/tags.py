@@ -101,6 +101,11 @@ class Tags:
         self._items.append((addr, size, device, self.clock() if time_us is None else time_us, kind, name))
 
     # -- what a model and an optimizer hold -------------------------------
+    def add_named(self, named, kind, prefix=""):
+        add = self.add
+        for name, t in named:
+            add(t, kind, prefix + name)
+
     def add_model(self, model, prefix=""):
         for name, p in model.named_parameters():
             self.add(p, PARAMETER, prefix + name)
