@@ -520,10 +520,10 @@ class Recorder:
         """(qualified name, parameter) of the known models (memoised per iteration: several hooks ask)."""
         key = self._marks.iteration if self._marks is not None else None
         memo = self._named_memo
-        if memo is None or memo[0] != key:
-            named = [(prefix + n, p) for prefix, model in self._roots() for n, p in model.named_parameters()]
+        if memo is None or memo[0] != key:  # weakly: a parameter dropped meanwhile is freed
+            named = [(prefix + n, weakref.ref(p)) for prefix, model in self._roots() for n, p in model.named_parameters()]
             memo = self._named_memo = (key, named)
-        return memo[1]
+        return [(n, p) for n, p in ((n, r()) for n, r in memo[1]) if p is not None]
 
     def _param_names(self):
         """id(parameter) -> qualified name (memoised per iteration: every optimizer hook asks)."""
