@@ -710,6 +710,15 @@ static PyObject *core_take(Core *c, PyObject *noargs) {
 
 static PyObject *core_len(Core *c, PyObject *noargs) { return PyLong_FromSsize_t(c->nrows); }
 
+static PyObject *core_stack_of(Core *c, PyObject *frame) {
+    /* stack_of(frame): the interned stack of `frame` outwards (as the op log's _stack) */
+    if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "a frame"); return NULL; }
+    long long module;
+    long long k = core_stack(c, (PyFrameObject *)frame, &module);
+    if (k < 0) return NULL;
+    return PyLong_FromLongLong(k);
+}
+
 static int core_init(Core *c, PyObject *args, PyObject *kw) {
     static char *names[] = {"special", "mods", "ids", "parts", "get_seq", "use_mark", "timed", NULL};
     PyObject *special, *mods, *ids, *parts, *get_seq;
@@ -805,6 +814,7 @@ static PyMethodDef core_methods[] = {
     {"append", (PyCFunction)core_append, METH_O, "append(row): a row made in Python"},
     {"take", (PyCFunction)core_take, METH_NOARGS, "the rows so far as bytes of int64 (n x 12); emptied"},
     {"rows", (PyCFunction)core_len, METH_NOARGS, "rows not yet taken"},
+    {"stack_of", (PyCFunction)core_stack_of, METH_O, "stack_of(frame): the interned stack id of frame outwards"},
     {NULL},
 };
 

@@ -368,6 +368,8 @@ class OpLog(TorchFunctionMode):
 
     def _stack(self, f):
         """The interned stack of frame `f` (innermost) outwards."""
+        if self._core is not None and f is not None:
+            return self._core.stack_of(f)
         _, anchor, above, _ = self._mods[-1]
         parts = []
         parent = 0
