@@ -22,7 +22,7 @@ from ..record.signals import Forwarder
               help="File to write: .pickle, .pkl or .json, optionally + .gz; {rank} and {pid} are filled in. "
                    "Under torchrun each rank adds .rankN by default.")
 @click.option("--max-entries", type=click.IntRange(min=1), default=DEFAULT_MAX_ENTRIES, show_default=True,
-              help="Trace entries kept (the newest); the recorder's memory is bounded by it (about 0.8 KiB an "
+              help="Trace entries kept (the newest); the recorder's memory is bounded by it (about 0.9 KiB an "
                    "entry while the file is written).")
 @click.option("--stacks", type=click.Choice(["python", "all"]), default="python", show_default=True,
               help="python: the executing Python lines (cheap). all: full detail, also C++ frames (CUDA: "

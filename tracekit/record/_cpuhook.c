@@ -434,6 +434,7 @@ static PyObject *py_state(PyObject *self, PyObject *noargs) {
 #endif
 
 static int core_forked = 0;
+static PyTypeObject *method_wrapper_type = NULL;  /* type(object().__str__): a property's __get__ / __set__ */
 #if TK_POSIX
 static void core_after_fork(void) { core_forked = 1; }
 #endif
@@ -618,7 +619,7 @@ static PyObject *core_call(Core *c, PyObject *const *argv, Py_ssize_t nargs) {
     if (kwargs == Py_None) kwargs = NULL;
     if (!PyTuple_Check(args)) { PyErr_SetString(PyExc_TypeError, "args must be a tuple"); return NULL; }
     long kind = 0;
-    if (Py_TYPE(func) == &_PyMethodWrapper_Type) {
+    if (Py_TYPE(func) == method_wrapper_type) {
         kind = 1;  /* a property read or write (x.shape, p.grad = None) */
     } else {
         PyObject *k = PyDict_GetItemWithError(c->special, func);
@@ -850,6 +851,17 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpuhook", NULL, -1,
 
 PyMODINIT_FUNC PyInit__cpuhook(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
+    {
+        PyObject *o = PyObject_GetAttrString((PyObject *)&PyBaseObject_Type, "__str__");  /* a slot wrapper */
+        PyObject *inst = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+        PyObject *bound = inst ? PyObject_GetAttrString(inst, "__str__") : NULL;  /* a method-wrapper */
+        if (!bound) { Py_XDECREF(o); Py_XDECREF(inst); return NULL; }
+        method_wrapper_type = Py_TYPE(bound);
+        Py_INCREF(method_wrapper_type);
+        Py_DECREF(bound);
+        Py_DECREF(inst);
+        Py_XDECREF(o);
+    }
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&CoreType);

@@ -27,9 +27,10 @@ from .tags import (
 )
 
 FORMAT_VERSION = 1
-# The newest trace entries kept (and written). Building and writing the file costs about 0.5 KiB of memory
-# per entry, so this default keeps the recorder within ~200 MB of the plain run however long it runs.
-DEFAULT_MAX_ENTRIES = 200_000
+# The newest trace entries kept (and written). Building and writing the file costs about 0.9 KiB of memory
+# per entry at its peak, so this default keeps the recorder within ~160 MB of the plain run however long it
+# runs (bench/bench_record.py, 10,000 iterations); --max-entries 2000: ~25 MB.
+DEFAULT_MAX_ENTRIES = 150_000
 DEFAULT_PATH = "memory.pickle"
 
 
