@@ -98,3 +98,16 @@ def test_comprehension(tmp_path):
     assert top["frames"][0]["name"] in ("<listcomp>", "forward")  # Python 3.12 inlines comprehensions
     assert top["module"] in ("0", "1")
     no_line_zero(trace, "comprehension.py")
+
+
+def test_a_frame_at_line_zero_is_never_the_users_line():
+    """Older recordings (and other tools) may hold Python frames at line 0 (a line nobody knew): never shown
+    as the line to edit; the next real line of the user's is."""
+    from tracekit.analysis.frames import USER, frame_kind, is_user, user_first, where
+
+    assert frame_kind("/home/me/train.py", "<module>", 0) != USER
+    assert frame_kind("/home/me/train.py", "<module>", 12) == USER
+    frames = [{"filename": "/home/me/train.py", "line": 0, "name": "<module>"},
+              {"filename": "/home/me/train.py", "line": 31, "name": "main"}]
+    assert not is_user(frames[0])
+    assert where(user_first(frames)) == "me/train.py:31 in main"  # the user's frames first, as sites show them

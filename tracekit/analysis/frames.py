@@ -47,7 +47,9 @@ def frame_kind(filename: str, name: str = "", line: int | None = None) -> int:
     """USER, LIB, OP or NOISE for one frame."""
     if _NATIVE_FILE.search(filename) or "::" in name or (line == 0 and not filename.endswith(".py")):
         return NOISE if _NOISE_NAME.search(name) or not name else OP
-    if _INTERNAL_PY.search(filename):
+    if _INTERNAL_PY.search(filename) or line == 0:
+        # line 0 of Python code is a line nobody knew (older recorders' frames entered before profiling
+        # began): never shown as the user's line to edit
         return OP
     if _LIB.search(filename):
         return LIB
