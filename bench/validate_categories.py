@@ -184,25 +184,28 @@ QUICK = ("mlp_adam", "transformer_adamw", "checkpointing")
 # -- recording (with the torch profiler's memory profile of the same run) -------------------------------
 
 class ProfilingCpuBackend(CpuBackend):
-    """The recorder's CPU backend, with shapes recorded so torch's memory profiler can run on the same trace
-    (one profiler session, kept whole)."""
+    """The recorder's CPU backend, with torch's own profiler (memory, stacks, shapes) running beside it for
+    the whole recording, so torch's memory profiler can run on the same steps (one profile, kept whole).
+    One profiler runs per process: the recorder's own (backward ranges only) stands aside while torch's
+    runs and takes its backward ranges when it stops; the allocation hook records as always."""
 
-    chunk_seconds = None
+    def start(self, preexisting=()):
+        import warnings
 
-    def _new_profile(self):
         from torch.profiler import ProfilerActivity, profile
 
+        super().start(preexisting)
         self.torch_profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
                                      record_shapes=True)
-        return self.torch_profile
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "your torch.profiler started while tracekit was recording"
+            self.torch_profile.start()
 
-    def _stop_session(self):
-        if self._prof is None:
-            return
-        prof, self._prof = self._prof, None
-        with self._watch.ours():
-            prof.stop()
-        self._take(prof.profiler.kineto_results)  # the profile is kept whole for torch's memory profiler
+    def stop(self):
+        try:
+            self.torch_profile.stop()
+        finally:
+            super().stop()
 
 
 @contextmanager
@@ -212,8 +215,8 @@ def profiling_backend():
     made = []
     original = recorder.make_backend
 
-    def make(name, stacks, max_entries):
-        made.append(ProfilingCpuBackend(stacks=stacks, max_entries=max_entries))
+    def make(name, stacks, max_entries, **options):
+        made.append(ProfilingCpuBackend(stacks=stacks, max_entries=max_entries, **options))
         return made[-1]
     recorder.make_backend = make
     try:

@@ -54,8 +54,9 @@ def test_file_is_a_pytorch_snapshot_of_plain_builtins(recorded):
     assert {e["action"] for e in trace} >= {"alloc", "free_requested", "free_completed"}
     for e in trace[:50]:
         assert set(e) >= {"action", "addr", "size", "stream", "time_us", "frames", "user_metadata"}
-    framed = [e for e in trace if e["frames"]]
-    assert len(framed) > 0.9 * len(trace)
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    framed = [e for e in allocs if e["frames"]]
+    assert len(framed) > 0.95 * len(allocs)  # (a free made by Python dropping a reference has no frames)
     assert all(set(f) == {"filename", "line", "name"} for f in framed[0]["frames"])
     seg = snap["segments"][0]
     assert set(seg) >= {"device", "address", "total_size", "allocated_size", "active_size", "requested_size",
@@ -190,7 +191,7 @@ def test_recording_that_cannot_start_warns_and_training_runs(tmp_path, monkeypat
 def test_failing_hook_warns_once_and_recording_goes_on(tmp_path, monkeypatch):
     from tracekit.record.tags import Tags
 
-    def broken(self, tensor):
+    def broken(self, tensor, *rest):
         raise RuntimeError("broken tagger")
 
     monkeypatch.setattr(Tags, "add_activation", broken)

@@ -62,7 +62,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(cuda_backend, "history_enabled", lambda: mem.enabled)
     monkeypatch.setattr(cuda_backend, "cuda_initialized", lambda: True)  # a GPU already in use
     monkeypatch.setattr(recorder_module, "make_backend",
-                        lambda name, stacks, max_entries: MockedCuda(stacks=stacks, max_entries=max_entries))
+                        lambda name, stacks, max_entries, **kw: MockedCuda(stacks=stacks, max_entries=max_entries, **kw))
     return mem
 
 
@@ -72,14 +72,19 @@ def test_cuda_backend_records_tags_and_restores(fake, tmp_path):
         for _ in range(2):
             step()
             rec.step()
-    assert fake.calls[0] == ("all", "all", "python", 1234, True)
+    # no stacks gathered by the allocator: the op log names each entry's call through its metadata
+    assert fake.calls[0] == ("all", None, "python", 1234, True)
     assert fake.calls[-1][0] is None  # history off again: it was off before
     assert fake.metadata == "theirs"  # the previous metadata string is back
     assert "tracekit:iter=0:phase=forward" in fake.metadata_log
     assert "tracekit:iter=1:phase=optimizer" in fake.metadata_log
+    assert any(":op=" in m for m in fake.metadata_log)
     with open(rec.written, "rb") as f:
         snap = restricted_load(f)
+    (entry,) = snap["device_traces"][0]
+    assert ":op=" not in entry["user_metadata"]  # taken off again
     k = snap["tracekit"]
+    assert k["settings"]["cuda_context"] is None and k["settings"]["checkpoint_early_stop"] is False
     assert k["backend"] == "cuda" and k["devices"][0]["name"] == "Fake GPU"
     assert snap["segments"][0]["segment_type"] == "large"  # the allocator's own segments, as they are
     assert [(p["iteration"], p["phase"]) for p in k["phases"]] == [
@@ -89,9 +94,35 @@ def test_cuda_backend_records_tags_and_restores(fake, tmp_path):
 
 def test_cuda_keeps_a_history_someone_else_started(fake, tmp_path):
     fake.enabled = True
-    with tk_record.record(tmp_path / "k.pickle"):
-        pass
-    assert fake.calls == [("all", "all", "python", 1_000_000, False)]  # not cleared, not switched off
+    with pytest.warns(RuntimeWarning, match="CUDA memory history was already on"):
+        with tk_record.record(tmp_path / "k.pickle"):
+            pass
+    assert fake.calls == []  # its settings kept as they are: not changed, not cleared, not switched off
+
+
+def test_cuda_full_detail_asks_torch_for_every_stack(fake, tmp_path):
+    with tk_record.record(tmp_path / "f.pickle", stacks="all"):
+        torch.ones(4).sum()
+    assert fake.calls[0][:3] == ("all", "all", "all")
+
+
+def test_cuda_checkpoint_early_stop_is_off_while_recording_and_put_back(fake, tmp_path):
+    """Non-reentrant checkpointing with early stop crashes torch's CUDA history: off while we record."""
+    from torch.utils import checkpoint
+
+    def early_stop():
+        return checkpoint._enable_checkpoint_early_stop if hasattr(checkpoint, "_enable_checkpoint_early_stop") \
+            else None
+
+    before = early_stop()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = torch.autograd.grad(checkpoint.checkpoint(model, x, use_reentrant=False).sum(), x)[0]
+    with tk_record.record(tmp_path / "cp.pickle", model=model):
+        assert early_stop() is False
+        got = torch.autograd.grad(checkpoint.checkpoint(model, x, use_reentrant=False).sum(), x)[0]
+    assert early_stop() == before
+    assert torch.equal(plain, got)
 
 
 def test_cuda_out_of_memory_dumps_then_reraises(fake, tmp_path):

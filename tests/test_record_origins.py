@@ -56,7 +56,7 @@ def test_upcast_in_the_loss(tmp_path):
     top = spike["top_stacks"][0]
     line = line_of("upcast_loss.py", "big = logits.float().softmax(-1)")
     assert top["frames"][0]["line"] == line and top["frames"][0]["name"] == "loss_fn"
-    assert top["where"] == f"backward of upcast_loss.py:{line} in loss_fn"
+    assert top["where"] == f"backward of planted/upcast_loss.py:{line} in loss_fn"
     assert top["module"] is None  # the loss runs outside any module
     # SoftmaxBackward's gradient: 512 x 8192 fp32, one per iteration
     assert top["bytes"] == 512 * 8192 * 4 and top["count"] == 1

@@ -59,9 +59,18 @@ class Step:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def visible(filename, name):
+    """A frame the recording shows: the recorder's own frames (tracekit/record/, but the demo model) and
+    torch's dispatch into the recorder's mode (handle_torch_function) are left out."""
+    if re.search(r"(^|[/\\])tracekit[/\\]record[/\\](?!toy\.py$)", filename):
+        return False
+    return not (name == "handle_torch_function" and filename.endswith("overrides.py"))
+
+
 def _here(frame):
-    """(file basename, line, function) from `frame` outwards, innermost first."""
-    return [(os.path.basename(f.filename), f.lineno, f.name) for f in reversed(traceback.extract_stack(frame))]
+    """(file basename, line, function) from `frame` outwards, innermost first, as the recording shows them."""
+    return [(os.path.basename(f.filename), f.lineno, f.name) for f in reversed(traceback.extract_stack(frame))
+            if visible(f.filename, f.name)]
 
 
 def recorded_stacks(path, numel):
@@ -83,9 +92,9 @@ def short(stack):
 
 
 def ours(stack):
-    """Function names of the frames in this file and in the recorder (tracekit/record/), innermost first."""
-    return [name for file, _, name in stack
-            if os.path.basename(file) == HERE or re.search(r"(^|[/\\])tracekit[/\\]record[/\\]", file)]
+    """Function names of the frames in this file, innermost first (the recorder's own never show)."""
+    assert all(visible(file, name) for file, _, name in stack), stack
+    return [name for file, _, name in stack if os.path.basename(file) == HERE]
 
 
 def check_stacks(path, real, numel, test_name, expected):
@@ -99,10 +108,10 @@ def check_stacks(path, real, numel, test_name, expected):
     assert names[: names.index(test_name) + 1] == expected + [test_name]
 
 
-# The frames in this file and the recorder: the hook runs inside loss.backward(), through
-# the recorder's wrapper of torch.autograd.backward (hooks.py), which is truly on the stack.
+# The frames in this file: the hook runs inside loss.backward() (through the recorder's wrappers, which
+# are truly on the stack but never shown).
 FORWARD = ["inner", "outer", "step_fn"]
-HOOK = ["inner", "outer", "grad_hook", "wrapper", "step_fn"]
+HOOK = ["inner", "outer", "grad_hook", "step_fn"]
 
 
 @pytest.mark.parametrize("warmup", [0, 1])
@@ -111,8 +120,8 @@ def test_record_steps_stacks_are_the_call_chain(tmp_path, warmup):
     path = tk_record.record_steps(s.step_fn, steps=1, warmup=warmup, path=tmp_path / "s.pickle",
                                   model=s.model, optimizer=s.optimizer, backend="cpu")
     name = "test_record_steps_stacks_are_the_call_chain"
-    check_stacks(path, s.real[FORWARD_NUMEL], FORWARD_NUMEL, name, FORWARD + ["record_steps"])
-    check_stacks(path, s.real[HOOK_NUMEL], HOOK_NUMEL, name, HOOK + ["record_steps"])
+    check_stacks(path, s.real[FORWARD_NUMEL], FORWARD_NUMEL, name, FORWARD)  # record_steps is the recorder's
+    check_stacks(path, s.real[HOOK_NUMEL], HOOK_NUMEL, name, HOOK)
 
 
 def test_context_manager_stacks_are_the_call_chain(tmp_path):
@@ -127,7 +136,7 @@ def test_context_manager_stacks_are_the_call_chain(tmp_path):
 
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys, traceback
+    import json, os, re, sys, traceback
     import torch
 
     model = torch.nn.Linear(8, 8)
@@ -137,7 +146,9 @@ SCRIPT = textwrap.dedent("""
     def inner(numel):
         here = traceback.extract_stack(sys._getframe()); x = torch.ones(numel)
         if n == int(sys.argv[1]):
-            real[numel] = [(os.path.basename(f.filename), f.lineno, f.name) for f in reversed(here)]
+            real[numel] = [(os.path.basename(f.filename), f.lineno, f.name) for f in reversed(here)
+                           if not re.search(r"tracekit/record/", f.filename) and f.filename != "<string>"
+                           and f.name != "handle_torch_function"]
         return x.sum()
 
     def outer(numel):
@@ -182,5 +193,5 @@ def test_script_stacks_are_the_call_chain(tmp_path, warmup):
         stack = short(stack)
         assert stack == real[numel], (stack, real[numel])
         assert [name for file, _, name in stack if file == "train.py"] == chain
-        # Below the script: the bootstrap's frames, each once (exec adds no frame of its own).
-        assert [name for file, _, name in stack if file == "script.py"] == ["_run_file", "_run", "main"]
+        # Below the script: nothing (the bootstrap's frames are the recorder's own).
+        assert stack[-1] == ("train.py", stack[-1][1], "<module>")

@@ -103,7 +103,9 @@ def frame_kind(filename: str, name: str = "", line: int | None = None) -> int:
         for m in _SITE.finditer(filename):
             pass
         return OP if _INTERNAL_PY.search("/" + filename[m.end():]) else LIB
-    if _INTERNAL_PY.search(filename):
+    if _INTERNAL_PY.search(filename) or line == 0:
+        # line 0 of Python code is a line nobody knew (older recorders' frames entered before profiling
+        # began): never shown as the user's line to edit
         return OP
     if pkg is not None or _LIB.search(filename):
         return LIB

@@ -22,9 +22,11 @@ from ..record.signals import Forwarder
               help="File to write: .pickle, .pkl or .json, optionally + .gz; {rank} and {pid} are filled in. "
                    "Under torchrun each rank adds .rankN by default.")
 @click.option("--max-entries", type=click.IntRange(min=1), default=DEFAULT_MAX_ENTRIES, show_default=True,
-              help="Trace entries kept (the newest).")
+              help="Trace entries kept (the newest); the recorder's memory is bounded by it (about 0.9 KiB an "
+                   "entry while the file is written).")
 @click.option("--stacks", type=click.Choice(["python", "all"]), default="python", show_default=True,
-              help="Python frames only, or also C++ frames (CUDA) / operator names (CPU).")
+              help="python: the executing Python lines (cheap). all: full detail, also C++ frames (CUDA: "
+                   "torch's own stacks, costs what its history costs) / the torch call as a frame (CPU).")
 @click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True,
               help="Iterations to run before recording starts.")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
@@ -32,8 +34,10 @@ from ..record.signals import Forwarder
 @click.option("--backend", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="auto: $TRACEKIT_BACKEND if set, else CUDA allocator history if CUDA is available, else the CPU profiler.")
 @click.option("--no-activations", is_flag=True, help="Do not tag tensors saved for backward (no saved-tensor hooks).")
+@click.option("--no-origins", is_flag=True,
+              help="Record without forward origins of backward allocations and modules (as TRACEKIT_ORIGINS=0).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def command(output, max_entries, stacks, warmup, steps, backend, no_activations, command):
+def command(output, max_entries, stacks, warmup, steps, backend, no_activations, no_origins, command):
     """Run COMMAND (python SCRIPT ..., python -m MODULE ..., python -c CODE ...) under the recorder.
 
     The script needs no changes: optimizer steps and the model's forward and
@@ -49,7 +53,8 @@ def command(output, max_entries, stacks, warmup, steps, backend, no_activations,
         argv = argv[1:]
     settings = {
         "output": os.path.abspath(output), "max_entries": max_entries, "stacks": stacks, "warmup": warmup,
-        "steps": steps, "backend": backend, "activations": not no_activations, "command": argv,
+        "steps": steps, "backend": backend, "activations": not no_activations, "origins": not no_origins,
+        "command": argv,
     }
     try:  # refused now, not after the run, when the recording would be lost
         check_writable(expand_path(output))

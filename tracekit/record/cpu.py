@@ -1,185 +1,276 @@
-"""CPU backend: torch.profiler memory events converted to a PyTorch snapshot.
+"""CPU backend: every CPU allocation and free, with the executing line that made it, as a PyTorch snapshot.
 
-The profiler (``profile_memory=True, with_stack=True``) sees every CPU
-allocation and free with its address, size, time and the Python calls around
-it. We walk its event tree once and write the same trace entries the CUDA
-allocator would (``alloc``, ``free_requested``, ``free_completed``). There is
-no caching allocator on the CPU: each allocation is its own segment, so, in
-the order the CUDA allocator would write them, a ``segment_alloc`` precedes
-each ``alloc`` and a ``segment_free`` follows each ``free_completed`` (at the
-same time_us: reserved == allocated at every time), and the final ``segments`` are
-synthesized the same way: one segment (``segment_type: "cpu"``) per block
-live at the end, including the tensors that existed before recording (known
-from the model and the optimizer) and were not freed during it. The profiler
-drops the frees of those pre-existing storages; the recorder watches them
-(preexisting.py) and `entries.add_preexisting_frees` writes their frees. The
-entries themselves are built in entries.py. Device 0 is the CPU.
+Three cheap sources, joined in numpy once per chunk (about a second), never per allocation while the
+step runs:
+
+1. Allocations and frees: the allocation hook (allochook.py: libc10's own posix_memalign and free,
+   each event a running index, time, address and size). Where the hook cannot be installed (not
+   Linux, no compiler when tracekit was installed) torch.profiler's memory events instead (ranges.py,
+   slower: its events cost microseconds each to read back).
+2. Where: the op log (oplog.py): every torch call from Python with its stack (executing lines), its
+   module and the autograd nodes it made. An allocation belongs to the innermost call it happened in.
+3. Backward: the profiler, restricted to the ranges of backward nodes (ranges.py): an allocation made
+   in one belongs to the forward call that made the node (origins.py).
+
+There is no caching allocator on the CPU: each allocation is its own segment, so, in the order the CUDA
+allocator would write them, a ``segment_alloc`` precedes each ``alloc`` and a ``segment_free`` follows
+each ``free_completed`` (at the same time_us: reserved == allocated at every time), and the final
+``segments`` are synthesized the same way: one segment (``segment_type: "cpu"``) per block live at the
+end, including the storages that existed before recording (known from the model and the optimizer) and
+were not freed during it. The hook records the frees of those storages too (they are registered with
+it); with the profiler source the recorder watches them (preexisting.py). Device 0 is the CPU.
 """
 from __future__ import annotations
 
-import bisect
 import os
 import platform
 import time
 import warnings
 
-from .entries import CPU_DEVICE, allocation_events, quiet_stderr
+import numpy as np
+
+from .entries import CPU_DEVICE
 from .marks import now_us
+from .ring import ROW, Ring
+
+HOOK_CAPACITY = 1 << 20  # events between two drains at most (24 MiB); more, and the oldest undrained are dropped
+MAX_ROWS = 1 << 18  # op-log rows that make the recorder drain at its next safe point
 
 
 class CpuBackend:
-    """Records with torch.profiler, restarted every `chunk_seconds` (at a phase boundary) so that its
-    results are converted as they come and memory stays bounded by `max_entries` (ring.py).
-
-    A torch.profiler of the user's own cannot run beside ours (one profiler
-    per process): while one runs, ours is paused, its memory events (when it
-    has ``profile_memory=True``) fill the pause, and the pause is written in
-    the file's ``gaps`` (coexist.py).
-    """
+    """Records CPU memory; `max_entries` bounds what is kept (ring.py), `origins` adds forward origins
+    and modules, `stacks="all"` adds the torch call (forward) or backward node that allocated as a frame."""
 
     name = "cpu"
-    chunk_seconds = 1.0  # None: one profiler session for the whole recording
+    chunk_seconds = 2.0  # drain, join and restart the profiler this often (at safe points)
 
-    def __init__(self, stacks="python", max_entries=None):
+    def __init__(self, stacks="python", max_entries=None, origins=True, roots=lambda: ()):
         self.stacks = stacks
         self.max_entries = max_entries
-        self.gaps = []  # {start_us, end_us, reason, filled}: times our profiler was paused for the user's
-        self._prof = None
+        self.origins = origins
+        self.roots = roots
+        self.source = None  # "hook" or "profiler"
+        self.source_note = ""  # why not the hook
+        self.oplog = None
+        self.session = None  # ranges.ProfilerSession
+        self.hook = None
+        self.table = None  # origins.OriginTable
         self._ring = None
         self._metadata = []  # [(time_us, metadata string)] in time order, pruned to the ring's window
-        self._chunk_start = 0.0
-        self._watch = None  # coexist.OtherProfilers
-        self._ranges = None  # coexist.OpenRanges: no restart while a record_function range is open
-        self._paused = None  # the open gap while the user's profiler runs
-        self.origins = None  # origins.Origins: forward origins and modules, fed each session (origins.py)
+        self._last = 0.0
+        self._pending = None  # profiler-source allocations of an unsafe drain (cannot happen: see drain)
+
+    @property
+    def gaps(self):
+        return list(self.session.gaps) if self.session is not None else []
+
+    def window_start(self):
+        """The time (µs) of the oldest entry kept, once the ring has dropped some (else None)."""
+        if self._ring is None or not self._ring.dropped:
+            return None
+        return self._ring.first_time()
+
+    @property
+    def exact_frees(self):
+        """Frees of the storages that existed before recording are seen (the hook): no watch needed."""
+        return self.source == "hook"
 
     # -- recording ---------------------------------------------------------
     def device_of(self, tensor):
         """The trace device a tensor's storage lives on, or None if this backend does not see it."""
-        return CPU_DEVICE if tensor.device.type == "cpu" else None
+        return CPU_DEVICE if tensor.is_cpu else None
+
+    def choose_source(self):
+        from .allochook import available
+
+        ok, why = available()
+        self.source = "hook" if ok else "profiler"
+        self.source_note = why
+        return self.source
 
     def start(self, preexisting=()):
-        """Start recording; `preexisting` [(addr, size)]: storages live now (their frees are found later)."""
-        from .coexist import OpenRanges, OtherProfilers, profiler_running
-        from .ring import Ring
+        """Start recording; `preexisting` [(addr, size)]: storages live now (their frees are recorded later)."""
+        from .oplog import OpLog
+        from .origins import OriginTable
+        from .ranges import ProfilerSession
+        from .stacks import StackTable
 
-        self._ring = Ring(self.max_entries, [(a, s, []) for a, s in preexisting])
-        self._watch = OtherProfilers(self._other_started, self._other_stopped)
-        self._watch.install()
-        self._ranges = OpenRanges()
-        self._ranges.install()
-        if profiler_running():
-            self._pause("your torch.profiler was already running when tracekit began", inside=False)
-        else:
-            self._start_session()
+        if self.source is None:
+            self.choose_source()
+        self._ring = Ring(self.max_entries, [(a, s, []) for a, s in preexisting], exact_frees=self.source == "hook")
+        self.table = OriginTable()
+        if self.source == "hook":
+            from .allochook import AllocHook
+
+            # a drain comes when half of it is used: a small `max_entries` needs no big buffer either
+            self.hook = AllocHook(min(HOOK_CAPACITY, max(1 << 16, 2 * (self.max_entries or HOOK_CAPACITY))))
+        self.oplog = OpLog(StackTable(), mark=self.hook.mark if self.hook else None, roots=self.roots,
+                           modules=self.origins, op_names=self.stacks == "all")
+        self.oplog.limit = MAX_ROWS
+        self.oplog.on_full = self.tick
+        if self.origins or self.hook is None:
+            self.session = ProfilerSession(memory=self.hook is None, chunk_seconds=self.chunk_seconds,
+                                           hook_allocations=self.hook is not None)
+        try:
+            if self.hook is not None:
+                self.hook.start(preexisting)
+            self.oplog.install(timed=self.hook is None)
+            if self.session is not None:
+                self.session.start()
+        except Exception:
+            self.restore()
+            raise
+        self._last = time.monotonic()
 
     def set_metadata(self, time_us, metadata):
         self._metadata.append((time_us, metadata))
-        if (self._prof is not None and self.chunk_seconds is not None and not len(self._ranges)
-                and time.monotonic() - self._chunk_start >= self.chunk_seconds):
-            self._stop_session()
-            self._start_session()
+        self.tick()
+
+    def tick(self):
+        """Drain and join what came since the last time, if it is time and safe (phase boundaries,
+        forward starts, a full op log)."""
+        if self.oplog is None or self.oplog._container >= 0:  # a backward call is open: its row is to come
+            return
+        due = self.chunk_seconds is not None and time.monotonic() - self._last >= self.chunk_seconds
+        if not due and self.oplog.pending_rows() < MAX_ROWS and (self.hook is None
+                                                              or self.hook.pending() < self.hook.capacity // 2):
+            return
+        self._drain()
+
+    def _drain(self, final=False):
+        if self.session is not None:
+            if final:
+                self.session.stop()
+            elif not self.session.restart(force=True):
+                return  # inside a record_function range: the next safe point
+        self._last = time.monotonic()
+        self._join()
 
     def stop(self):
-        self._stop_session()
-        if self._paused is not None:
-            self._close_gap(now_us(), filled=False)
-        self._remove_watch()
+        try:
+            if self.oplog is not None:
+                self.oplog.remove()
+            if self.hook is not None:
+                self.hook.stop()
+            self._drain(final=True)
+        finally:
+            self.restore()
 
     def restore(self):
-        """Stop the profiler if it still runs, and stop watching for the user's."""
-        try:
-            if self._prof is not None:
-                prof, self._prof = self._prof, None
-                with self._watch.ours(), quiet_stderr():
-                    prof.stop()
-        except Exception:
-            pass
-        self._remove_watch()
+        """Take every hook off (idempotent; an error path ends here too)."""
+        for step in (lambda: self.oplog.remove() if self.oplog is not None else None,
+                     lambda: self.hook.stop() if self.hook is not None else None,
+                     lambda: self.session.remove() if self.session is not None else None):
+            try:
+                step()
+            except Exception:
+                pass
 
-    # -- sessions ----------------------------------------------------------
-    def _new_profile(self):
-        from torch.profiler import ProfilerActivity, profile
+    # -- joining -----------------------------------------------------------
+    def _join(self):
+        from .origins import CONTAINER, MODULE, OP, STACK, Calls, Ranges
 
-        return profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
-                       record_shapes=False)
-
-    def _start_session(self):
-        prof = self._new_profile()
-        with self._watch.ours(), quiet_stderr():
-            prof.start()
-        self._prof = prof
-        self._chunk_start = time.monotonic()
-
-    def _stop_session(self):
-        if self._prof is None:
-            return
-        prof, self._prof = self._prof, None
-        with self._watch.ours(), quiet_stderr():
-            prof.stop()
-        self._take(prof.profiler.kineto_results)
-        prof.profiler = None  # the profile object sits in a reference cycle: let its results go now, not at gc
-
-    def _take(self, results, since_us=None):
-        """Convert a profiler result's allocation events into the ring, then let the result go."""
-        if self.origins is not None:
-            from .origins import take
-            take(self.origins, results)
-        events = allocation_events(results, with_ops=self.stacks == "all")
-        if since_us is not None:
-            events = [e for e in events if e[0] // 1000 >= since_us]
-        self._ring.add(events, self._metadata)
+        rows = self.oplog.take_rows()
+        ranges, prof_allocs = self.session.take() if self.session is not None else ([], [])
+        if self.hook is not None:
+            events, first, dropped = self.hook.drain()
+            if dropped:
+                self._ring.forget_older()
+                warnings.warn(f"tracekit: {dropped} CPU allocation events came faster than they were read and "
+                              "were dropped; the recording keeps the newest", RuntimeWarning)
+            t_ns = events["t"].astype(np.int64)
+            addr = events["ptr"]
+            size = events["size"]
+            keys = np.arange(first, first + len(events), dtype=np.int64)
+            seq = None
+        else:
+            a = np.array(prof_allocs, dtype=np.int64).reshape(-1, 4) if prof_allocs else np.zeros((0, 4), np.int64)
+            a = a[np.argsort(a[:, 0], kind="stable")]
+            t_ns, addr, size, seq = a[:, 0], a[:, 1].astype(np.uint64), a[:, 2], a[:, 3]
+            keys = t_ns
+        calls = Calls(rows, by_time=self.hook is None)
+        which, row = calls.innermost(keys)
+        stack = calls.column(which, row, STACK, 0)
+        module = calls.column(which, row, MODULE, 0)
+        if self.origins:
+            # made by a backward node: inside a backward call (not a hook or recomputation logged inside it)
+            in_backward = (which == 2) & (calls.column(which, row, CONTAINER, 0) == 1)
+            seq = Ranges(ranges).innermost(t_ns, between=in_backward)
+            seq[~in_backward] = -1
+            self.table.add(calls)
+            fstack, fmodule = self.table.lookup(seq)
+            backward = seq >= 0
+            module = np.where(backward, np.maximum(fmodule, 0), module)
+        else:
+            fstack = np.full(len(t_ns), -1, np.int64)
+            module = np.zeros(len(t_ns), np.int64)
+        if self.stacks == "all":
+            stack = self._with_ops(stack, calls.column(which, row, OP, -1), seq)
+        out = np.zeros(len(t_ns), ROW)
+        out["t"] = t_ns // 1000
+        out["addr"] = addr
+        out["size"] = size
+        out["stack"] = stack
+        out["fstack"] = fstack
+        out["module"] = module
+        self._ring.compact_metas()
+        out["meta"] = self._metas(out["t"])
+        self._ring.add(out)
         first = self._ring.first_time()
         if first is not None:  # metadata older than the ring's window is no longer needed
-            i = bisect.bisect_right([t for t, _ in self._metadata], first) - 1
+            times = [t for t, _ in self._metadata]
+            i = int(np.searchsorted(times, first, side="right")) - 1
             if i > 0:
                 del self._metadata[:i]
 
-    # -- the user's own profiler (coexist.OtherProfilers) ------------------
-    def _other_started(self):
-        if self._paused is None:
-            self._stop_session()
-            self._pause("your torch.profiler started while tracekit was recording", inside=True)
+    def _metas(self, t_us):
+        if not self._metadata or not len(t_us):
+            return np.full(len(t_us), -1, np.int32)
+        times = np.array([t for t, _ in self._metadata], dtype=np.int64)
+        ids = np.array([self._ring.meta_id(m) for _, m in self._metadata], dtype=np.int32)
+        j = np.searchsorted(times, t_us, side="right") - 1
+        return np.where(j >= 0, ids[np.maximum(j, 0)], -1).astype(np.int32)
 
-    def _other_stopped(self, results):
-        if self._paused is None:
-            return
-        filled = False
-        try:
-            before = self._ring.total
-            # theirs began inside ours: all of it is ours to take; else only what came after we began
-            since = None if self._paused["inside"] else self._paused["start_us"]
-            self._take(results, since_us=since)
-            filled = self._ring.total > before
-        except Exception:
-            pass
-        self._close_gap(now_us(), filled)
-        self._start_session()
-
-    def _pause(self, reason, inside):
-        self._paused = {"start_us": now_us(), "end_us": None, "reason": reason, "filled": False, "inside": inside}
-        warnings.warn(f"tracekit: {reason}; one profiler runs at a time, so tracekit pauses until yours stops "
-                      "(with profile_memory=True, its memory events fill the pause); the pause is in the file's "
-                      "gaps", RuntimeWarning, stacklevel=4)
-
-    def _close_gap(self, end_us, filled):
-        gap, self._paused = self._paused, None
-        gap["end_us"] = end_us
-        gap["filled"] = filled
-        del gap["inside"]
-        self.gaps.append(gap)
-
-    def _remove_watch(self):
-        if self._watch is not None:
-            self._watch.remove()
-        if self._ranges is not None:
-            self._ranges.remove()
+    def _with_ops(self, stack, op, seq):
+        """stacks="all": the torch call that allocated (``TensorBase.softmax``, ``linear``) as a first frame."""
+        table = self.oplog.stacks
+        out = stack.copy()
+        cache = {}
+        for i in np.flatnonzero(op >= 0):
+            key = (int(stack[i]), int(op[i]))
+            k = cache.get(key)
+            if k is None:
+                k = cache[key] = table.key_op(self.oplog.op_name(key[1]), key[0])
+            out[i] = k
+        return out
 
     # -- the snapshot ------------------------------------------------------
     def snapshot(self, preexisting=(), freed=None):
-        """The snapshot dict. `freed` {addr: time_us}: pre-existing storages seen to die while recording
-        (the profiler drops their frees); see `PreexistingFrees`."""
-        return self._ring.snapshot(freed or {}, self._metadata)
+        """The snapshot dict. `freed` {addr: time_us}: pre-existing storages seen to die (profiler source)."""
+        table = self.oplog.stacks if self.oplog is not None else None
+        names = self.oplog.path_names if self.oplog is not None else [""]
+
+        def frames_of(k):
+            return table.frames(k) if table is not None and k > 0 else []
+
+        def module_name(k):
+            return names[k] if 0 <= k < len(names) else ""
+
+        snap = self._ring.snapshot(frames_of, module_name, freed or {}, self._metadata)
+        return snap
+
+    def release(self):
+        """Drop the tables once the file is written (code objects, rows): nothing outlives the recording."""
+        if self.oplog is not None:
+            self.oplog.release()
+        if self.table is not None:
+            self.table.clear()
+        self._ring = None
+        if self.hook is not None:
+            try:
+                self.hook.release()
+            except Exception:
+                pass
 
     def devices(self):
         return [{"index": CPU_DEVICE, "type": "cpu", "name": cpu_name(), "total_memory": total_ram()}]

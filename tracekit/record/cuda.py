@@ -1,30 +1,68 @@
-"""CUDA backend: the caching allocator's own memory history.
+"""CUDA backend: the caching allocator's own memory history, with the executing line of every allocation.
 
-`torch.cuda.memory._record_memory_history` records every alloc/free with
-Python stacks; `_set_memory_metadata` stamps each new entry with our
-``tracekit:iter=N:phase=P`` string; `_snapshot()` gives segments, blocks and
-the trace at the end (or at an out-of-memory error). The recording state
-found at start is restored at stop: history off again if it was off, the
-previous metadata string put back.
+`torch.cuda.memory._record_memory_history` records every alloc/free; `_snapshot()` gives segments,
+blocks and the trace at the end (or at an out-of-memory error).
+
+What it costs is chosen, not inherited from torch's defaults (which gather a Python stack, holding the
+GIL, at every allocation *and* free):
+
+- default: the history records no stacks (``context=None``). Where each allocation comes from is the
+  op log's (oplog.py): every torch call made from Python is logged once with its stack (executing
+  lines) and module, and its id rides on the allocator's per-thread metadata string
+  (``tracekit:iter=3:phase=forward:op=1234``, `_set_memory_metadata`), so each history entry names its
+  call exactly. Backward runs on autograd's device threads, whose entries carry no metadata: an entry
+  inside a backward node's range (ranges.py, profiler restricted to backward nodes) takes the forward
+  call that made the node (``forward_frames``, ``module``) and, as frames, the ``loss.backward()`` call.
+- ``stacks="all"`` (full detail): torch's own stacks too (``context="all"``, Python and C++ frames);
+  costs what torch's history costs, and more.
+
+The metadata is put back to the phase string (``tracekit:iter=3:phase=forward``) in the file. The
+recording state found at start is restored at stop: history off again if it was off, the previous
+metadata string put back; a history someone else started is kept with its own settings.
 """
 from __future__ import annotations
 
 import inspect
 import sys
+import time
+import warnings
+
+import numpy as np
+
+ROW_COLS = 12
 
 
 class CudaBackend:
     name = "cuda"
+    chunk_seconds = 1.0
+    max_rows = 1 << 19  # op-log rows kept (the newest), as numpy; entries name calls by id
 
-    def __init__(self, stacks="python", max_entries=1_000_000):
+    def __init__(self, stacks="python", max_entries=1_000_000, origins=True, roots=lambda: ()):
         self.stacks = stacks
         self.max_entries = max_entries
+        self.origins = origins
+        self.roots = roots
+        self.context = None  # what the allocator records with each entry (None: nothing; "all": stacks)
+        self.oplog = None
+        self.session = None
+        self.metadata = None  # oplog.CallMetadata
+        self.table = None
+        self._calls = np.zeros((0, ROW_COLS), np.int64)
+        self._ranges = np.zeros((0, 3), np.int64)
         self._snapshot = None
         self._started = False
         self._was_enabled = False
         self._old_metadata = ""
-        self._metadata = None  # the string to stamp on new entries
+        self._metadata = None  # the phase string to stamp on new entries
         self._history_on = False  # started, and CUDA initialised: the allocator records
+        self._last = 0.0
+
+    @property
+    def gaps(self):
+        return []
+
+    def window_start(self):
+        return None  # the allocator's ring: what it kept is known at the end
 
     @staticmethod
     def _memory():
@@ -42,31 +80,67 @@ class CudaBackend:
         per-device state, and torch's history probe and metadata calls index it anyway (a segfault on a
         real GPU), so the history starts when CUDA is initialised (`torch.cuda._lazy_call`), before the
         first allocation. We never initialise CUDA ourselves: under torchrun the script picks its device."""
+        import torch
+
+        from .oplog import CallMetadata, OpLog
+        from .origins import OriginTable
+        from .ranges import ProfilerSession
+        from .stacks import StackTable
+
         self._started = True
-        if cuda_initialized():
-            self._begin()
-        else:
-            _on_cuda_init(self._begin_at_init)
+        mem = self._memory()
+        setter = getattr(mem, "_set_memory_metadata", None)
+        if mem is getattr(torch.cuda, "memory", None) and hasattr(torch._C, "_cuda_setMemoryMetadata"):
+            setter = torch._C._cuda_setMemoryMetadata  # the same, without a Python frame per call
+        self.metadata = CallMetadata(setter) if setter is not None else None
+        self.table = OriginTable()
+        self.oplog = OpLog(StackTable(), roots=self.roots, modules=self.origins, metadata=self.metadata)
+        self.oplog.limit = 1 << 16
+        self.oplog.on_full = self.tick
+        if self.origins:
+            self.session = ProfilerSession(memory=False, chunk_seconds=self.chunk_seconds)
+        try:
+            if cuda_initialized():
+                self._begin()
+            else:
+                _on_cuda_init(self._begin_at_init)
+            self.oplog.install(timed=True)
+            if self.session is not None:
+                self.session.start()
+        except Exception:
+            self.restore()
+            raise
+        self._last = time.monotonic()
 
     def _begin(self):
         mem = self._memory()
         self._was_enabled = history_enabled()
         self._old_metadata = _get_metadata(mem)
-        kwargs = {
-            "context": "all",
-            "stacks": self.stacks,
-            "max_entries": self.max_entries if self.max_entries is not None else sys.maxsize,
-            # Keep a history someone else started; otherwise start from a clean one.
-            "clear_history": not self._was_enabled,
-        }
-        kwargs = supported_kwargs(mem._record_memory_history, kwargs)
-        try:
-            mem._record_memory_history("all", **kwargs)
-        except TypeError:  # a torch whose signature we could not read and that lacks clear_history
-            kwargs.pop("clear_history", None)
-            mem._record_memory_history("all", **kwargs)
+        if self._was_enabled:
+            warnings.warn("tracekit: CUDA memory history was already on; tracekit records with its settings as "
+                          "they are", RuntimeWarning)
+            self.context = "theirs"
+        else:
+            full = self.stacks == "all"
+            # without per-call metadata (an older torch), torch's own Python stacks on allocations
+            self.context = "all" if full else ("alloc" if self.metadata is None else None)
+            kwargs = {
+                "context": self.context,
+                "stacks": "all" if full else "python",
+                "max_entries": self.max_entries if self.max_entries is not None else sys.maxsize,
+                "clear_history": True,
+            }
+            kwargs = supported_kwargs(mem._record_memory_history, kwargs)
+            try:
+                mem._record_memory_history("all", **kwargs)
+            except TypeError:  # a torch whose signature we could not read and that lacks clear_history
+                kwargs.pop("clear_history", None)
+                mem._record_memory_history("all", **kwargs)
         self._history_on = True
-        if self._metadata is not None and hasattr(mem, "_set_memory_metadata"):
+        if self.metadata is not None:
+            self.metadata.active = True
+            self.metadata.set_base(self._metadata or "")
+        elif self._metadata is not None and hasattr(mem, "_set_memory_metadata"):
             mem._set_memory_metadata(self._metadata)
 
     def _begin_at_init(self):
@@ -75,23 +149,59 @@ class CudaBackend:
             if self._started and not self._history_on:
                 self._begin()
         except Exception as e:
-            import warnings
-
             warnings.warn(f"tracekit: could not start CUDA's memory history ({e!r}); training runs without it",
                           RuntimeWarning)
 
     def set_metadata(self, time_us, metadata):
         self._metadata = metadata
-        mem = self._memory()
-        if self._history_on and hasattr(mem, "_set_memory_metadata"):
-            mem._set_memory_metadata(metadata)
+        if self._history_on:
+            if self.metadata is not None:
+                self.metadata.set_base(metadata)
+            else:
+                mem = self._memory()
+                if hasattr(mem, "_set_memory_metadata"):
+                    mem._set_memory_metadata(metadata)
+        self.tick()
+
+    def tick(self):
+        """Keep the op log and the backward ranges compact and bounded (at safe points)."""
+        if self.oplog is None or self.oplog._container >= 0:
+            return
+        if time.monotonic() - self._last < self.chunk_seconds and self.oplog.pending_rows() < (1 << 16):
+            return
+        self._last = time.monotonic()
+        self._collect(restart=True)
+
+    def _collect(self, restart):
+        from .origins import Calls, Ranges
+
+        rows = self.oplog.take_rows()
+        if len(rows):
+            calls = Calls(rows, by_time=True)
+            if self.origins:
+                self.table.add(calls)
+            a = calls.rows
+            self._calls = np.concatenate([self._calls, a])[-self.max_rows:]
+        if self.session is not None:
+            if restart:
+                self.session.restart(force=True)
+            ranges, _ = self.session.take()
+            if ranges:
+                self._ranges = np.concatenate([self._ranges, Ranges(ranges).a])[-self.max_rows:]
 
     def stop(self):
         """Take the snapshot, then restore the previous recording state."""
         if not self._started:
             return
         try:
+            if self.oplog is not None:
+                self.oplog.remove()
+            if self.session is not None:
+                self.session.stop()
+            self._collect(restart=False)
             if self._history_on:
+                if self.metadata is not None:
+                    self.metadata.active = False
                 self._snapshot = self._memory()._snapshot()
                 self._stats = allocator_stats()
             else:  # CUDA was never used while we recorded
@@ -100,6 +210,14 @@ class CudaBackend:
             self.restore()
 
     def restore(self):
+        for step in (lambda: self.oplog.remove() if self.oplog is not None else None,
+                     lambda: self.session.remove() if self.session is not None else None):
+            try:
+                step()
+            except Exception:
+                pass
+        if self.metadata is not None:
+            self.metadata.active = False
         if not self._started:
             return
         self._started = False
@@ -115,11 +233,29 @@ class CudaBackend:
                 mem._record_memory_history(None)
 
     def snapshot(self, preexisting=()):
-        """The allocator's snapshot; its segments already hold every live block."""
+        """The allocator's snapshot (its segments already hold every live block), each entry given its
+        frames, forward origin and module from the op log."""
         snap = self._snapshot
         if isinstance(snap, list):  # very old torch: a bare list of segments
             snap = {"segments": snap, "device_traces": []}
-        return dict(snap)
+        snap = dict(snap)
+        if self.oplog is not None:
+            try:
+                annotate(snap, self._calls, self._ranges, self.table, self.oplog.stacks, self.oplog.path_names,
+                         origins=self.origins)
+            except Exception as e:
+                warnings.warn(f"tracekit: allocations keep no Python lines in this recording ({e!r})",
+                              RuntimeWarning)
+        return snap
+
+    def release(self):
+        if self.oplog is not None:
+            self.oplog.release()
+        self._calls = np.zeros((0, ROW_COLS), np.int64)
+        self._ranges = np.zeros((0, 3), np.int64)
+        if self.table is not None:
+            self.table.clear()
+        self._snapshot = None
 
     def devices(self):
         import torch
@@ -134,6 +270,105 @@ class CudaBackend:
                         **({"memory_limit_bytes": limit} if limit is not None else {}),
                         **({"allocator_stats": getattr(self, "_stats", {})[i]} if i in getattr(self, "_stats", {}) else {})})
         return out
+
+
+def annotate(snap, calls, ranges, table, stacks, path_names, origins=True):
+    """Give each history entry the Python frames of its call, and each allocation its module and (made in
+    backward) the forward frames of the call that made its node. Entries name their call by the
+    ``:op=ID`` suffix of their metadata, which is taken off again.
+
+    calls: op-log rows (numpy, origins.K0...); ranges: (start_ns, end_ns, seq) of backward nodes.
+    """
+    from .origins import CID, CONTAINER, MODULE, STACK, T0, T1, Ranges
+
+    cids = calls[:, CID] if len(calls) else np.zeros(0, np.int64)
+    order = np.argsort(cids, kind="stable")
+    cids_sorted = cids[order]
+    outer = calls[calls[:, CONTAINER] != 0] if len(calls) else calls
+    outer = outer[np.argsort(outer[:, T0], kind="stable")] if len(outer) else outer
+    rng = Ranges([])
+    rng.a = ranges[np.argsort(ranges[:, 0], kind="stable")] if len(ranges) else np.zeros((0, 3), np.int64)
+    frames_cache = {}
+
+    def frames_of(k):
+        if k <= 0:
+            return []
+        f = frames_cache.get(k)
+        if f is None:
+            f = frames_cache[k] = stacks.frames(int(k))
+        return f
+
+    def row_of(cid):
+        i = int(np.searchsorted(cids_sorted, cid))
+        if i < len(cids_sorted) and cids_sorted[i] == cid:
+            return calls[order[i]]
+        return None
+
+    last_frames = {}
+    for device, entries in enumerate(snap.get("device_traces") or []):
+        if not entries:
+            continue
+        # 1. the call named by each entry's metadata
+        row_ids = np.full(len(entries), -1, np.int64)
+        for i, e in enumerate(entries):
+            md = e.get("user_metadata")
+            if md and ":op=" in md:
+                base, _, op = md.rpartition(":op=")
+                e["user_metadata"] = base
+                try:
+                    row_ids[i] = int(op)
+                except ValueError:
+                    pass
+        # 2. entries without a call (autograd's threads): backward node ranges and backward calls, by time
+        times = np.array([e.get("time_us") if e.get("time_us") is not None else -1 for e in entries], np.int64)
+        t_ns = times * 1000
+        container_stack = np.zeros(len(entries), np.int64)
+        in_backward = np.zeros(len(entries), bool)
+        if len(outer):
+            j = np.searchsorted(outer[:, T0], t_ns + 999, side="right") - 1
+            ok = (j >= 0) & (row_ids < 0) & (times >= 0)
+            ok[ok] = t_ns[ok] <= outer[j[ok], T1] + 999
+            container_stack[ok] = outer[j[ok], STACK]
+            in_backward = ok.copy()
+            in_backward[ok] = outer[j[ok], CONTAINER] == 1  # a backward call, not an optimizer step
+        if origins and len(rng):
+            seq = rng.innermost(t_ns, slack_ns=999, between=in_backward)
+            seq[row_ids >= 0] = -1  # made inside a logged call (a hook, recomputation): that call's
+        else:
+            seq = np.full(len(entries), -1, np.int64)
+        fstack, fmodule = table.lookup(seq) if origins else (np.full(len(entries), -1), np.full(len(entries), -1))
+        for i, e in enumerate(entries):
+            action = e.get("action")
+            if action not in ("alloc", "segment_alloc", "free_requested", "free_completed", "segment_free"):
+                continue
+            module = 0
+            if row_ids[i] >= 0:
+                r = row_of(row_ids[i])
+                if r is not None:
+                    if not e.get("frames"):
+                        e["frames"] = frames_of(int(r[STACK]))
+                    module = int(r[MODULE])
+            elif container_stack[i] > 0 and not e.get("frames"):
+                e["frames"] = frames_of(int(container_stack[i]))
+            if action in ("alloc", "segment_alloc"):
+                if seq[i] >= 0 and row_ids[i] < 0:  # made by a backward node: its forward call
+                    if fstack[i] > 0:
+                        ff = frames_of(int(fstack[i]))
+                        if ff:
+                            e["forward_frames"] = ff
+                    if fmodule[i] > 0:
+                        module = int(fmodule[i])
+                if origins and 0 < module < len(path_names) and path_names[module]:
+                    e["module"] = path_names[module]
+                if action == "alloc" and e.get("frames"):
+                    last_frames[(e.get("addr"), device)] = e["frames"]
+    # 3. live blocks take the frames of their allocation
+    for seg in snap.get("segments") or []:
+        for block in seg.get("blocks") or []:
+            if not block.get("frames") and block.get("state") == "active_allocated":
+                f = last_frames.get((block.get("address"), seg.get("device")))
+                if f:
+                    block["frames"] = f
 
 
 # memory_stats() keys kept in the file, so reports can be checked against the allocator's own figures
@@ -188,8 +423,6 @@ def _on_cuda_init(fn):
     try:
         torch.cuda._lazy_call(fn)
     except Exception as e:  # a torch without the hook
-        import warnings
-
         warnings.warn(f"tracekit: cannot wait for CUDA's initialisation ({e!r}); CUDA is not recorded",
                       RuntimeWarning)
 

@@ -1,9 +1,8 @@
-"""Trace entries and segments as the CUDA allocator writes them, built from torch.profiler events.
+"""Trace entries and segments as the CUDA allocator writes them, for the CPU backend.
 
-Shared by the CPU backend (cpu.py), its ring of converted chunks (ring.py) and backward attribution
-(origins.py): the Python frames of a profiler event (innermost first), `alloc`/`free_*` entries of a
-block that is its own segment, the frees of storages that existed before recording (which the profiler
-never reports), and the final segments. There is no caching allocator on the CPU, so each allocation is
+Shared by the CPU backend (cpu.py), its ring of converted chunks (ring.py) and the profiler session
+(ranges.py): `alloc`/`free_*` entries of a block that is its own segment, the frees of storages that
+existed before recording (which the profiler never reports), and the final segments. There is no caching allocator on the CPU, so each allocation is
 its own segment: a ``segment_alloc`` precedes each ``alloc`` and a ``segment_free`` follows each
 ``free_completed`` (reserved == allocated at every time). Device 0 is the CPU.
 """
@@ -34,83 +33,6 @@ def quiet_stderr():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
-
-
-def allocation_events(kineto_results, with_ops=False):
-    """[(time_ns, order, ptr, size, frames_key)] of CPU allocations (size > 0) and frees (size < 0).
-
-    frames_key is a tuple of (filename, line, name), innermost first, shared by
-    equal stacks so that the written file stores each stack once.
-    """
-    from torch._C._profiler import _EventType
-
-    py_tags = (_EventType.PyCall, _EventType.PyCCall)
-    torch_op = _EventType.TorchOp
-    allocation = _EventType.Allocation
-    interned = {}
-    out = []
-    # Depth-first walk carrying the Python frames above each node (outermost first).
-    todo = [(root, (), ()) for root in reversed(kineto_results.experimental_event_tree())]
-    while todo:
-        node, pyframes, ops = todo.pop()
-        tag = node.tag
-        if tag in py_tags:
-            pyframes = pyframes + ((node, tag),)
-            ops = ()
-        elif tag == torch_op and with_ops:
-            ops = ops + (node.name,)
-        elif tag == allocation:
-            ef = node.extra_fields
-            if ef.device.type == "cpu" and ef.alloc_size != 0 and ef.ptr:
-                key = _frames_key(pyframes, ops, _EventType.PyCall)
-                key = interned.setdefault(key, key)
-                out.append((node.start_time_ns, len(out), ef.ptr, ef.alloc_size, key))
-        children = node.children
-        for child in reversed(children):
-            todo.append((child, pyframes, ops))
-    out.sort(key=lambda e: (e[0], e[1]))
-    return out
-
-
-def _frames_key(pyframes, ops, pycall_tag):
-    """Python frames innermost first, like a traceback read upwards.
-
-    `pyframes` are the profiler's Python nodes above an allocation, outermost
-    first. A PyCall node is one Python frame: `callsite` is that frame (its
-    def line, or for a frame already running when profiling began, the line it
-    was at), `caller` is the frame it was called from, at the calling line. A
-    PyCCall node is a C function called from the frame `caller`; it makes no
-    frame of its own.
-
-    So the chain is read from the callers: each PyCall node contributes its
-    caller. The innermost node adds the line the allocation came from: a C
-    call's caller (the line that called it), or a Python function's own frame
-    at its def line (the profiler does not know the current line). A C call
-    with Python nodes inside it (exec, a C function calling back into Python,
-    the autograd engine running Python hooks) adds nothing: the frame that
-    called it is the caller of the Python call inside it, already written.
-    The outermost node, a frame already running when profiling began with
-    nothing below it, reports itself as its caller; that duplicate is dropped.
-    """
-    frames = [("", 0, op) for op in reversed(ops)]
-    last = len(pyframes) - 1
-    for i in range(last, -1, -1):
-        node, tag = pyframes[i]
-        ef = node.extra_fields
-        c = ef.caller
-        caller = (c.file_name, c.line_number, c.function_name)
-        if tag != pycall_tag:  # a C call
-            if i == last:
-                frames.append(caller)
-            continue
-        cs = ef.callsite
-        own = (cs.file_name, cs.line_number, cs.function_name)
-        if i == last:
-            frames.append(own)
-        if i == 0 and own == caller:
-            continue  # the bottom frame, its own caller
-        frames.append(caller)
-    return tuple(frames)
 
 
 def to_entries(events, metadata=()):

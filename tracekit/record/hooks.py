@@ -26,9 +26,10 @@ import warnings
 class Hooks:
     def __init__(self, listener, model=None, optimizer=None, activations=True):
         self.listener = listener
-        self.model = model
-        self.optimizer = optimizer
+        self.has_model = model is not None
+        self.has_optimizer = optimizer is not None
         self.activations = activations
+        self.guard = None  # the op log (oplog.py): torch calls made by our listener are not the user's
         self.active = False
         self._handles = []
         self._patched = []  # (module, attribute, original, wrapper)
@@ -40,7 +41,8 @@ class Hooks:
         self._warned = False
 
     # -- install / remove --------------------------------------------------
-    def install(self):
+    def install(self, model=None, optimizer=None):
+        """Install every hook; `model`, `optimizer`: the ones given to the recorder (not kept here)."""
         import torch
         import torch.autograd
         import torch.optim.optimizer as optim
@@ -50,16 +52,16 @@ class Hooks:
         _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
         _node_names_keep_suffix()  # asked now, outside any backward
         self._thread = threading.get_ident()
-        if self.model is not None:
-            self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         else:
             self._handles.append(nn_module.register_module_forward_pre_hook(self._global_pre))
             self._handles.append(
                 nn_module.register_module_forward_hook(self._global_post, with_kwargs=True, always_call=True)
             )
-        if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
-            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre))
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_post))
         else:
             self._handles.append(optim.register_optimizer_step_pre_hook(self._optimizer_pre))
             self._handles.append(optim.register_optimizer_step_post_hook(self._optimizer_post))
@@ -136,12 +138,23 @@ class Hooks:
         return self.active and not _compiling() and threading.get_ident() == self._thread
 
     def _call(self, method, *args):
+        listener, guard = self.listener, self.guard
+        if listener is None:
+            return
+        if guard is not None:
+            guard.busy += 1
         try:
-            getattr(self.listener, method)(*args)
+            # the listener only reads tensors (addresses, sizes, names): no torch function dispatch for
+            # those reads (the op log's mode would make each one a Python call)
+            with _no_torch_function():
+                getattr(listener, method)(*args)
         except Exception as e:  # the recorder never breaks training
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"tracekit: a recorder hook failed ({e!r}); recording goes on", RuntimeWarning)
+        finally:
+            if guard is not None:
+                guard.busy -= 1
 
     def _model_pre(self, module, args, kwargs):
         if self._listening():
@@ -172,9 +185,16 @@ class Hooks:
             self._call("optimizer_ended", optimizer)
 
     def _pack(self, tensor):
-        if self._listening():
-            self._call("saved_tensor", tensor)
-        return pack(tensor)
+        fn = tensor.grad_fn
+        listener = self.listener
+        if listener is not None and self._listening():
+            try:  # the hot path of _call, for every saved tensor: no context manager, no lookup by name
+                listener.saved_tensor(tensor, fn)
+            except Exception as e:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"tracekit: a recorder hook failed ({e!r}); recording goes on", RuntimeWarning)
+        return pack(tensor, fn)
 
     def _wrap_backward(self, original):
         hooks = self
@@ -201,10 +221,16 @@ def _never():
     return False
 
 
+def _no_torch_function():
+    import torch
+
+    return torch._C.DisableTorchFunction()
+
+
 _compiling = _never  # torch.compiler.is_compiling, once install() has found it
 
 
-def pack(tensor):
+def pack(tensor, fn=False):
     """What our pack hook saves: the tensor detached, and its version now.
 
     Autograd checks a saved tensor's version counter at backward only when no
@@ -217,23 +243,32 @@ def pack(tensor):
         version = tensor._version
     except Exception:  # inference tensors have no version counter
         version = None
-    return _Saved(tensor.detach(), version, tensor)
+    if fn is False:
+        fn = tensor.grad_fn
+    return _Saved(tensor.detach(), version, fn, tensor.output_nr)
 
 
 class _Saved:
-    __slots__ = ("tensor", "version", "fn", "output_nr")
+    __slots__ = ("tensor", "version", "fn_type", "output_nr")
 
-    def __init__(self, detached, version, original):
+    def __init__(self, detached, version, fn, output_nr):
         self.tensor = detached
         self.version = version
-        fn = original.grad_fn  # its name only: holding the node would make a reference cycle
-        self.fn = type(fn).__name__ if fn is not None else None
-        self.output_nr = original.output_nr
+        self.fn_type = type(fn) if fn is not None else None  # its class only: the node would make a cycle
+        self.output_nr = output_nr
+
+    @property
+    def fn(self):
+        return self.fn_type.__name__ if self.fn_type is not None else None
 
 
 def _unpack(saved):
     tensor = saved.tensor
-    if saved.version is not None and tensor._version != saved.version:
+    if saved.version is None:
+        return tensor
+    with _no_torch_function():  # a plain read: not a call of the user's for the op log to see
+        version = tensor._version
+    if version != saved.version:
         raise RuntimeError(inplace_message(saved, tensor._version))
     return tensor
 

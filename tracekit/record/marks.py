@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+MAX_MARKS = 100_000  # phases (and iterations) kept, the newest: bounded on long runs
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 
 
@@ -83,6 +84,15 @@ class Marks:
         self._end_phase(t)
         self._end_iteration(t, keep_empty=not self.iterations)
         self._iteration_start = None
+
+    def forget_before(self, t):
+        """Drop the phases and iterations that ended before `t` (the trace keeps nothing of them)."""
+        for marks in (self.phases, self.iterations):
+            i = 0
+            while i < len(marks) and marks[i]["end_us"] < t:
+                i += 1
+            if i:
+                del marks[:i]
 
     @property
     def started(self):
@@ -160,6 +170,8 @@ class Marks:
             self.phases.append(
                 {"iteration": self.iteration, "phase": self.phase, "start_us": self._phase_start, "end_us": t}
             )
+            if len(self.phases) > MAX_MARKS:
+                del self.phases[:MAX_MARKS // 10]
         self.phase = None
         self._phase_start = None
 
@@ -168,6 +180,8 @@ class Marks:
         has_phases = bool(self.phases) and self.phases[-1]["iteration"] == self.iteration
         if keep_empty or has_phases:
             self.iterations.append({"iteration": self.iteration, "start_us": self._iteration_start, "end_us": t})
+            if len(self.iterations) > MAX_MARKS:
+                del self.iterations[:MAX_MARKS // 10]
         self.iteration += 1
         self._iteration_start = t
         self._stepped = False

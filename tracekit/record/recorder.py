@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 import warnings
+import weakref
 
-from . import origins as _origins
 from . import summary
 from .hooks import Hooks
 from .marks import Marks, now_us
@@ -27,7 +27,10 @@ from .tags import (
 )
 
 FORMAT_VERSION = 1
-DEFAULT_MAX_ENTRIES = 1_000_000
+# The newest trace entries kept (and written). Building and writing the file costs about 0.9 KiB of memory
+# per entry at its peak, so this default keeps the recorder within ~160 MB of the plain run however long it
+# runs (bench/bench_record.py, 10,000 iterations); --max-entries 2000: ~25 MB.
+DEFAULT_MAX_ENTRIES = 150_000
 DEFAULT_PATH = "memory.pickle"
 
 
@@ -50,8 +53,9 @@ class Recorder:
         from ..io.write import output_format
 
         output_format(self.path)  # ValueError for a name whose format we cannot tell
-        self.model = model
-        self.optimizer = optimizer
+        # Only weak references to the user's objects: a model or optimizer dropped while recording is freed.
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._optimizer_ref = weakref.ref(optimizer) if optimizer is not None else None
         self.backend_name = backend
         self.stacks = stacks
         self.max_entries = max_entries
@@ -70,15 +74,25 @@ class Recorder:
         self._hooks = None
         self._marks = None
         self._tags = None
-        self._models = []  # (prefix, module): the model, or outermost modules seen with parameters
-        self._optimizers = []
+        self._models = []  # (prefix, weakref to module, summary): the model, or outermost modules seen with parameters
+        self._optimizers = []  # (weakref, summary)
         self._input_shape = None  # the first forward's batch shape, for `estimate`
         self._start_us = None
-        self._preexisting_frames = []
+        self._preexisting = []
         self._watch = None
         self._term = None
         self.origins = origins  # forward origins of backward allocations, and modules (origins.py)
-        self._origins = None
+        self._checkpoint = None  # CUDA: torch.utils.checkpoint's early stop, switched off while recording
+        self._param_names_memo = None
+        self._named_memo = None
+
+    @property
+    def model(self):
+        return self._model_ref() if self._model_ref is not None else None
+
+    @property
+    def optimizer(self):
+        return self._optimizer_ref() if self._optimizer_ref is not None else None
 
     # -- context manager ---------------------------------------------------
     def __enter__(self):
@@ -106,22 +120,32 @@ class Recorder:
         except ValueError as e:  # found now, not after the run: the recording would be lost
             self._disable(f"cannot write the recording to {self.path} ({e}); training runs without it")
             return self
+        if _active and any(r.enabled and not r._done for r in list(_active)):
+            self._disable("another tracekit recording is running in this process; this one records nothing "
+                          "(the outer one goes on)")
+            return self
         try:
             import torch  # noqa: F401
 
+            from .origins import enabled as origins_enabled
+
+            self.origins = bool(self.origins) and origins_enabled()
             self._backend = make_backend(resolve_backend(self.backend_name, self.model), self.stacks,
-                                         self.max_entries)
+                                         self.max_entries, origins=self.origins, roots=self._roots)
             self._tags = Tags(self._backend.device_of)
             self._marks = Marks(on_change=self._metadata_changed)
-            if self.model is not None:
-                self._models.append(("", self.model))
-            if self.optimizer is not None:
-                self._optimizers.append(self.optimizer)
-            self._hooks = Hooks(self, model=self.model, optimizer=self.optimizer, activations=self.activations)
-            self._hooks.install()
+            model, optimizer = self.model, self.optimizer
+            if model is not None:
+                self._add_model("", model)
+            if optimizer is not None:
+                self._add_optimizer(optimizer)
+            self._hooks = Hooks(self, model=model, optimizer=optimizer, activations=self.activations)
+            self._hooks.install(model, optimizer)
+            del model, optimizer
             self._term = TermHandler(self._terminated)
             self._term.install()
             self.enabled = True
+            _active.add(self)
             self._marks.start()
             if self.warmup <= 0:
                 self._start_backend()
@@ -148,19 +172,72 @@ class Recorder:
                 self._hooks.remove()
             if self._term is not None:
                 self._term.remove()
-            if self._origins is not None:
-                self._origins.remove()
+            if self._backend is not None:
+                try:
+                    self._backend.restore()
+                except Exception:
+                    pass
+            self._release()
+
+    def _release(self):
+        """Nothing of the user's, and none of our tables, outlives the recording."""
+        _active.discard(self)
+        self._restore_checkpoint()
+        if self._backend is not None and hasattr(self._backend, "release"):
+            try:
+                self._backend.release()
+            except Exception:
+                pass
+        if self._hooks is not None:
+            self._hooks.listener = None
+        self._watch = None
+
+    # -- the user's objects, held weakly -----------------------------------
+    def _add_model(self, prefix, module):
+        try:
+            info = summary.model_summary(module)
+        except Exception:
+            info = None
+        self._models.append((prefix, weakref.ref(module), info))
+
+    def _add_optimizer(self, optimizer):
+        try:
+            info = summary.optimizer_summary(optimizer)
+        except Exception:
+            info = None
+        self._optimizers.append((weakref.ref(optimizer), info))
+
+    def _roots(self):
+        """[(prefix, module)] of the known models still alive."""
+        out = []
+        for prefix, ref, _ in self._models:
+            m = ref()
+            if m is not None:
+                out.append((prefix, m))
+        return out
+
+    def _live_optimizers(self):
+        return [o for o in (ref() for ref, _ in self._optimizers) if o is not None]
 
     # -- listener methods (called by Hooks) --------------------------------
     def forward_started(self, module, args, kwargs):
-        if self.model is None and _has_parameters(module) and all(m is not module for _, m in self._models):
-            self._models.append((f"{type(module).__name__}." if self._models else "", module))
-        if self._input_shape is None and self._models and module is self._models[0][1]:
+        if (self._model_ref is None and _has_parameters(module)
+                and all(ref() is not module for _, ref, _ in self._models)):
+            self._add_model(f"{type(module).__name__}." if self._models else "", module)
+        if self._input_shape is None and self._models and module is self._models[0][1]():
             self._input_shape = summary.input_shape(args, kwargs)
+        self._resume_oplog()
         if self._marks.forward_started():
             self._iteration_began()
+        elif self.recording:
+            self._backend.tick()  # an inference loop has no phase changes: drain here
         if self.recording:
-            self._tags.add_model(module, self._prefix_of(module))
+            prefix = self._prefix_of(module)
+            if prefix == "" and module is (self._models[0][1]() if self._models else None):
+                self._tags.add_named(self._named_parameters(), PARAMETER)  # the memoised list
+                self._tags.add_named(module.named_buffers(), BUFFER)
+            else:
+                self._tags.add_model(module, prefix)
             self._tags.add_inputs(args, kwargs)
 
     def forward_kwargs(self, module, kwargs):
@@ -168,7 +245,13 @@ class Recorder:
             self._tags.add_inputs((), kwargs)
 
     def backward_started(self):
+        self._resume_oplog()
         self._marks.backward_started()
+
+    def _resume_oplog(self):
+        oplog = getattr(self._backend, "oplog", None) if self.recording else None
+        if oplog is not None:
+            oplog.resume()
 
     def backward_ended(self):
         self._marks.backward_ended()
@@ -176,8 +259,8 @@ class Recorder:
             self._tags.add_gradients(self._named_parameters())
 
     def optimizer_started(self, optimizer):
-        if all(o is not optimizer for o in self._optimizers):
-            self._optimizers.append(optimizer)
+        if all(ref() is not optimizer for ref, _ in self._optimizers):
+            self._add_optimizer(optimizer)
         self._marks.optimizer_started()
         if self.recording:
             self._tags.add_gradients(optimizer_params(optimizer, self._param_names()))
@@ -187,9 +270,9 @@ class Recorder:
         if self.recording:
             self._tags.add_optimizer_state(optimizer, self._param_names())
 
-    def saved_tensor(self, tensor):
+    def saved_tensor(self, tensor, fn=False):
         if self.recording:
-            self._tags.add_activation(tensor)
+            self._tags.add_activation(tensor, fn)
 
     # -- internals ---------------------------------------------------------
     def _terminated(self, signum):
@@ -204,6 +287,11 @@ class Recorder:
 
     def _iteration_began(self):
         self._tags.new_iteration()
+        if self.recording:
+            start = self._backend.window_start()  # bounded on long runs: what the kept trace no longer covers goes
+            if start is not None:
+                self._tags.forget_before(start)
+                self._marks.forget_before(start)
         it = self._marks.iteration
         if not self.recording and not self._done and it >= self.warmup:
             try:
@@ -217,23 +305,48 @@ class Recorder:
         self._start_us = now_us()
         self._first_iteration = self._marks.iteration
         self._tag_existing(self._start_us)
-        self._origins = _origins.attach(self, self._backend)
+        self._checkpoint_safe()
         self._backend.start(self._preexisting)
         self.recording = True
+        if self._hooks is not None:
+            self._hooks.guard = getattr(self._backend, "oplog", None)
         self._backend.set_metadata(now_us(), self._marks.metadata)
+
+    def _checkpoint_safe(self):
+        """CUDA: non-reentrant activation checkpointing with early stop crashes torch's own memory history
+        (SystemError in run_backward, then a segfault); without early stop it records fine and computes
+        the same gradients. So early stop is off while we record, and put back after."""
+        if self._backend.name != "cuda":
+            return
+        try:
+            from torch.utils import checkpoint
+
+            cm = checkpoint.set_checkpoint_early_stop(False)
+            cm.__enter__()
+            self._checkpoint = cm
+        except Exception:
+            self._checkpoint = None
+
+    def _restore_checkpoint(self):
+        cm, self._checkpoint = self._checkpoint, None
+        if cm is not None:
+            try:
+                cm.__exit__(None, None, None)
+            except Exception:
+                pass
 
     def _tag_existing(self, t):
         """Tag (and remember, for the CPU's final segments) what the model and optimizer hold now."""
         names = self._param_names()
         named = []
-        for prefix, model in self._models:
+        for prefix, model in self._roots():
             named += [(prefix + n, p) for n, p in model.named_parameters()]
             named += [(prefix + n, b) for n, b in model.named_buffers()]
             for n, p in model.named_parameters():
                 self._tags.add(p, PARAMETER, prefix + n, t)
             for n, b in model.named_buffers():
                 self._tags.add(b, BUFFER, prefix + n, t)
-        for optimizer in self._optimizers:
+        for optimizer in self._live_optimizers():
             for n, p in optimizer_params(optimizer, names):
                 named.append((n, p))
                 named.append((n + ".grad", p.grad))
@@ -247,7 +360,10 @@ class Recorder:
             self._tags.add(p.grad, GRADIENT, n + ".grad", t)
         self._preexisting = storages(named, self._backend.device_of)
         self._watch = None
-        if self._backend.name == "cpu":  # the profiler drops their frees: watch them (see preexisting.py)
+        if self._backend.name == "cpu":
+            self._backend.choose_source()
+        if self._backend.name == "cpu" and not self._backend.exact_frees:
+            # the profiler drops their frees: watch them (see preexisting.py)
             try:
                 from .preexisting import PreexistingWatch
 
@@ -255,6 +371,7 @@ class Recorder:
             except Exception as e:
                 warnings.warn(f"tracekit: cannot watch the tensors that exist before recording ({e!r}); "
                               "those freed while recording will look live", RuntimeWarning)
+        del named
 
     def _metadata_changed(self, metadata):
         if self.recording:
@@ -301,8 +418,6 @@ class Recorder:
                 snapshot = self._backend.snapshot(preexisting, freed=freed)
             else:
                 snapshot = self._backend.snapshot(preexisting)
-            if self._origins is not None:
-                self._origins.finish(snapshot)
             snapshot["tracekit"] = self._tracekit_key(end_us)
             if not any(snapshot.get("device_traces") or []):
                 why = "; ".join(sorted({g["reason"] for g in snapshot["tracekit"]["gaps"]})) or "no allocations"
@@ -343,15 +458,16 @@ class Recorder:
 
         import torch
 
-        model = self._main_model()
+        model_info = self._main_model_summary()
+        optimizer_info = self._optimizers[0][1] if self._optimizers else None
         return {
             "version": FORMAT_VERSION,
             "backend": self._backend.name,
             "torch_version": str(torch.__version__),
             "python_version": sys.version.split()[0],
             "devices": self._backend.devices(),
-            "model": summary.model_summary(model, self._input_shape) if model is not None else None,
-            "optimizer": summary.optimizer_summary(self._optimizers[0]) if self._optimizers else None,
+            "model": model_info,
+            "optimizer": optimizer_info,
             "phases": [clamp(p) for p in self._marks.phases if kept(p["iteration"])],
             "iterations": [clamp(i) for i in self._marks.iterations if kept(i["iteration"])],
             "tags": self._tags.items,
@@ -365,25 +481,58 @@ class Recorder:
                 "backend": self._backend.name if self._backend is not None else self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
                 "activations": self.activations, "warmup": self.warmup, "steps": self.steps,
                 "path": self.path, "pid": os.getpid(), "rank": rank(),
-                "start_us": self._start_us, "end_us": end_us,
+                "start_us": self._start_us, "end_us": end_us, "origins": bool(self.origins),
+                **self._backend_settings(),
             },
         }
 
-    def _main_model(self):
-        if not self._models:
-            return None
-        return max((m for _, m in self._models), key=lambda m: sum(p.numel() for p in m.parameters()))
+    def _main_model_summary(self):
+        """The summary of the biggest known model (taken when it was first seen, refreshed if it still lives)."""
+        best = None
+        for prefix, ref, info in self._models:
+            m = ref()
+            if m is not None:
+                try:
+                    info = summary.model_summary(m)
+                except Exception:
+                    pass
+            if info is not None and (best is None or info["parameters"] > best["parameters"]):
+                best = info
+        if best is not None:
+            best = dict(best, input_shape=self._input_shape)
+        return best
+
+    def _backend_settings(self):
+        """What the backend chose: where CPU allocations came from (the hook, or the profiler and why),
+        what CUDA's history gathered with each entry (None: nothing, the op log names it)."""
+        b = self._backend
+        if b.name == "cpu":
+            out = {"cpu_source": b.source}
+            if b.source_note:
+                out["cpu_source_note"] = b.source_note
+            return out
+        return {"cuda_context": getattr(b, "context", None),
+                "checkpoint_early_stop": False if self._checkpoint is not None else None}
 
     def _prefix_of(self, module):
-        return next((prefix for prefix, m in self._models if m is module), "")
+        return next((prefix for prefix, ref, _ in self._models if ref() is module), "")
 
     def _named_parameters(self):
-        for prefix, model in self._models:
-            for n, p in model.named_parameters():
-                yield prefix + n, p
+        """(qualified name, parameter) of the known models (memoised per iteration: several hooks ask)."""
+        key = self._marks.iteration if self._marks is not None else None
+        memo = self._named_memo
+        if memo is None or memo[0] != key:  # weakly: a parameter dropped meanwhile is freed
+            named = [(prefix + n, weakref.ref(p)) for prefix, model in self._roots() for n, p in model.named_parameters()]
+            memo = self._named_memo = (key, named)
+        return [(n, p) for n, p in ((n, r()) for n, r in memo[1]) if p is not None]
 
     def _param_names(self):
-        return param_names(self._models)
+        """id(parameter) -> qualified name (memoised per iteration: every optimizer hook asks)."""
+        key = self._marks.iteration if self._marks is not None else None
+        memo = self._param_names_memo
+        if memo is None or memo[0] != key:
+            memo = self._param_names_memo = (key, param_names(self._roots()))
+        return memo[1]
 
     def _disable(self, message, pop_saved_hooks=True):
         """Warn once and let the program run on untouched (from a hook: leave the saved-tensor hooks to close())."""
@@ -393,13 +542,17 @@ class Recorder:
         for cleanup in (
             lambda: self._hooks.remove(pop_saved_hooks) if self._hooks is not None else None,
             lambda: self._backend.restore() if self._backend is not None else None,
-            lambda: self._origins.remove() if self._origins is not None else None,
             lambda: self._term.remove() if self._term is not None else None,
+            self._restore_checkpoint,
+            lambda: _active.discard(self),
         ):
             try:
                 cleanup()
             except Exception:
                 pass
+
+
+_active = weakref.WeakSet()  # recorders running in this process (a nested one records nothing)
 
 
 def resolve_backend(name, model=None):
@@ -419,7 +572,7 @@ def resolve_backend(name, model=None):
     return "auto"
 
 
-def make_backend(name, stacks, max_entries):
+def make_backend(name, stacks, max_entries, origins=True, roots=lambda: ()):
     """The backend for `name` ("auto" picks CUDA when it is available)."""
     import torch
 
@@ -430,10 +583,10 @@ def make_backend(name, stacks, max_entries):
             raise RuntimeError("backend 'cuda' asked for, but CUDA is not available")
         from .cuda import CudaBackend
 
-        return CudaBackend(stacks=stacks, max_entries=max_entries)
+        return CudaBackend(stacks=stacks, max_entries=max_entries, origins=origins, roots=roots)
     from .cpu import CpuBackend
 
-    return CpuBackend(stacks=stacks, max_entries=max_entries)
+    return CpuBackend(stacks=stacks, max_entries=max_entries, origins=origins, roots=roots)
 
 
 def rank():

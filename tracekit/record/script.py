@@ -102,6 +102,12 @@ def main():
     """The bootstrap: sys.argv is ['-c', SETTINGS_JSON, MODE, TARGET, *ARGS]."""
     settings = json.loads(sys.argv[1])
     mode, target, args = sys.argv[2], sys.argv[3], sys.argv[4:]
+    try:  # the bootstrap's own line (`-c "...main()"`) is not part of the script's stacks
+        from .stacks import hide
+
+        hide(sys._getframe(1).f_code)
+    except Exception:
+        pass
     _hide_bootstrap_frames()
     recorder = _start_recorder(settings)
     try:
@@ -149,6 +155,7 @@ def _start_recorder(settings):
             settings["output"], backend=settings.get("backend", "auto"), stacks=settings.get("stacks", "python"),
             max_entries=settings.get("max_entries"), activations=settings.get("activations", True),
             warmup=settings.get("warmup", 0), steps=settings.get("steps"), command=settings.get("command"),
+            origins=settings.get("origins", True),
         )
         return rec.start()
     except Exception as e:  # never stop the script from running

@@ -12,6 +12,7 @@ from .marks import now_us
 PARAMETER, BUFFER, GRADIENT = "parameter", "buffer", "gradient"
 OPTIMIZER_STATE, ACTIVATION, INPUT = "optimizer_state", "activation", "input"
 KINDS = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT)
+MAX_TAGS = 50_000  # the newest kept (CUDA: the kept window is known at the end only); all are re-tagged every iteration
 
 
 def storage_span(tensor):
@@ -42,9 +43,33 @@ class Tags:
 
     @property
     def items(self):
-        return [t for t in self._items if t is not None]
+        """The tags as dicts (an activation's name is made here, once: "GeluBackward0 [8, 128, 512]")."""
+        out = []
+        for t in self._items:
+            if t is None:
+                continue
+            addr, size, device, time_us, kind, name = t
+            if type(name) is tuple:
+                fn, shape = name
+                name = f"{fn.__name__ if fn is not None else 'saved tensor'} {list(shape)}"
+            out.append({"addr": addr, "size": size, "device": device, "time_us": time_us, "kind": kind,
+                        "name": name})
+        return out
+
+    def forget_before(self, time_us):
+        """Drop the tags older than `time_us` (the oldest entry the trace still keeps): every iteration tags
+        parameters, gradients and state again, so what the kept window needs stays."""
+        items = self._items
+        i = 0
+        while i < len(items) and (items[i] is None or items[i][3] < time_us):
+            i += 1
+        if i:
+            del items[:i]
+            self._activation_at = {a: k - i for a, k in self._activation_at.items() if k >= i}
 
     def new_iteration(self):
+        if len(self._items) > MAX_TAGS:  # bounded on long runs: the oldest go (the trace keeps the newest too)
+            del self._items[:len(self._items) - MAX_TAGS // 2]
         self._seen.clear()
         self._owned.clear()
         self._activation_at.clear()
@@ -73,12 +98,14 @@ class Tags:
                 self._items[drop] = None
         elif kind == ACTIVATION:
             self._activation_at[addr] = len(self._items)
-        self._items.append({
-            "addr": addr, "size": size, "device": device,
-            "time_us": self.clock() if time_us is None else time_us, "kind": kind, "name": name,
-        })
+        self._items.append((addr, size, device, self.clock() if time_us is None else time_us, kind, name))
 
     # -- what a model and an optimizer hold -------------------------------
+    def add_named(self, named, kind, prefix=""):
+        add = self.add
+        for name, t in named:
+            add(t, kind, prefix + name)
+
     def add_model(self, model, prefix=""):
         for name, p in model.named_parameters():
             self.add(p, PARAMETER, prefix + name)
@@ -103,12 +130,14 @@ class Tags:
             if is_input(t):
                 self.add(t, INPUT, name)
 
-    def add_activation(self, tensor):
-        fn = tensor.grad_fn
+    def add_activation(self, tensor, fn=False):
+        if fn is False:
+            fn = tensor.grad_fn
         if fn is None and tensor.requires_grad:
             return  # a parameter (or another leaf that wants a gradient), not an activation
-        name = type(fn).__name__ if fn is not None else "saved tensor"
-        self.add(tensor, ACTIVATION, f"{name} {list(tensor.shape)}")
+        # named lazily ("GeluBackward0 [8, 128, 512]" is made when the file is written): the node's class
+        # and the shape, never the node itself (that would keep the graph alive)
+        self.add(tensor, ACTIVATION, (type(fn) if fn is not None else None, tuple(tensor.shape)))
 
 
 def is_tensor(x) -> bool:
