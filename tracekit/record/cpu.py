@@ -30,7 +30,6 @@ import warnings
 import numpy as np
 
 from .entries import CPU_DEVICE
-from .marks import now_us
 from .ring import ROW, Ring
 
 HOOK_CAPACITY = 1 << 20  # events between two drains at most (24 MiB); more, and the oldest undrained are dropped
