@@ -97,7 +97,6 @@ def test_a():
 
 def test_pytest_plugin_fails_a_test_that_runs_out_of_memory(pytester):
     pytester.makepyfile('''
-BUILDS_ITS_MODEL = '''
 import pytest
 import torch
 
@@ -117,6 +116,13 @@ def test_fine():
     result.assert_outcomes(passed=1, failed=1)
     text = result.stdout.str()
     assert "out of memory" in text and "asked for 3.0 GiB" in text and "1.0 GiB was free" in text
+
+
+BUILDS_ITS_MODEL = '''
+import pytest
+import torch
+
+
 @pytest.mark.no_memory_leaks(iterations=5)
 def test_builds_its_model():
     torch.manual_seed(0)
