@@ -40,15 +40,21 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     out = np.zeros(n_groups, np.int64)
     if not len(rows):
         return out
-    g = group[rows].astype(np.int64)
+    # one sort key per event: group, then entry index, a free before an allocation at the same index
+    born = al.alloc_index[rows].astype(np.int64) + 1  # made before the trace (-1): 0, first
+    freed = al.free_index[rows].astype(np.int64) + 1
+    end = int(max(born.max(), freed.max())) + 1
+    freed = np.where(freed > 0, freed, end)  # never freed: after every entry
+    span = 2 * (end + 1)
+    g = group[rows].astype(np.int64) * span
+    key = np.concatenate([g + born * 2 + 1, g + freed * 2])
+    del born, freed, g
+    order = np.argsort(key, kind="stable")
+    grp = key[order] // span
+    del key
     size = al.size[rows].astype(np.int64)
-    born = al.alloc_index[rows]
-    dies = np.where(al.free_index[rows] >= 0, al.free_index[rows], np.iinfo(np.int64).max)
-    grp = np.concatenate([g, g])
-    idx = np.concatenate([born, dies])
-    delta = np.concatenate([size, -size])
-    order = np.lexsort((delta, idx, grp))  # frees before allocs at one index
-    grp, delta = grp[order], delta[order]
+    delta = np.concatenate([size, -size])[order]
+    del order, size
     live = np.cumsum(delta)
     starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
     base = np.r_[0, live[starts[1:] - 1]]
@@ -80,18 +86,20 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     modules come from ("recorder" or "stacks")}; None without modules."""
     al = rep.allocations
     module_ids, backward, source, classes, names = allocation_module_ids(trace, rep)
-    mod = module_ids.astype(np.int64)
-    if not len(al) or not (mod > 0).any():
+    if not len(al) or not (module_ids > 0).any():
         return None
-    key = np.where(al.alloc_index >= 0, mod * 2 + backward, -1)  # made in the trace; module 0: outside any
-    uniq, inv = np.unique(key[key >= 0], return_inverse=True)
-    group = np.full(len(al), -1, np.int64)
-    group[key >= 0] = inv
-    live = al.live_at(rep.peak_index)
+    made = al.alloc_index >= 0  # made in the trace; module 0: outside any
+    uniq, inv = np.unique(module_ids[made].astype(np.int64) * 2 + backward[made], return_inverse=True)
+    group = np.full(len(al), -1, np.int32 if len(uniq) < 2**31 else np.int64)
+    group[made] = inv
+    del inv
+    grouped = group >= 0
+    live = al.live_at(rep.peak_index) & grouped
     n = len(uniq)
-    at_peak = np.bincount(group[live & (group >= 0)], weights=al.size[live & (group >= 0)], minlength=n)
-    total = np.bincount(group[group >= 0], weights=al.size[group >= 0], minlength=n)
-    count = np.bincount(group[group >= 0], minlength=n)
+    at_peak = np.bincount(group[live], weights=al.size[live], minlength=n)
+    del live
+    total = np.bincount(group[grouped], weights=al.size[grouped], minlength=n)
+    count = np.bincount(group[grouped], minlength=n)
     most = group_peaks(group, al, n)
     rows = [{"module": names[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
              "bytes_at_peak": int(at_peak[k]), "peak_bytes": int(most[k]),
@@ -100,7 +108,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
         from .modtree import HOWS, allocation_modules
 
         how = allocation_modules(trace, rep.device).how
-        rows_g = np.flatnonzero(group >= 0)
+        rows_g = np.flatnonzero(grouped)
         gid, at = np.unique(group[rows_g], return_index=True)
         first = dict(zip(gid.tolist(), rows_g[at].tolist()))
         for k, row in enumerate(rows):
@@ -140,7 +148,6 @@ def add_modules(trace: Trace, devices: list[dict], reps) -> None:
     """Put each device's module table under "modules" in its report summary (None without modules)."""
     for d in devices:
         d["modules"] = module_table(trace, reps[d["device"]])
-
 
 
 def allocation_module_names(trace: Trace, rep: DeviceReplay) -> tuple[np.ndarray, np.ndarray]:

@@ -87,25 +87,17 @@ def allocation_sites(trace: Trace, rep: DeviceReplay) -> AllocationSites:
 
 @per_trace
 def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
+    from .categories import categorize
     from .replay import replay
 
     rep = replay(trace)[device]
+    cats = categorize(trace)[device]  # first: its own temporaries come and go before this function's arrays
     al = rep.allocations
     ss = stack_sites(trace)
     stack = trace.events.stack_id[rep.events]
     n = rep.n
-    entry_site = stack.copy()
-    if n:
-        has_user = ss.user_frame[stack.astype(np.int64) + 1] >= 0
-        runs = phases(trace)[device].runs()
-        idx = np.arange(n)
-        prev = np.maximum.accumulate(np.where(has_user, idx, -1))
-        nxt = np.minimum.accumulate(np.where(has_user, idx, n)[::-1])[::-1]
-        ok_prev = (prev >= 0) & (runs[np.maximum(prev, 0)] == runs)
-        ok_next = (nxt < n) & (runs[np.minimum(nxt, n - 1)] == runs)
-        take = np.where(ok_prev, prev, np.where(ok_next, nxt, -1))
-        borrow = ~has_user & (take >= 0) & (stack >= 0)
-        entry_site = np.where(borrow, stack[np.maximum(take, 0)], stack)
+    entry_site = _borrowed_entry_sites(stack, ss.user_frame, phases(trace)[device].runs()) if n else stack
+    del stack
     own = al.stack_id.astype(np.int64)
     site = own.copy()
     traced = al.alloc_index >= 0
@@ -118,15 +110,13 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
         module[traced] = trace.events.module[rep.events][al.alloc_index[traced]]
     forward = fwd >= 0
     site[forward] = fwd[forward]
+    del fwd, entry_site, traced
     borrowed = (site != own) & ~forward
     user = ss.user_frame[site + 1].astype(np.int64)
     nodes = ss.node[own + 1].astype(np.int64)
     if forward.any():  # a line's backward allocations are a site apart from its forward ones
         nodes = np.where(forward & (nodes == 0), trace.strings.intern("backward"), nodes)
     # no user frame: the stack itself is the site; no stack at all: what the categories say of it
-    from .categories import categorize
-
-    cats = categorize(trace)[device]
     reason = cats.reason.astype(np.int64)
     # a cuBLAS workspace is the handle's, not the line's that happened to run the first matmul: a site apart
     workspace = cats.labels == cats.names.index("workspace")
@@ -136,6 +126,24 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     key = first * (len(trace.strings) + 1) + np.where(user >= 0, nodes, 0)
     return AllocationSites(site_stack=site.astype(np.int32), key=key, borrowed=borrowed, forward=forward,
                            module=module)
+
+
+def _borrowed_entry_sites(stack, user_frame, runs):
+    """Each entry's site: its own stack, or, for a stack with no user frame, the stack of the nearest entry
+    in the same run that has one (before it, else after it). A function of its own so that its n-sized
+    temporaries are gone before the rest of the sites are computed (the peak memory of a first open)."""
+    n = len(stack)
+    has_user = user_frame[stack.astype(np.int64) + 1] >= 0
+    idx = np.arange(n, dtype=np.int64)
+    prev = np.maximum.accumulate(np.where(has_user, idx, -1))
+    ok_prev = (prev >= 0) & (runs[np.maximum(prev, 0)] == runs)
+    nxt = np.minimum.accumulate(np.where(has_user, idx, n)[::-1])[::-1]
+    del idx
+    ok_next = (nxt < n) & (runs[np.minimum(nxt, n - 1)] == runs)
+    take = np.where(ok_prev, prev, np.where(ok_next, nxt, -1))
+    del prev, nxt, ok_prev, ok_next
+    borrow = ~has_user & (take >= 0) & (stack >= 0)
+    return np.where(borrow, stack[np.maximum(take, 0)], stack)
 
 
 def site_frames(trace: Trace, own_stack: int, site_stack: int) -> list[dict]:
