@@ -26,6 +26,35 @@ SNAPSHOT, OOM, OTHER = ACTION["snapshot"], ACTION["oom"], ACTION["other"]
 BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive", "unknown")
 BLOCK_STATE = {name: code for code, name in enumerate(BLOCK_STATES)}
 
+def unique_ids(values, return_index: bool = False, return_inverse: bool = False):
+    """np.unique for integer ids and codes (string, stack, module ids: a range not much wider than their
+    count), in linear time with a table over the range instead of a sort; any other input goes to
+    np.unique. Same results: sorted distinct values, the first index of each, the inverse."""
+    v = np.asarray(values).reshape(-1)
+    if v.dtype.kind not in "iu" or not len(v):
+        return np.unique(v, return_index=return_index, return_inverse=return_inverse)
+    lo, hi = int(v.min()), int(v.max())
+    if hi - lo > 4 * len(v) + 65536:
+        return np.unique(v, return_index=return_index, return_inverse=return_inverse)
+    if not lo:
+        off = v.astype(np.intp, copy=False)
+    elif v.dtype.kind == "u":  # in the unsigned type first: a value above 2**63 survives
+        off = (v - v.dtype.type(lo)).astype(np.intp)
+    else:
+        off = v.astype(np.int64) - lo
+    present = np.zeros(hi - lo + 1, bool)
+    present[off] = True
+    out = [np.flatnonzero(present).astype(v.dtype) + v.dtype.type(lo)]
+    if return_index:
+        first = np.full(len(present), len(v), np.intp)
+        np.minimum.at(first, off, np.arange(len(v), dtype=np.intp))
+        out.append(first[present])
+    if return_inverse:
+        rank = np.cumsum(present, dtype=np.intp) - 1
+        out.append(rank[off])
+    return out[0] if len(out) == 1 else tuple(out)
+
+
 NO_TIME = np.iinfo(np.int64).min  # time_us of an entry that has none
 NO_ID = -1  # stack_id / string id of "nothing"
 
@@ -114,7 +143,9 @@ class Events:
         return len(self.action)
 
     def device_slice(self, device) -> slice:
-        lo, hi = np.searchsorted(self.device, [device, device + 1])
+        # the needles in the column's own type: a list of Python ints would copy the whole column to int64
+        lo = np.searchsorted(self.device, self.device.dtype.type(device), "left")
+        hi = np.searchsorted(self.device, self.device.dtype.type(device), "right")
         return slice(int(lo), int(hi))
 
 

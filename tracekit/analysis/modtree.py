@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..io.sources import locate, outline
-from ..model import Trace
+from ..model import Trace, unique_ids
 from .frames import LIB, OP, USER, frame_kinds, package_of
 from .memo import per_trace
 
@@ -366,17 +366,32 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
         return done()
     depth = index_of.shape[1]
     key = np.concatenate([stack[rows][:, None], index_of[rows]], axis=1) if depth else stack[rows][:, None]
-    uniq, inv = np.unique(key, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
+    uniq, inv = _unique_rows(key)
+    paths, cls_ids, worsts = (np.zeros(len(uniq), t) for t in (np.int32, np.int32, np.int8))
     for k, row in enumerate(uniq.tolist()):
-        chain = sm.chains[row[0] + 1]
-        idx = row[1:]
-        path, cls, worst = _path(sm.nodes, chain, idx)
-        sel = rows[inv == k]
-        module[sel] = intern(path)
-        classes[sel] = intern(cls)
-        how[sel] = worst
+        path, cls, worst = _path(sm.nodes, sm.chains[row[0] + 1], row[1:])
+        paths[k], cls_ids[k], worsts[k] = intern(path), intern(cls), worst
+    module[rows], classes[rows], how[rows] = paths[inv], cls_ids[inv], worsts[inv]
     return done()
+
+
+def _unique_rows(key: np.ndarray):
+    """np.unique(key, axis=0, return_inverse=True) for rows of small integers >= -1: the rows packed into
+    one int64 each (lexicographic order kept) when they fit, which is much faster than sorting rows."""
+    if len(key):
+        span = key.max(axis=0).astype(np.int64) + 2  # values -1 .. max, shifted to 0 .. max + 1
+        if key.min() >= -1 and float(np.prod(span.astype(np.float64))) < 2.0**62:
+            packed = np.zeros(len(key), np.int64)
+            for c in range(key.shape[1]):
+                packed = packed * span[c] + (key[:, c].astype(np.int64) + 1)
+            u, inv = np.unique(packed, return_inverse=True)
+            rows = np.zeros((len(u), key.shape[1]), np.int64)
+            for c in range(key.shape[1] - 1, -1, -1):
+                rows[:, c] = u % span[c] - 1
+                u = u // span[c]
+            return rows, inv.reshape(-1)
+    uniq, inv = np.unique(key, axis=0, return_inverse=True)
+    return uniq, inv.reshape(-1)
 
 
 def _path(nodes, chain, idx):
@@ -437,7 +452,7 @@ def _instances(trace, rep, sm, stack) -> np.ndarray:
         return out
     runs = phases(trace)[rep.device].runs() if rep.n else np.zeros(0, np.int64)
     run_of = runs[a[order]].astype(np.int64)
-    uniq_st, st_inv = np.unique(al.stack_id[order].astype(np.int64), return_inverse=True)
+    uniq_st, st_inv = unique_ids(al.stack_id[order].astype(np.int64), return_inverse=True)
     for level in range(depth):
         node_of = np.full(len(uniq_st), -1, np.int64)
         line_of = np.zeros(len(uniq_st), np.int64)

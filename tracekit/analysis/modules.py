@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 
-from ..model import Trace
+from ..model import Trace, unique_ids
 from .replay import DeviceReplay
 from .sites import allocation_sites
 
@@ -89,7 +89,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     if not len(al) or not (module_ids > 0).any():
         return None
     made = al.alloc_index >= 0  # made in the trace; module 0: outside any
-    uniq, inv = np.unique(module_ids[made].astype(np.int64) * 2 + backward[made], return_inverse=True)
+    uniq, inv = unique_ids(module_ids[made].astype(np.int64) * 2 + backward[made], return_inverse=True)
     group = np.full(len(al), -1, np.int32 if len(uniq) < 2**31 else np.int64)
     group[made] = inv
     del inv
@@ -109,7 +109,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
 
         how = allocation_modules(trace, rep.device).how
         rows_g = np.flatnonzero(grouped)
-        gid, at = np.unique(group[rows_g], return_index=True)
+        gid, at = unique_ids(group[rows_g], return_index=True)
         first = dict(zip(gid.tolist(), rows_g[at].tolist()))
         for k, row in enumerate(rows):
             r = first.get(k)
@@ -155,7 +155,7 @@ def allocation_module_names(trace: Trace, rep: DeviceReplay) -> tuple[np.ndarray
     index into unique strings, from our recorder's tags or else from the stacks (analysis/modtree.py)."""
     module_ids, backward, _, _, names = allocation_module_ids(trace, rep)
     key = module_ids.astype(np.int64) * 2 + backward.astype(np.int64)
-    uniq, inv = np.unique(key, return_inverse=True)
+    uniq, inv = unique_ids(key, return_inverse=True)
     strings = np.empty(len(uniq), dtype=object)
     for k, u in enumerate(uniq.tolist()):
         name = names[u // 2] if u >= 2 else ""

@@ -170,7 +170,7 @@ def _lifetimes(addr, size, stack, is_alloc, is_free):
     """Pair each alloc with the next free_completed of its address (vectorised)."""
     idx = np.flatnonzero(is_alloc | is_free)
     a, s, al = addr[idx], size[idx], is_alloc[idx]
-    order = np.lexsort((idx, a))  # by address, then time
+    order = np.argsort(a, kind="stable")  # by address, then time (idx is ascending: a stable sort keeps it)
     idx, a, s, al = idx[order], a[order], s[order], al[order]
     same_next = np.zeros(len(idx), bool)
     same_next[:-1] = a[:-1] == a[1:]
@@ -190,9 +190,17 @@ def _lifetimes(addr, size, stack, is_alloc, is_free):
         free_stack_id=np.concatenate([stack[idx[paired_free]], np.full(len(li), -1, np.int32), stack[fi]]).astype(np.int32),
         origin=np.concatenate([np.zeros(len(pi) + len(li), np.int8), np.full(len(fi), BEFORE_TRACE, np.int8)]),
     )
-    order = np.argsort(np.where(rows.alloc_index < 0, rows.free_index, rows.alloc_index) + 0, kind="stable")
+    order = _order_of_distinct(np.where(rows.alloc_index < 0, rows.free_index, rows.alloc_index),
+                               len(addr))
     rows = Allocations(**{k: getattr(rows, k)[order] for k in Allocations.__dataclass_fields__})
     return rows, a[last], al[last], s[last]
+
+
+def _order_of_distinct(key: np.ndarray, bound: int) -> np.ndarray:
+    """argsort of distinct integers in [0, bound), in linear time (each entry index is one row's key)."""
+    slot = np.full(bound, -1, np.int64)
+    slot[key] = np.arange(len(key))
+    return slot[slot >= 0]
 
 
 def _empty_allocations():

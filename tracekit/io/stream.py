@@ -35,7 +35,7 @@ import struct
 import numpy as np
 
 from ..errors import TracekitError
-from ..model import ACTION, NO_TIME, OOM, OTHER
+from ..model import ACTION, NO_TIME, OOM, OTHER, unique_ids
 from .columns import MAX_SIZE, MAX_TIME, MAX_TOTAL, check_sizes
 from .limits import CappedReader, decompressed_cap, max_depth
 
@@ -293,8 +293,15 @@ class Tape:
 
     def _texts(self, sids, it, used=None):
         """The Interner's ids of scanner string ids (-1: absent, read as ""); `used`: all the ids to intern."""
-        distinct = np.unique(sids if used is None else used)
+        distinct = unique_ids(sids if used is None else used)
         ids = np.array([it.strings.intern(self.strings[s] if s >= 0 else "") for s in distinct.tolist()], np.int32)
+        if not len(sids):
+            return ids[:0]
+        lo = int(distinct[0]) if len(distinct) else 0
+        if len(distinct) and int(distinct[-1]) - lo <= 4 * len(sids) + 65536:  # a table over the range
+            table = np.zeros(int(distinct[-1]) - lo + 1, np.int32)
+            table[distinct.astype(np.int64) - lo] = ids
+            return table[sids.astype(np.int64) - lo]
         return ids[np.searchsorted(distinct, sids)]
 
     def _device_free(self, action, first, n):
@@ -316,7 +323,7 @@ class Tape:
         """The Interner's stack ids of scanner stack ids + 1 (0: none), interned in order of first use
         (`used`: all the ids to intern, in that order)."""
         if used is None:
-            distinct, first = np.unique(ids, return_index=True)
+            distinct, first = unique_ids(ids, return_index=True)
             used = distinct[np.argsort(first)]
         top = max(int(ids.max()) if len(ids) else 0, int(used.max()) if len(used) else 0)
         lut = np.full(top + 1, -1, np.int32)

@@ -25,6 +25,7 @@ import numpy as np
 
 from ...model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
+from ..memo import per_trace
 from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig
 from .core import Allocator, Block
 
@@ -76,8 +77,10 @@ class InitialState:
         self.problems[kind] = self.problems.get(kind, 0) + n
 
 
+@per_trace
 def initial_state(trace: Trace, device: int, config: AllocatorConfig) -> InitialState:
-    """Reconstruct the device's segments and held blocks at the trace's first entry."""
+    """Reconstruct the device's segments and held blocks at the trace's first entry (once per trace, device
+    and settings: callers read it, never change it)."""
     ev = trace.events
     sl = ev.device_slice(device)
     action = ev.action[sl]
