@@ -137,6 +137,8 @@ def test_formula_path_says_who_counted(tmp_path, capsys):
     (["--seq", "16", "--simulate", "--layers", "2"], "--layers"),
     (["--seq", "16", "--simulate", "--checkpointing", "selective"], "checkpointing"),
     (["--seq", "16", "--simulate", "--save-trace", "out.txt"], "--save-trace"),
+    (["--seq", "16", "--batch", "0", "--simulate"], "--batch of at least 1"),
+    (["--seq", "-4", "--simulate"], "positive --seq"),
 ])
 def test_usage_errors_are_one_line(tmp_path, capsys, args, says):
     cfg = config_file(tmp_path, small(TRUTH[TRAINING[0]]["config"]))
@@ -145,7 +147,7 @@ def test_usage_errors_are_one_line(tmp_path, capsys, args, says):
 
 
 @pytest.mark.parametrize("config,says", [
-    ({"model_type": "not-a-model", "hidden_size": 64}, "unknown model_type"),
+    ({"model_type": "not-a-model", "hidden_size": 64}, "unknown model_type"),  # and how many it knows: not 0
     ({"hidden_size": 64, "num_hidden_layers": 2}, "no model_type"),
     ({"model_type": "llama", "hidden_size": 10, "num_attention_heads": 3, "num_hidden_layers": 1, "vocab_size": 10,
       "intermediate_size": 8}, "cannot"),
@@ -153,6 +155,7 @@ def test_usage_errors_are_one_line(tmp_path, capsys, args, says):
 def test_bad_configs_are_one_line(tmp_path, capsys, config, says):
     code, out, err = cli(capsys, "--config", config_file(tmp_path, config), "--seq", "16", "--simulate")
     assert code == 2 and says in err and err.strip().count("\n") == 0 and "Traceback" not in err
+    assert "knows 0 types" not in err
 
 
 def test_a_step_that_cannot_be_simulated_falls_back_to_the_formulas(tmp_path, capsys, monkeypatch):

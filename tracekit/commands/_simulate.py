@@ -37,6 +37,8 @@ def check_options(kw) -> None:
         raise TracekitError("--simulate runs --checkpointing none or full (transformers' gradient_checkpointing_enable)")
     if not kw.get("seq"):
         raise TracekitError("--simulate needs --seq (tokens per sequence) and --batch")
+    if kw.get("seq") < 0 or (kw.get("batch") is not None and kw.get("batch") < 1):
+        raise TracekitError("--simulate needs --batch of at least 1 and a positive --seq")
     if kw.get("dropout") is not None:
         raise TracekitError("--simulate uses the config's dropout; drop --dropout (or edit the config)")
 

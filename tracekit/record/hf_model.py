@@ -83,7 +83,7 @@ def hf_config(config: dict):
     from transformers import CONFIG_MAPPING
     if model_type not in CONFIG_MAPPING:
         raise TracekitError(f"unknown model_type {model_type!r} (transformers {transformers.__version__} "
-                            f"knows {len(CONFIG_MAPPING)} types)")
+                            f"knows {len(list(CONFIG_MAPPING.keys()))} types)")
     kwargs = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version", "_name_or_path")}
     try:
         with _quiet():
