@@ -220,3 +220,22 @@ def test_difference_over_the_aligned_step(runs):
     # twice the batch: over the step, B holds up to about the extra activations at the peak more
     assert 0.8 * act["change"] <= d["by_category"]["activation"].max() <= 1.2 * act["change"]
     assert d["by_category"]["activation"].min() >= -0.05 * act["a"]  # and never noticeably fewer
+
+
+def test_a_training_run_against_a_generation():
+    """Phases of a generation (prefill, decode) beside a training step's: each side's phase peaks, the
+    largest of them its peak, checked against a naive replay of the raw file (it raised on 'prefill')."""
+    import gzip
+
+    from .conftest import ROOT
+
+    gen = ROOT / "tests" / "fixtures" / "cuda" / "qwen2_generate_b2_p256_n128.pickle.gz"
+    raw = pickle.load(gzip.open(gen))
+    result = diff(tracekit.load(SAMPLES / "gpt_adamw.pickle"), tracekit.load(gen))
+    (dev,) = result["devices"]
+    phases = {row["phase"]: row["peak_bytes"] for row in dev["phases"]}
+    assert {"forward", "backward", "optimizer", "prefill", "decode"} <= set(phases)
+    assert phases["prefill"]["a"] is None and phases["forward"]["b"] is None
+    assert max(p["b"] or 0 for p in phases.values()) == naive_replay(raw)["peak"]
+    r = CliRunner().invoke(cli, ["diff", str(SAMPLES / "gpt_adamw.pickle"), str(gen)])
+    assert r.exit_code == 0 and "prefill" in r.output and "decode" in r.output

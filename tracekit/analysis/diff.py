@@ -158,7 +158,7 @@ def phase_changes(pa: list, pb: list, noise: int) -> list:
     names = [p["phase"] for p in pa] + [p["phase"] for p in pb if p["phase"] not in {q["phase"] for q in pa}]
     by_a = {p["phase"]: p for p in pa}
     out = []
-    for name in sorted(names, key=_PHASE_ORDER.index):
+    for name in sorted(names, key=lambda n: (_PHASE_ORDER.index(n) if n in _PHASE_ORDER else len(_PHASE_ORDER), n)):
         x, y = by_a.get(name, {}), by_b.get(name, {})
         out.append({"phase": name, "peak_bytes": change(x.get("peak_bytes"), y.get("peak_bytes"), noise),
                     "categories_at_peak": changes(x.get("categories_at_peak", {}), y.get("categories_at_peak", {}),
@@ -166,7 +166,7 @@ def phase_changes(pa: list, pb: list, noise: int) -> list:
     return out
 
 
-_PHASE_ORDER = ["forward", "backward", "optimizer", "between"]
+_PHASE_ORDER = ["forward", "backward", "optimizer", "prefill", "decode", "between"]  # any other: last, by name
 
 
 def iteration_changes(ia: list, ib: list, noise: int) -> list:
