@@ -25,7 +25,6 @@ import numpy as np
 
 from ...model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
-from ..memo import per_trace
 from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig
 from .core import Allocator, Block
 
@@ -77,10 +76,18 @@ class InitialState:
         self.problems[kind] = self.problems.get(kind, 0) + n
 
 
-@per_trace
 def initial_state(trace: Trace, device: int, config: AllocatorConfig) -> InitialState:
-    """Reconstruct the device's segments and held blocks at the trace's first entry (once per trace, device
-    and settings: callers read it, never change it)."""
+    """Reconstruct the device's segments and held blocks at the trace's first entry: once per trace, device
+    and settings (callers read it, never change it). Kept beside the trace's memo, not in it: the analysis
+    cache stores the memo, and this is an intermediate of the replays it stores."""
+    memo = trace.__dict__.setdefault("_allocator_initial", {})
+    key = (device, config)
+    if key not in memo:
+        memo[key] = _initial_state(trace, device, config)
+    return memo[key]
+
+
+def _initial_state(trace: Trace, device: int, config: AllocatorConfig) -> InitialState:
     ev = trace.events
     sl = ev.device_slice(device)
     action = ev.action[sl]
