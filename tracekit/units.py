@@ -9,15 +9,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 
 
 def fmt_bytes(n) -> str:
-    if n is None:
-        return "n/a"
-    n = int(n)
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.1f} {unit}"
-    return f"{sign}{n} B"
+    return fmt_bytes_exact(n, 1)
 
 
 def fmt_bytes_exact(n, digits: int = 1) -> str:

@@ -56,6 +56,17 @@ class Invariant:
     problems: list = field(default_factory=list)  # [(addr, size, what)] first few
 
 
+def peak_of(curve, initial, ties_to_start: bool = False) -> tuple:
+    """(peak, index of the entry after which the curve first reaches it; -1: the start, `initial`). A tie
+    with the start counts as the start when `ties_to_start`. No curve (None): (None, -1)."""
+    if curve is None:
+        return None, -1
+    if len(curve) == 0 or initial > curve.max() or (ties_to_start and initial >= curve.max()):
+        return (int(initial) if initial is not None else None), -1
+    i = int(np.argmax(curve))
+    return int(curve[i]), i
+
+
 @dataclass
 class DeviceReplay:
     device: int
@@ -73,12 +84,7 @@ class DeviceReplay:
         return len(self.allocated)
 
     def _peak(self, curve, initial):
-        if curve is None:
-            return None, -1
-        if len(curve) == 0 or initial > curve.max():
-            return initial, -1
-        i = int(np.argmax(curve))
-        return int(curve[i]), i
+        return peak_of(curve, initial)
 
     @property
     def peak_allocated(self) -> int:

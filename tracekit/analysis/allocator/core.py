@@ -254,17 +254,21 @@ class Allocator:
                 raise OutOfMemory(size)
         return self.take(block, size, orig_size)
 
+    def _split(self, block: Block, size: int, pool, es, **kw) -> Block:
+        """Cut `block` to `size`; the rest becomes the next block of its segment (returned, not yet pooled)."""
+        rest = Block(block.addr + size, block.size - size, block.stream, pool, block.seg, es, **kw)
+        rest.prev, rest.next = block, block.next
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = size
+        self.blocks[rest.addr] = rest
+        return rest
+
     def take(self, block: Block, size: int, orig_size: int) -> Block:
         """alloc_found_block: hand out `block` (already out of its pool), splitting off what is worth keeping."""
         if self.should_split(block, size):
-            rest = Block(block.addr + size, block.size - size, block.stream, block.pool, block.seg, block.es)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            self.blocks[rest.addr] = rest
-            block.pool.insert(rest)
+            block.pool.insert(self._split(block, size, block.pool, block.es))
         block.allocated = True
         block.requested = orig_size
         self.allocated += block.size
@@ -479,13 +483,7 @@ class Allocator:
         _remove_sorted(pool.unmapped, (b.stream, b.addr))
         b.mapped = True
         if nbytes < b.size:
-            rest = Block(b.addr + nbytes, b.size - nbytes, b.stream, pool, b.seg, es, mapped=False)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = nbytes
-            self.blocks[rest.addr] = rest
+            rest = self._split(b, nbytes, pool, es, mapped=False)
             insort(pool.unmapped, (rest.stream, rest.addr))
         addr = b.addr
         self._grow(nbytes)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
+from ..replay import peak_of
 from .config import SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, from_settings
 from .core import Allocator, Block, Device
 from .state import InitialState, initial_state, load
@@ -75,10 +76,7 @@ class AllocatorReplay:
                 and not self.initial.problems)
 
     def _peak(self, curve, initial):
-        if len(curve) == 0 or initial >= curve.max():
-            return int(initial), -1
-        i = int(np.argmax(curve))
-        return int(curve[i]), i
+        return peak_of(curve, initial, ties_to_start=True)
 
     @property
     def peak_allocated(self) -> int:
