@@ -24,6 +24,7 @@ COMMANDS = {
     "diff": "Compare two recordings: what changed beyond noise, by phase, category, site, module, finding.",
     "check": "Fail (exit 1) when a recording is over its memory budget.",
     "record": "Record a training script's memory: tracekit record -- python train.py",
+    "simulate": "Run a script as if it had the GPU (no GPU needed): tracekit simulate --gpu H100 -- python train.py",
     "demo": "Record a small model step here and open the result.",
     "export": "Convert a file for pytorch.org/memory_viz, or its allocations to CSV / parquet.",
     "query": "SQL over a file's allocations, events and timeline: tracekit query FILE \"SELECT ...\"",

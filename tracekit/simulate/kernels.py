@@ -1,4 +1,4 @@
-"""What CUDA kernels and CUDA autocast would do, emulated on fake CPU tensors (for record/fake.py).
+"""What CUDA kernels and CUDA autocast would do, emulated on fake CPU tensors (for the simulator, engine.py).
 
 Each rule here is a fact about PyTorch's CUDA code, named where it comes from:
 
@@ -137,9 +137,13 @@ class CudaAutocast:
     def __init__(self, on_cast=None, is_host=None):
         self.on_cast = on_cast or (lambda active, weight: None)
         self.is_host = is_host or (lambda t: False)
-        self.dtype = torch.bfloat16
         self.cache = {}  # id(weight) -> (weakref to weight, cast copy)
         self._lib = None
+
+    @property
+    def dtype(self):
+        """The running autocast region's dtype (CPU autocast's key carries the CUDA policy)."""
+        return torch.get_autocast_dtype("cpu")
 
     # -- the casts -----------------------------------------------------------------------------------------
     def eligible(self, t) -> bool:
@@ -266,7 +270,6 @@ class CudaAutocast:
     @contextlib.contextmanager
     def region(self, dtype):
         """`with torch.autocast("cuda", dtype=dtype):` as CUDA would run it."""
-        self.dtype = dtype
         was_cuda = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         torch.set_autocast_enabled("cuda", True)
         torch.set_autocast_dtype("cuda", dtype)
@@ -371,9 +374,19 @@ def can_use(backend, sm, q, k, v, mask, dropout, is_causal, enable_gqa) -> bool:
     return False
 
 
+def enabled(backend) -> bool:
+    """torch.backends.cuda's switches (torch.nn.attention.sdpa_kernel sets them)."""
+    b = torch.backends.cuda
+    try:
+        return {CUDNN: b.cudnn_sdp_enabled, FLASH: b.flash_sdp_enabled, EFFICIENT: b.mem_efficient_sdp_enabled,
+                MATH: b.math_sdp_enabled}[backend]()
+    except Exception:
+        return True
+
+
 def select_backend(sm, q, k, v, mask, dropout, is_causal, enable_gqa) -> str:
     for b in priority_order(sm):
-        if can_use(b, sm, q, k, v, mask, dropout, is_causal, enable_gqa):
+        if enabled(b) and can_use(b, sm, q, k, v, mask, dropout, is_causal, enable_gqa):
             return b
     return MATH
 

@@ -1,0 +1,415 @@
+"""Run a script as if it had the GPU: `tracekit simulate [--gpu NAME] -- python train.py ARGS`.
+
+The parent (commands/simulate.py) starts the same interpreter with a bootstrap (as `tracekit record` does,
+record/script.py), so the script's output, arguments, exit code and traceback are its own:
+
+    python -c BOOTSTRAP SETTINGS_JSON path|module|code TARGET ARGS...
+
+The bootstrap builds a `Session` (engine.py) for the card and installs, for the whole run: torch.cuda's answers
+(cuda_api.py), fake tensors that know their device, the dispatch tracker, the device rules of calls
+(calls.py), CUDA's autocast policy and composites (kernels.py), a fake process group under --world-size
+(distributed.py), the phases for `-o`, and what cannot run on fake tensors said as a policy (torch.compile
+runs eager, checkpoints are not written, DataLoader workers run in the main process, generation runs to
+max_new_tokens). At the end it writes `-o` and says, once, the peaks and the assumptions made.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+BOOTSTRAP = "from tracekit.simulate.runner import main; main()"
+
+
+# -- phases, iterations and tags (for -o), from global hooks --------------------------------------------------
+
+class Marks:
+    """Iterations and phases as our recorder writes them (user_metadata `tracekit:iter=N:phase=P` and the
+    tracekit key): forward from the outermost module call, backward from backward's start, optimizer from
+    the optimizer's step hooks; an iteration ends with its optimizer step. Tags: parameters, gradients and
+    optimizer state from the optimizers seen, parameters and buffers of the modules run."""
+
+    def __init__(self, session):
+        self.s = session
+        self.phases, self.iterations = [], []
+        self.iteration = None
+        self.phase = None
+        self.t_phase = self.t_iter = None
+        self.depth = 0
+        self.handles = []
+        self.seen_modules = set()
+        self.next_iteration = 0
+
+    # the marks -------------------------------------------------------------------------------------------
+    def _md(self):
+        if self.iteration is None:
+            return ""
+        return f"tracekit:iter={self.iteration}" + (f":phase={self.phase}" if self.phase else "")
+
+    def start_iteration(self, i=None):
+        self.iteration = self.next_iteration if i is None else i
+        self.next_iteration = self.iteration + 1
+        self.t_iter = self.s.now()
+        self.s.metadata = self._md()
+
+    def start_phase(self, phase):
+        if self.iteration is None:
+            self.start_iteration()
+        self.end_phase()
+        self.phase, self.t_phase = phase, self.s.now()
+        self.s.metadata = self._md()
+
+    def end_phase(self):
+        if self.phase is not None:
+            self.phases.append({"iteration": self.iteration, "phase": self.phase, "start_us": self.t_phase,
+                                "end_us": self.s.now()})
+            self.phase = None
+            self.s.metadata = self._md()
+
+    def end_iteration(self):
+        if self.iteration is None:
+            return
+        self.end_phase()
+        self.iterations.append({"iteration": self.iteration, "start_us": self.t_iter, "end_us": self.s.now()})
+        self.iteration = None
+        self.s.metadata = ""
+
+    # hooks -----------------------------------------------------------------------------------------------
+    def backward_starts(self):
+        if self.iteration is not None or self.phase == "forward":
+            self.start_phase("backward")
+
+    def install(self):
+        import torch
+        from torch.nn.modules import module as mm
+        from torch.optim import optimizer as om
+        self.handles = [mm.register_module_forward_pre_hook(self._pre), mm.register_module_forward_hook(self._post),
+                        om.register_optimizer_step_pre_hook(self._opt_pre),
+                        om.register_optimizer_step_post_hook(self._opt_post)]
+        self._torch = torch
+        return self
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _pre(self, module, args):
+        if self.depth == 0 and self._torch._C._current_autograd_node() is None:
+            if self.phase in (None, "optimizer") and self.phase != "forward":
+                if self.phase == "optimizer":
+                    self.end_iteration()
+                self.start_phase("forward")
+            if id(module) not in self.seen_modules:
+                self._tag_module(module)
+        self.depth += 1
+
+    def _post(self, module, args, out):
+        self.depth = max(0, self.depth - 1)
+
+    def _tag_module(self, module):
+        self.seen_modules.add(id(module))
+        for name, p in module.named_parameters(recurse=True):
+            self._tag("parameter", p, name)
+        for name, b in module.named_buffers(recurse=True):
+            self._tag("parameter", b, name)
+
+    def _tag(self, kind, t, name):
+        sid = self.s.sids.get(id(t.untyped_storage())) if isinstance(t, self._torch.Tensor) else None
+        if sid is not None:
+            self.s.tags.append((kind, sid, name))
+
+    def _opt_pre(self, opt, args, kwargs):
+        if self.iteration is None:
+            self.start_iteration()
+        for g in opt.param_groups:
+            for p in g["params"]:
+                self._tag("parameter", p, "")
+                if p.grad is not None:
+                    self._tag("gradient", p.grad, ".grad")
+        self.start_phase("optimizer")
+
+    def _opt_post(self, opt, args, kwargs):
+        for state in opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, self._torch.Tensor) and key != "step":
+                    self._tag("optimizer_state", value, key)
+        self.end_iteration()
+
+
+# -- policies for what fake tensors cannot do -------------------------------------------------------------------
+
+class _PostImport:
+    """Patch a module as soon as it is imported (transformers' checks that would take fake tensors for tracing)."""
+
+    def __init__(self, patches):
+        self.patches = patches  # module name -> fn(module)
+        self.done = set()
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.patches or name in self.done:
+            return None
+        import importlib.util
+        self.done.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.done.discard(name)
+        if spec is None or spec.loader is None:
+            return None
+        loader, fn = spec.loader, self.patches[name]
+
+        class Loader:
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                try:
+                    fn(module)
+                except Exception:
+                    pass
+        spec.loader = Loader()
+        return spec
+
+
+def _patch_import_utils(mod):
+    mod.is_fake_tensor = lambda *a, **k: False
+
+
+def _patch_stopping(session):
+    def patch(mod):
+        import torch
+        cls = getattr(mod, "EosTokenCriteria", None)
+        if cls is None:
+            return
+
+        def call(self, input_ids, scores, **kwargs):
+            session.assume("generation runs to max_new_tokens (an end-of-sequence token is never produced)")
+            return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+        cls.__call__ = call
+        stop = getattr(mod, "StopStringCriteria", None)
+        if stop is not None:
+            stop.__call__ = call
+    return patch
+
+
+@contextlib.contextmanager
+def policies(session):
+    """torch.compile runs eager; torch.save writes no fake tensors; torch.load reads on the host, then moves
+    as map_location says; DataLoader workers run in the main process."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    saved = []
+
+    def put(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def compile_(model=None, *a, **k):
+        session.assume("torch.compile runs eager (inductor's buffers are not simulated: eager's memory is the bound)")
+        if model is None:
+            return lambda m: m
+        return model
+
+    def module_compile(self, *a, **k):
+        session.assume("torch.compile runs eager (inductor's buffers are not simulated: eager's memory is the bound)")
+
+    orig_save = torch.save
+
+    def save(obj, f, *a, **k):
+        try:
+            leaves = tree_leaves(obj)
+        except Exception:
+            leaves = []
+        if any(isinstance(x, FakeTensor) for x in leaves) or _has_fake(obj):
+            session.assume("torch.save writes nothing (the simulation has no tensor values)")
+            return None
+        return orig_save(obj, f, *a, **k)
+
+    orig_load = torch.load
+
+    def load(f, map_location=None, *a, **k):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes(), unset_fake_temporarily():
+            obj = orig_load(f, *a, map_location="cpu", **k)
+        where = None
+        if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
+            where = session.cuda_index(map_location)
+
+        def move(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
+                return x.to(f"cuda:{where}") if where is not None else x.clone()
+            return x
+        from torch.utils._pytree import tree_map
+        try:
+            return tree_map(move, obj)
+        except Exception:
+            return obj
+
+    dl_init = torch.utils.data.DataLoader.__init__
+
+    def dl(self, *a, **k):
+        if k.get("num_workers"):
+            session.assume("DataLoader workers run in the main process (num_workers=0)")
+            k["num_workers"] = 0
+            k.pop("prefetch_factor", None)
+            k["persistent_workers"] = False
+        if len(a) >= 6 and a[5]:
+            a = list(a)
+            a[5] = 0
+            session.assume("DataLoader workers run in the main process (num_workers=0)")
+        return dl_init(self, *a, **k)
+
+    put(torch, "compile", compile_)
+    put(torch.nn.Module, "compile", module_compile)
+    put(torch, "save", save)
+    put(torch, "load", load)
+    put(torch.utils.data.DataLoader, "__init__", dl)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def _has_fake(obj) -> bool:
+    try:
+        import torch
+        if isinstance(obj, torch.nn.Module):
+            return True
+        if isinstance(obj, dict):
+            return any(_has_fake(v) for v in list(obj.values())[:64])
+    except Exception:
+        pass
+    return False
+
+
+# -- the whole run --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, devices=None, marks=True):
+    """Everything installed; yields the Session. Use around a script or the built-in training step."""
+    import torch
+    import torch._dynamo  # noqa: F401 - imported before torch.cuda answers for the card (it checks how torch was built)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import cuda_api, kernels
+    from .calls import device_mode_class
+    from .engine import Session, _tracker_class, device_aware_fake_tensors
+
+    ndev = devices or max(1, world_size if world_size > 1 else 1)
+    session = Session(card, alloc_conf=alloc_conf, routing=routing, devices=ndev, rank=rank, world_size=world_size)
+    if world_size > 1:
+        session.current_device = rank % ndev
+    hook = _PostImport({"transformers.utils.import_utils": _patch_import_utils,
+                        "transformers.generation.stopping_criteria": _patch_stopping(session)})
+    for name, fn in hook.patches.items():  # already imported (the built-in step): patch now
+        if name in sys.modules:
+            fn(sys.modules[name])
+    sys.meta_path.insert(0, hook)
+    tracker = _tracker_class()(session)
+    mk = Marks(session) if marks else None
+    autocast = kernels.CudaAutocast(on_cast=session.frames.on_cast)
+    composites = kernels.CudaComposites(tuple(card.sm), session.frames.op)
+    session.tracker, session.marks, session.composites = tracker, mk, composites
+    old_grad = torch.is_grad_enabled()
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(cuda_api.installed(session, autocast))
+            stack.enter_context(autocast.installed())
+            stack.enter_context(composites.installed())
+            stack.enter_context(policies(session))
+            if world_size > 1:
+                from .distributed import fake_process_group
+                stack.enter_context(fake_process_group(session))
+            stack.enter_context(device_aware_fake_tensors(session))
+            session.fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(tracker)
+            stack.enter_context(device_mode_class()(session, tracker, mk))
+            if mk is not None:
+                mk.install()
+                stack.callback(mk.remove)
+            yield session
+    finally:
+        torch.set_grad_enabled(old_grad)
+        try:
+            sys.meta_path.remove(hook)
+        except ValueError:
+            pass
+
+
+def main():
+    """The bootstrap: sys.argv is ['-c', SETTINGS_JSON, MODE, TARGET, *ARGS]."""
+    from ..record.script import _exit_code, _hide_bootstrap_frames, _run
+    settings = json.loads(sys.argv[1])
+    mode, target, args = sys.argv[2], sys.argv[3], sys.argv[4:]
+    _hide_bootstrap_frames()
+    from ..analysis.estimate.gpus import gpu
+    from .engine import SimulationError
+    card = gpu(settings.get("gpu"))
+    world, rank = int(settings.get("world_size", 1)), int(settings.get("rank", 0))
+    if world > 1:
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": os.environ.get("MASTER_PORT", "29500"), "GROUP_RANK": "0"})
+    code, error = 0, None
+    session = None
+    try:
+        with simulation(card, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
+                        routing=settings.get("routing", "even"), world_size=world, rank=rank,
+                        devices=settings.get("devices")) as session:
+            try:
+                _run(mode, target, args)
+            finally:
+                if session.marks is not None:
+                    session.marks.end_iteration()
+    except SystemExit as e:
+        code = _exit_code(e.code)
+        if code and not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except SimulationError as e:
+        print(f"tracekit simulate: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        _finish(session, settings, 130)
+        raise
+    except BaseException as e:  # the script's own failure: its traceback, as Python prints it
+        error = e
+        code = 1
+    if error is not None:
+        sys.excepthook(type(error), error, error.__traceback__)
+    _finish(session, settings, code)
+    sys.stdout.flush()
+    os._exit(code) if settings.get("hard_exit") else sys.exit(code)
+
+
+def _finish(session, settings, code):
+    if session is None:
+        return
+    out = settings.get("output")
+    if out:
+        try:
+            from .output import write
+            path = write(session, out, settings)
+            print(f"tracekit simulate: wrote {path}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - the run's own result stands; say why the file is missing
+            print(f"tracekit simulate: could not write {out} ({type(e).__name__}: {e})", file=sys.stderr)
+    from .engine import _fmt
+    lines = []
+    for i, d in sorted(session.devices.items()):
+        a = d.allocator
+        lines.append(f"cuda:{i} ({session.card.name}, simulated): peak allocated {_fmt(a.peak_allocated)} "
+                     f"({a.peak_allocated:,} B), peak reserved {_fmt(a.peak_reserved)} ({a.peak_reserved:,} B)"
+                     + (f", {a.ooms} out-of-memory error{'s' if a.ooms != 1 else ''}" if a.ooms else ""))
+    if not lines:
+        lines.append("no tensor was put on the simulated GPU")
+    print("tracekit simulate: " + "\n  ".join(lines), file=sys.stderr)
+    assumptions = session.summary_assumptions()
+    if assumptions:
+        print("tracekit simulate: assumed: " + "; ".join(assumptions[:12])
+              + (f"; and {len(assumptions) - 12} more" if len(assumptions) > 12 else ""), file=sys.stderr)
