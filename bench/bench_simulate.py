@@ -6,7 +6,7 @@ Each in a fresh process (so each has its own peak resident memory), for --precis
   floor      the same step with nothing of ours: the model built on the meta device, its parameters made fake
              tensors, warm-up step + one step (forward, loss, backward, AdamW foreach, zero_grad) under
              FakeTensorMode; no tracking, no CUDA rules (CPU autocast for amp)
-  simulate   tracekit.record.fake.simulate (the same two steps with every storage tracked, CUDA's autocast
+  simulate   tracekit.simulate.workload.simulate (the same two steps with every storage tracked, CUDA's autocast
              policy, SDPA backends, workspaces) + the predicted peak (analysis.estimate.simulate)
 
 prints wall seconds (median of --repeat runs; import time excluded, model build included), peak resident memory
@@ -34,8 +34,8 @@ def floor(precision):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tracekit.record import fake_step
-    from tracekit.record.hf_model import build_meta
+    from tracekit.simulate import hf_step as fake_step
+    from tracekit.simulate.hf_model import build_meta
 
     t = time.perf_counter()
     model = build_meta(json.loads(CONFIG.read_text()))
@@ -68,8 +68,8 @@ class _nothing:
 def simulate(precision):
     from tracekit.analysis.estimate.simulate import simulated_peak
     from tracekit.io import to_trace
-    from tracekit.record.fake import Workload
-    from tracekit.record.fake import simulate as run
+    from tracekit.simulate.workload import Workload
+    from tracekit.simulate.workload import simulate as run
 
     t = time.perf_counter()
     snap = run(Workload(config=json.loads(CONFIG.read_text()), batch=BATCH, seq=SEQ, precision=precision,

@@ -15,7 +15,8 @@ LAYERS = [
     (1, ("tracekit.io",)),
     (2, ("tracekit.analysis",)),
     (3, ("tracekit.render",)),
-    (4, ("tracekit.record", "tracekit.commands", "tracekit.integrations", "tracekit.api", "tracekit.data")),
+    (4, ("tracekit.record", "tracekit.simulate", "tracekit.commands", "tracekit.integrations", "tracekit.api",
+         "tracekit.data")),
     (5, ("tracekit.cli", "tracekit.__main__", "tracekit")),
     (6, ("gui",)),
 ]

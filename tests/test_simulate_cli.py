@@ -159,7 +159,7 @@ def test_bad_configs_are_one_line(tmp_path, capsys, config, says):
 
 
 def test_a_step_that_cannot_be_simulated_falls_back_to_the_formulas(tmp_path, capsys, monkeypatch):
-    from tracekit.record import fake_step
+    from tracekit.simulate import hf_step as fake_step
 
     def boom(self, i):
         raise RuntimeError("Expected inputs of BF16 type")  # what a kernel's meta function may refuse

@@ -1,6 +1,7 @@
-"""`tracekit estimate --simulate` (and --compare, --largest): run the step on fake tensors, report what a GPU would hold.
+"""`tracekit estimate --simulate` (and --compare, --largest): the options, and the answer put together for the reporters.
 
-The simulator (tracekit.record.fake, torch and transformers) is imported only here, when asked for.
+The simulator (tracekit.simulate: torch and transformers) is imported only when asked for; the runs themselves and
+the bisection over them are its (simulate/workload.py).
 """
 from __future__ import annotations
 
@@ -43,23 +44,6 @@ def check_options(kw) -> None:
         raise TracekitError("--simulate uses the config's dropout; drop --dropout (or edit the config)")
 
 
-def workload(config: dict, kw, gpu, batch=None, seq=None):
-    from ..record.fake import Workload
-
-    return Workload(config=config, batch=batch or kw.get("batch") or 1, seq=seq or kw["seq"],
-                    precision=kw.get("precision") or "fp32", optimizer=kw.get("optimizer") or "adamw",
-                    checkpointing=kw.get("checkpointing") or "none", sm=gpu.sm)
-
-
-def simulate_once(config: dict, kw, gpu, batch=None, seq=None, progress=None):
-    """(snapshot dict, Trace) of one simulated run."""
-    from ..io import to_trace
-    from ..record.fake import simulate
-
-    snap = simulate(workload(config, kw, gpu, batch, seq), progress=progress)
-    return snap, to_trace(snap, "<simulated>")
-
-
 def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
     """The whole --simulate answer as a dict (rendered by render/simulate.py or printed as JSON)."""
     from ..analysis.estimate import simulate as sim
@@ -67,6 +51,7 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
     from ..analysis.estimate.presets import read_config
     from ..io.progress import StderrProgress
 
+    from ..simulate.workload import largest_fitting, simulate_once
     check_options(kw)
     gpu = find_gpu(gpu_name)
     if save_trace:
@@ -88,7 +73,7 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
     try:
         snap, trace = simulate_once(config, kw, gpu, progress=progress)
     except TracekitError as e:
-        from ..record.fake import WorkloadError
+        from ..simulate.workload import WorkloadError
         if isinstance(e, WorkloadError) or not (out["formula"] or {}).get("per_gpu"):
             raise  # the step would fail on the GPU too, or nothing to fall back on: the simulation's own line
         out.update(simulated=None, simulation_error=str(e), fallback="formula")
@@ -99,13 +84,13 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
     tk = snap["tracekit"]["simulated"]
     simulated = peak.to_dict()
     simulated.update({"model_class": tk["model_class"], "sdpa_backends": tk["sdpa_backends"],
-                      "torch": snap["tracekit"]["torch_version"], "transformers": snap["tracekit"]["transformers_version"],
+                      "torch": snap["tracekit"]["torch_version"], "transformers": tk["transformers_version"],
                       "workload": tk["workload"]})
     demand, by = sim.device_demand(trace)
     simulated["fits"] = sim.fits(demand, capacity, by)
     out["simulated"] = simulated
     out["param_count"] = {"params": tk["params"], "trainable_params": tk["trainable_params"],
-                          "path": f"meta-device build (transformers {snap['tracekit']['transformers_version']})"}
+                          "path": f"meta-device build (transformers {tk['transformers_version']})"}
     if save_trace:
         from ..io.write import write_snapshot
         out["saved_trace"] = write_snapshot(save_trace, snap)
@@ -113,7 +98,7 @@ def run(kw, gpu_name, compare_path, largest, budget, save_trace, as_json):
         out["compare"] = sim.compare(trace, recorded)
         out["compare"]["file"] = compare_path
     if largest:
-        out["largest"] = _largest(config, kw, gpu, largest, capacity)
+        out["largest"] = largest_fitting(config, kw, gpu, largest, capacity)
     return out
 
 
@@ -126,40 +111,6 @@ def _formula(kw):
     except TracekitError as e:
         return {"error": str(e)}
     return {"per_gpu": est.per_gpu, "params": est.params, "estimate": est}
-
-
-def _largest(config, kw, gpu, what, capacity) -> dict:
-    """Bisection over simulated runs: the largest batch (or seq) whose simulated reserved peak fits `capacity`."""
-    from ..analysis.estimate import simulate as sim
-    from ..io.progress import StderrProgress
-
-    def evaluate(n):
-        progress = StderrProgress(f"simulating {what} {n}")
-        try:
-            _, trace = simulate_once(config, kw, gpu, batch=n if what == "batch" else None,
-                                     seq=n if what == "seq" else None, progress=progress)
-        finally:
-            progress.close()
-        return sim.device_demand(trace)[0]  # what the run reserves (warm-up included) must fit
-
-    if what == "seq":
-        limit = _max_positions(config) or (1 << 20)
-        start = kw["seq"]
-    else:
-        limit, start = 1 << 16, kw.get("batch") or 1
-    got = sim.largest_fitting(evaluate, capacity, start=start, limit=limit)
-    got["what"] = what
-    got["limit"] = limit
-    got["fixed"] = {"seq": kw["seq"]} if what == "batch" else {"batch": kw.get("batch") or 1}
-    return got
-
-
-def _max_positions(config) -> int | None:
-    for k in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        v = config.get(k)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 def emit(out, as_json):
@@ -198,7 +149,7 @@ def param_count(kw, est) -> dict:
     if flags:
         return dict(formula, why="shape flags change the config, so the formula counts the changed shape")
     from ..analysis.estimate.presets import read_config
-    from ..record.hf_model import exact_count, transformers_version
+    from ..simulate.hf_model import exact_count, transformers_version
     if transformers_version() is None:
         return dict(formula, why="transformers is not installed (pip install 'torch-tracekit[hf]' counts exactly)")
     try:

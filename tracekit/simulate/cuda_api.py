@@ -391,7 +391,11 @@ def installed(session, autocast=None):
     saved = []
 
     def put(obj, name, value):
-        saved.append((obj, name, obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)))
+        try:
+            old = obj.__dict__.get(name, _MISSING)
+        except AttributeError:
+            old = getattr(obj, name, _MISSING)
+        saved.append((obj, name, old))
         setattr(obj, name, value)
 
     for name, value in api.items():
@@ -405,8 +409,11 @@ def installed(session, autocast=None):
                              "range": staticmethod(lambda *a, **k: contextlib.nullcontext())})
     put(torch.cuda, "nvtx", nvtx)
     put(torch._C, "_cuda_setMemoryMetadata", api["_set_memory_metadata"])
+    put(torch._C, "_cuda_attach_out_of_memory_observer", api["_attach_out_of_memory_observer"])
+    put(cm, "_attach_out_of_memory_observer", api["_attach_out_of_memory_observer"])
     put(torch._C, "_cuda_getMemoryMetadata", api["_get_memory_metadata"])
     put(torch._C, "_cuda_getDeviceCount", lambda: session.ndevices)
+    put(torch._C, "_cuda_getCurrentRawStream", lambda device=None: session.stream_of(session.current_device))
     put(torch.backends.cuda, "is_built", lambda: True)
     put(torch.backends.cudnn, "is_available", lambda: True)
     put(torch.backends.cudnn, "version", lambda: 91002)

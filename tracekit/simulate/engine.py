@@ -442,16 +442,16 @@ class Session:
             return None
 
     @contextlib.contextmanager
-    def call(self, target, ambient):
+    def call(self, target, ambient, inside=True):
         """A torch call runs: where its storages go; inside it (torch's own Python, kernels, backward's hooks)
-        tensors say their real device, so torch's internals never meet a `cuda` they cannot run."""
+        tensors say their real device, so torch's internals never meet a `cuda` they cannot run (`inside`)."""
         old = (self.target, self.ambient)
         self.target, self.ambient = target, ambient
-        self.depth += 1
+        self.depth += inside
         try:
             yield
         finally:
-            self.depth -= 1
+            self.depth -= inside
             self.target, self.ambient = old
 
     # storages -------------------------------------------------------------------------------------
@@ -561,7 +561,7 @@ def device_aware_fake_tensors(session):
 
     S = session
     saved = {name: FakeTensor.__dict__.get(name) for name in ("device", "is_cuda", "is_cpu", "get_device",
-                                                                "data_ptr", "__torch_dispatch__")}
+                                                                "data_ptr", "__torch_dispatch__", "record_stream")}
     mode_dispatch = FakeTensorMode.__torch_dispatch__
     orig_device = FakeTensor.device
     orig_tensor_dispatch = FakeTensor.__dict__["__torch_dispatch__"]
@@ -631,6 +631,7 @@ def device_aware_fake_tensors(session):
     FakeTensor.is_cpu = property(is_cpu)
     FakeTensor.get_device = get_device
     FakeTensor.data_ptr = data_ptr
+    FakeTensor.record_stream = lambda self, stream: S.record_stream(self, getattr(stream, "stream_id", 0))
     FakeTensor.__torch_dispatch__ = classmethod(tensor_dispatch)
     FakeTensorMode.__torch_dispatch__ = mode_dispatch_wrapped
     torch.utils.swap_tensors = swap_tensors
@@ -670,7 +671,7 @@ def _tracker_class():
               aten.randn.default, aten.randint.low, aten.randint.default, aten.normal_.default, aten.uniform_.default,
               aten.native_dropout.default, aten.randperm.default, aten.exponential_.default, aten.multinomial.default,
               aten.random_.default, getattr(aten.random_, "from"), aten.random_.to}
-    SCALAR = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+    SCALAR = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.item.default}
     LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.new_zeros.default,
             aten.new_ones.default, aten.new_full.default}
     TRUE_IF = {aten.isfinite.default}
@@ -683,6 +684,8 @@ def _tracker_class():
     LOOKUPS_EMB = aten.embedding.default
     LOOKUPS = {aten.embedding.default, aten.index_select.default}
     TOPK = aten.topk.default
+    HISTC = aten.histc.default
+    GROUPED_MM = getattr(aten, "_grouped_mm", None) and aten._grouped_mm.default
     from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
 
     class Tracker(TorchDispatchMode):
@@ -790,15 +793,26 @@ def _tracker_class():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             s = self.s
+            if any(t is not FakeTensor and t is not torch.Tensor and not issubclass(t, torch.nn.Parameter)
+                   for t in types):
+                # a wrapper subclass (DTensor, NF4 tensors...): its own dispatch runs the ops on its inner
+                # tensors, which come back here
+                return NotImplemented
             if func in SCALAR:
                 return self._scalar(func, args, kwargs)
             if func in LOOKUPS:
                 self._check_indices(func, args)
+            if func is HISTC:
+                return self._histc(args, kwargs)
             flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             try:
                 out = func(*args, **kwargs)
             except (DynamicOutputShapeException, DataDependentOutputException):
                 out = self._dynamic(func, args, kwargs)
+            except RuntimeError:
+                if func is not GROUPED_MM:
+                    raise
+                out = self._grouped_mm(args, kwargs)
             except Exception as e:
                 from torch._subclasses.fake_tensor import UnsupportedOperatorException
                 if isinstance(e, UnsupportedOperatorException):
@@ -827,6 +841,37 @@ def _tracker_class():
                 if ck.uses_cublaslt(func, args):
                     self._workspace("cublaslt", target)
             self._shadow_run(func, args, kwargs, out)
+            return out
+
+        def _grouped_mm(self, args, kwargs):
+            """torch._grouped_mm's meta kernel asks for bf16 where CUDA's kernel (sm80+) takes fp32 too: the shape."""
+            a, b = args[0], args[1]
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            dtype = kwargs.get("out_dtype") or a.dtype
+            if a.dim() == 2 and b.dim() == 3:
+                shape = (a.size(0), b.size(-1))
+            elif a.dim() == 3 and b.dim() == 3:
+                shape = (a.size(0), a.size(1), b.size(-1))
+            elif a.dim() == 2 and b.dim() == 2:
+                shape = (offs.size(0), a.size(0), b.size(-1))
+            else:
+                shape = (a.size(0) * a.size(1) if a.dim() == 3 else a.size(0), b.size(-1))
+            return torch.empty(shape, dtype=dtype)
+
+        def _histc(self, args, kwargs):
+            """histc: CUDA takes integer inputs (MoE routers count tokens per expert with it), CPU does not."""
+            x = args[0]
+            bins = args[1] if len(args) > 1 else kwargs.get("bins", 100)
+            out = torch.empty((bins,), dtype=x.dtype)
+            d = self.s.where_of(x)
+            if d is not None:
+                self.s.register(out, "histc", d)
+            real = self.shadow.get(x)
+            if real is not None:
+                rest = [a for a in args[2:]]
+                with _disable_current_modes():
+                    self.shadow[out] = torch.histc(real.double(), bins, *rest, **{k: v for k, v in kwargs.items()
+                                                                                  if k != "bins"}).to(x.dtype)
             return out
 
         def _scalar(self, func, args, kwargs):
@@ -999,5 +1044,6 @@ def _tracker_class():
 
 
 def _what(func) -> str:
-    return {"_local_scalar_dense": ".item() / int() / float()", "is_nonzero": "bool()", "equal": "torch.equal"}.get(
+    return {"_local_scalar_dense": ".item() / int() / float()", "item": ".item() / int() / float()",
+            "is_nonzero": "bool()", "equal": "torch.equal"}.get(
         func.__name__.split(".")[0], func.__name__.split(".")[0])

@@ -1,4 +1,5 @@
-"""The training step `tracekit estimate --simulate` runs on fake tensors (see fake.py).
+"""The training step `tracekit estimate --simulate` runs on the simulated GPU (runner.simulation): a built-in
+training script, one user of the same machinery as `tracekit simulate -- python train.py`.
 
 Written as a plain training script would be, so the simulated stream's frames read like a recording's:
 the model moved to the device (its parameters and buffers, in `Module._apply`'s order), then per step
@@ -15,9 +16,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 
 class Run:
-    def __init__(self, w, model, *, tracker, autocast, marks, log, tags):
-        self.w, self.model = w, model
-        self.tracker, self.autocast, self.marks, self.log, self.tags = tracker, autocast, marks, log, tags
+    def __init__(self, w, model, session):
+        self.w, self.model, self.s = w, model, session
+        self.marks = session.marks
         self.optimizer = None
         # the weights' dtype: fp32 for fp32 and amp (autocast runs on fp32 weights), else 16-bit; a config's own
         # torch_dtype (which transformers builds in) is what a checkpoint was saved in, not how it is trained
@@ -26,27 +27,28 @@ class Run:
         self.generator = torch.Generator().manual_seed(w.seed)
         self.use_cache_kw = _accepts(model, "use_cache")
 
+    def tag(self, kind, t, name):
+        self.s.tags.append((kind, self.s.sids.get(id(t.untyped_storage())), name))
+
     def setup(self):
-        self.log.metadata = "tracekit:setup"
+        self.s.metadata = "tracekit:setup"
         to_device(self.model, self.dtype)
         if self.w.checkpointing == "full":
             self.model.gradient_checkpointing_enable()
         self.model.train()
         for name, p in self.model.named_parameters():
-            self.tags.append(("parameter", self.tracker.sid_of(p), name))
+            self.tag("parameter", p, name)
         for name, b in self.model.named_buffers():
-            self.tags.append(("buffer", self.tracker.sid_of(b), name))
+            self.tag("buffer", b, name)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.w.optimizer, params, self.w.lr)
-        self.log.metadata = ""
+        self.s.metadata = ""
 
     def batch(self):
         with _disable_current_modes():  # the token ids themselves are real (data-dependent checks read them)
             real = torch.randint(0, self.vocab, (self.w.batch, self.w.seq), generator=self.generator)
-        with self.log.op("_to_copy"):
-            ids = torch.empty((self.w.batch, self.w.seq), dtype=torch.int64)  # batch.to(device)
-        self.tracker.set_shadow(ids, real)
-        self.tags.append(("input", self.tracker.sid_of(ids), "input_ids"))
+        ids = real.to("cuda")  # batch.to(device): the copy keeps the real values beside the fake tensor
+        self.tag("input", ids, "input_ids")
         return ids
 
     def step(self, i):
@@ -58,18 +60,16 @@ class Run:
             kwargs["use_cache"] = False  # a training step keeps no KV cache
         marks.start_phase("forward")
         if self.w.precision == "amp":
-            with self.autocast.region(torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(**kwargs)
         else:
             out = model(**kwargs)
         loss = out.loss
         marks.start_phase("backward")
-        if loss.grad_fn is not None:
-            self.tracker.watch_graph(loss.grad_fn)
         loss.backward()
         for name, p in model.named_parameters():
             if p.grad is not None:
-                self.tags.append(("gradient", self.tracker.sid_of(p.grad), name + ".grad"))
+                self.tag("gradient", p.grad, name + ".grad")
         if opt is not None:
             marks.start_phase("optimizer")
             opt.step()
@@ -77,7 +77,7 @@ class Run:
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         kind = "step" if key == "step" else "optimizer_state"
-                        self.tags.append((kind, self.tracker.sid_of(value), key))
+                        self.tag(kind, value, key)
             opt.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
@@ -87,7 +87,8 @@ class Run:
 
 
 def to_device(model, dtype=None):
-    """`model.to(device[, dtype])`: a fake tensor for every parameter and buffer, children first as
+    """`model.to(device[, dtype])` of a model built on the meta device: a tensor of the simulated GPU for every
+    parameter and buffer, children first as
     Module._apply goes, shared (tied) tensors kept shared."""
     memo = {}
 
@@ -96,7 +97,7 @@ def to_device(model, dtype=None):
         if got is not None:
             return got
         target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-        new = torch.empty(t.shape, dtype=target, device="cpu")
+        new = torch.empty(t.shape, dtype=target, device="cuda")
         if is_param:
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
         memo[id(t)] = new

@@ -88,7 +88,7 @@ def snapshot(session, settings=None, extra=None) -> dict:
         if e is None:
             continue
         tags.append({"addr": e["addr"], "size": info["size"], "device": info["device"], "time_us": e["time_us"],
-                     "kind": {"buffer": "parameter"}.get(kind, kind), "name": name})
+                     "kind": kind, "name": name})
     marks = session.marks
     card = session.card
     sim = {"gpu": card.name, "compute_capability": list(card.sm), "total_memory": card.memory,

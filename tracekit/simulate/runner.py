@@ -97,7 +97,8 @@ class Marks:
 
     def _pre(self, module, args):
         if self.depth == 0 and self._torch._C._current_autograd_node() is None:
-            if self.phase in (None, "optimizer") and self.phase != "forward":
+            # a training forward starts an iteration; one under no_grad (evaluation, generation) marks nothing
+            if self.phase in (None, "optimizer") and self._torch.is_grad_enabled():
                 if self.phase == "optimizer":
                     self.end_iteration()
                 self.start_phase("forward")
@@ -116,9 +117,13 @@ class Marks:
             self._tag("parameter", b, name)
 
     def _tag(self, kind, t, name):
-        sid = self.s.sids.get(id(t.untyped_storage())) if isinstance(t, self._torch.Tensor) else None
-        if sid is not None:
-            self.s.tags.append((kind, sid, name))
+        for inner in inner_tensors(t):
+            try:
+                sid = self.s.sids.get(id(inner.untyped_storage()))
+            except Exception:
+                sid = None
+            if sid is not None:
+                self.s.tags.append((kind, sid, name))
 
     def _opt_pre(self, opt, args, kwargs):
         if self.iteration is None:
@@ -136,6 +141,24 @@ class Marks:
                 if isinstance(value, self._torch.Tensor) and key != "step":
                     self._tag("optimizer_state", value, key)
         self.end_iteration()
+
+
+def inner_tensors(t) -> list:
+    """The plain tensors a tensor holds: itself, or a wrapper subclass's inner tensors (DTensor's local shard)."""
+    import torch
+    if not isinstance(t, torch.Tensor):
+        return []
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return [t]
+    try:
+        names, _ = t.__tensor_flatten__()
+    except Exception:
+        return []
+    out = []
+    for n in names:
+        out += inner_tensors(getattr(t, n, None))
+    return out
 
 
 # -- policies for what fake tensors cannot do -------------------------------------------------------------------

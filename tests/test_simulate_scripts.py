@@ -1,0 +1,153 @@
+"""`tracekit simulate -- python SCRIPT`: our own scripts (tests/simulate_scripts/) run unmodified as if torch.cuda had
+the card. Every figure is checked against an independent computation: the model's own parameter count, the
+allocator's 512-byte blocks, the script's own counters against `tracekit report` of its own dump, 1/N shards."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "simulate_scripts")
+ROOT = os.path.dirname(HERE)
+MiB = 1 << 20
+
+
+def simulate(*args, cwd=None, expect=0):
+    cmd = [sys.executable, "-m", "tracekit", "simulate", *args]
+    r = subprocess.run(cmd, cwd=cwd or SCRIPTS, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1"))
+    assert r.returncode == expect, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    res = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return (res[-1] if res else None), r
+
+
+def blocks(nbytes):
+    return (nbytes + 511) // 512 * 512
+
+
+def report_json(path):
+    r = subprocess.run([sys.executable, "-m", "tracekit", "report", "--json", "--no-cache", path], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_plain_training_loop_answers_as_the_card(tmp_path):
+    dump = str(tmp_path / "dump.pickle")
+    res, r = simulate("--gpu", "A100-40GB", "-o", str(tmp_path / "run.pickle"), "--", "python", "train_mlp.py",
+                      "--dump", dump)
+    # torch.cuda answers as the card
+    assert res["name"] == "NVIDIA A100-SXM4-40GB" and res["total"] == 40960 * MiB
+    assert res["device"] == "cuda:0" and res["is_cuda"] is True
+    # the model on the device: each parameter one block of the caching allocator (512-byte multiples)
+    import torch  # noqa: F401 - the parameter shapes, counted here from the script's own definition
+    shapes = [(512 * 4, 512), (512 * 4,), (512, 512 * 4), (512,)] * 4 + [(10, 512), (10,)]
+    import math
+    assert res["param_bytes"] == sum(4 * math.prod(s) for s in shapes)
+    assert res["after_model"] == sum(blocks(4 * math.prod(s)) for s in shapes)
+    # AdamW's two moments per parameter
+    assert res["state_bytes"] == 2 * res["param_bytes"]
+    assert res["stats_peak"] == res["max_allocated"] and res["max_reserved"] >= res["max_allocated"]
+    # a no_grad forward keeps only its output
+    assert res["no_grad_delta"] == blocks(res["probe_bytes"])
+    assert "read as 0.0" in r.stderr and "train_mlp.py" in r.stderr  # the loss's placeholder, said once with its line
+    # the script's own dump is a PyTorch snapshot: tracekit's report of it gives the script's own counter
+    snap = pickle.load(open(dump, "rb"))
+    assert {"segments", "device_traces"} <= set(snap) and snap["device_traces"][0]
+    assert all("tracekit" not in str(e.get("user_metadata")) for e in snap["device_traces"][0])
+    rep = report_json(dump)["devices"][0]
+    assert rep["peak_allocated_block_bytes"] == res["max_allocated"]
+    # -o: the whole run as tracekit record writes it, with tags: parameters and AdamW state by the model's count
+    run = pickle.load(open(tmp_path / "run.pickle", "rb"))
+    tags = run["tracekit"]["tags"]
+    params = {(t["addr"], t["time_us"]): t["size"] for t in tags if t["kind"] == "parameter"}
+    assert sum(params.values()) == res["param_bytes"]
+    states = {(t["addr"], t["time_us"]): t["size"] for t in tags if t["kind"] == "optimizer_state"}
+    assert sum(states.values()) == 2 * res["param_bytes"]
+    assert [i["iteration"] for i in run["tracekit"]["iterations"]] == [0, 1]
+    rep = report_json(str(tmp_path / "run.pickle"))["devices"][0]
+    assert rep["peak_allocated_block_bytes"] == res["max_allocated"]
+
+
+def test_autocast_gradscaler_checkpointing_and_accumulation():
+    base, _ = simulate("--", "python", "train_mlp.py", "--amp", "bf16")
+    ck, _ = simulate("--", "python", "train_mlp.py", "--amp", "bf16", "--ckpt", "nonreentrant")
+    # checkpointing keeps one block's input instead of its activations: a smaller peak, the same state
+    assert ck["max_allocated"] < base["max_allocated"] and ck["state_bytes"] == base["state_bytes"]
+    # fp16 + GradScaler: the step is not skipped (found_inf reads as 0), SGD keeps no state
+    res, r = simulate("--", "python", "train_mlp.py", "--amp", "fp16", "--opt", "sgd", "--accum", "2",
+                      "--set-to-none", "0")
+    assert res["state_bytes"] == 0
+    # grads kept (zero_grad(set_to_none=False)): parameters + gradients + the cuBLAS workspaces stay allocated
+    assert res["allocated"] >= 2 * res["param_bytes"]
+
+
+def test_out_of_memory_raises_pytorchs_error_and_runs_the_observers():
+    res, _ = simulate("--gpu", "T4", "--", "python", "oom.py")
+    total = 15360 * MiB
+    assert res["total"] == total
+    usable = total - 512 * MiB  # the CUDA context's share (gpus.py)
+    assert res["chunks"] == usable // (1 << 30)
+    assert res["message"].startswith("CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a total capacity")
+    assert res["observer"] == {"alloc": 1 << 30}
+    _, r = simulate("--gpu", "T4", "--", "python", "oom.py", "--uncaught", expect=1)
+    assert "torch.OutOfMemoryError: CUDA out of memory" in r.stderr and "1 out-of-memory error" in r.stderr
+
+
+def test_streams_have_pools_of_their_own():
+    res, _ = simulate("--", "python", "streams.py")
+    # 3 MiB on the default stream, freed: its 20 MiB segment is cached; the side stream needs a segment of its own
+    assert res == {"reserved": 40 * MiB, "allocated": 3 * MiB}
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_runs_to_max_new_tokens(cache):
+    res, r = simulate("--", "python", "generate_hf.py", cache)
+    assert res["tokens"] == 32 + 16
+    assert "generation runs to max_new_tokens" in r.stderr
+
+
+def test_fsdp2_rank_holds_its_shard():
+    for world, rank in ((2, 0), (4, 3)):
+        res, r = simulate("--world-size", str(world), "--rank", str(rank), "--", "python", "fsdp2_train.py")
+        assert (res["rank"], res["world"], res["device"]) == (rank, world, rank)
+        assert res["local_bytes"] * world == res["full_bytes"]  # 4P/N in fp32
+        assert res["state_bytes"] == 2 * res["local_bytes"]  # AdamW: 8P/N
+        assert f"cuda:{rank}" in r.stderr and "fake process group" in r.stderr
+
+
+def test_ddp_buckets_and_bucket_views():
+    plain, _ = simulate("--world-size", "2", "--", "python", "ddp_train.py")
+    view, _ = simulate("--world-size", "2", "--", "python", "ddp_train.py", "--view")
+    # gradient_as_bucket_view saves one copy of the gradients (= the parameters' bytes, here in 512 B blocks)
+    assert plain["allocated"] - view["allocated"] == pytest.approx(plain["param_bytes"], rel=0.001)
+
+
+def test_moe_and_lora_run():
+    res, r = simulate("--", "python", "moe.py")
+    assert res["max_allocated"] > 0 and "tokens spread evenly over the experts" in r.stderr
+    pytest.importorskip("peft")
+    res, _ = simulate("--", "python", "lora.py")
+    # LoRA r=8 on q_proj and v_proj (256 -> 256) of 2 layers: (256*8 + 8*256) * 2 * 2 trainable; AdamW 2 x 4 B each
+    assert res["trainable"] == (256 * 8 + 8 * 256) * 2 * 2
+    assert res["state_bytes"] == 8 * res["trainable"]
+
+
+def test_a_failing_script_fails_its_own_way(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nx = torch.zeros(3, device='cuda')\nraise ValueError('mine')\n")
+    _, r = simulate("--", "python", str(bad), cwd=str(tmp_path), expect=1)
+    assert "ValueError: mine" in r.stderr and 'bad.py", line 3' in r.stderr
+    ex = tmp_path / "exit.py"
+    ex.write_text("import sys, torch\ntorch.ones(2, device='cuda')\nsys.exit(3)\n")
+    simulate("--", "python", str(ex), cwd=str(tmp_path), expect=3)
+    _, r = simulate("--", "notpython", "x.py", cwd=str(tmp_path), expect=2)
+    assert r.stderr.count("\n") <= 2 and "Traceback" not in r.stderr
