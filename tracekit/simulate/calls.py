@@ -36,7 +36,7 @@ def device_mode_class():
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             h = self.special.get(func)
-            if h is not None:
+            if h is not None and not (self.s.cpu_run and func in (T.cuda, T.cpu, T.to)):
                 return h(func, args, kwargs)
             s = self.s
             target = None

@@ -198,9 +198,10 @@ class SimDevice:
         try:
             block = a.malloc(int(size), stream)
         except OutOfMemory:
+            block = None
+        if block is None:  # raised outside the handler: the script sees torch's error alone, as on the GPU
             self._drain_allocator_log(frames)
             self._oom(size, stream, frames)
-            raise AssertionError("unreachable")  # _oom raises
         self._drain_allocator_log(frames)
         self.blocks[sid] = block
         if self.history is not None:  # torch keeps a block's context only while its history records
@@ -390,6 +391,7 @@ class Session:
         self.marks = None
         self.compiled = 0
         self.fake_mode = None
+        self.cpu_run = False  # --gpu none: host storages are what is simulated (device 0 stands for the host)
 
     # clock and devices ----------------------------------------------------------------------------
     def now(self) -> int:
@@ -567,7 +569,7 @@ def device_aware_fake_tensors(session):
     orig_tensor_dispatch = FakeTensor.__dict__["__torch_dispatch__"]
 
     def where(self):
-        if S.depth:
+        if S.depth or S.cpu_run:
             return None
         try:
             return S.dev_of.get(id(self.untyped_storage()))
@@ -820,7 +822,9 @@ def _tracker_class():
                                           "simulated") from None
                 raise
             target = s.target
-            if target is None:
+            if s.cpu_run:
+                target = 0
+            elif target is None:
                 target = next((d for d in (s.where_of(t) for t in flat_in) if d is not None), None)
                 if target is None and not flat_in:
                     target = s.ambient
@@ -836,9 +840,9 @@ def _tracker_class():
                     self._maybe_accumulation(args, kwargs, out)
                 elif func in INPLACE_IN_CUDA:
                     self._maybe_subclass_copy(args, out)
-                if func in ck.GEMM_OPS:
+                if func in ck.GEMM_OPS and not s.cpu_run:
                     self._workspace("cublas", target)
-                if ck.uses_cublaslt(func, args):
+                if not s.cpu_run and ck.uses_cublaslt(func, args):
                     self._workspace("cublaslt", target)
             self._shadow_run(func, args, kwargs, out)
             return out

@@ -86,7 +86,7 @@ class Run:
         marks.end_iteration()
 
 
-def to_device(model, dtype=None):
+def to_device(model, dtype=None, device="cuda"):
     """`model.to(device[, dtype])` of a model built on the meta device: a tensor of the simulated GPU for every
     parameter and buffer, children first as
     Module._apply goes, shared (tied) tensors kept shared."""
@@ -97,7 +97,7 @@ def to_device(model, dtype=None):
         if got is not None:
             return got
         target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-        new = torch.empty(t.shape, dtype=target, device="cuda")
+        new = torch.empty(t.shape, dtype=target, device=device)
         if is_param:
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
         memo[id(t)] = new

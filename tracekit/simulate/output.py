@@ -104,7 +104,7 @@ def snapshot(session, settings=None, extra=None) -> dict:
         "allocator_settings": {"expandable_segments": bool(session.config.expandable_segments)},
         "tracekit": {
             "version": 1, "backend": "simulated", "format": FORMAT, "torch_version": str(torch.__version__),
-            "devices": [{"index": i, "type": "cuda", "name": f"{card.device_name} (simulated)",
+            "devices": [{"index": i, "type": "cpu" if session.cpu_run else "cuda", "name": f"{card.device_name} (simulated)",
                          "total_memory": card.memory} for i in range(session.ndevices)],
             "phases": marks.phases if marks is not None else [],
             "iterations": marks.iterations if marks is not None else [],

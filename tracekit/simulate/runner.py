@@ -201,6 +201,28 @@ def _patch_import_utils(mod):
     mod.is_fake_tensor = lambda *a, **k: False
 
 
+def _patch_bnb(mod):
+    """bitsandbytes' quantized parameters are tensor subclasses made with Tensor._make_subclass over their data, which a
+    fake tensor cannot be: say so in one line instead of a traceback deep in bitsandbytes."""
+    from .engine import SimulationError
+    for name in ("Params4bit", "Int8Params"):
+        cls = getattr(mod, name, None)
+        if cls is None:
+            continue
+        new = cls.__new__
+
+        def refuse(klass, *a, _new=new, _name=name, **k):
+            try:
+                return _new(klass, *a, **k)
+            except RuntimeError as e:
+                if "FakeTensor" not in str(e):
+                    raise
+                raise SimulationError(f"bitsandbytes' {_name} (4-bit / 8-bit weights: QLoRA) cannot be simulated yet: "
+                                      "its tensor subclass cannot wrap a fake tensor; simulate the LoRA on 16-bit "
+                                      "weights and count the base weights at 4 or 8 bits") from None
+        cls.__new__ = refuse
+
+
 def _patch_stopping(session):
     def patch(mod):
         import torch
@@ -232,11 +254,21 @@ def policies(session):
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
+    said = "torch.compile runs eager (inductor's buffers are not simulated: eager's memory is the bound)"
+
     def compile_(model=None, *a, **k):
-        session.assume("torch.compile runs eager (inductor's buffers are not simulated: eager's memory is the bound)")
-        if model is None:
-            return lambda m: m
-        return model
+        if model is None:  # @torch.compile(...) as a decorator factory
+            return lambda m: compile_(m, *a, **k)
+        if isinstance(model, torch.nn.Module):
+            session.assume(said)
+            return model
+        import functools
+
+        @functools.wraps(model)
+        def eager(*args, **kwargs):  # a library's compiled helper: said when it runs, not when it is defined
+            session.assume(said)
+            return model(*args, **kwargs)
+        return eager
 
     def module_compile(self, *a, **k):
         session.assume("torch.compile runs eager (inductor's buffers are not simulated: eager's memory is the bound)")
@@ -325,12 +357,15 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
     from .calls import device_mode_class
     from .engine import Session, _tracker_class, device_aware_fake_tensors
 
-    ndev = devices or max(1, world_size if world_size > 1 else 1)
+    cpu = card.name == "none"
+    ndev = 1 if cpu else (devices or max(1, world_size if world_size > 1 else 1))
     session = Session(card, alloc_conf=alloc_conf, routing=routing, devices=ndev, rank=rank, world_size=world_size)
-    if world_size > 1:
+    session.cpu_run = cpu
+    if world_size > 1 and not cpu:
         session.current_device = rank % ndev
     hook = _PostImport({"transformers.utils.import_utils": _patch_import_utils,
-                        "transformers.generation.stopping_criteria": _patch_stopping(session)})
+                        "transformers.generation.stopping_criteria": _patch_stopping(session),
+                        "bitsandbytes.nn.modules": _patch_bnb})
     for name, fn in hook.patches.items():  # already imported (the built-in step): patch now
         if name in sys.modules:
             fn(sys.modules[name])
@@ -343,9 +378,10 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
     old_grad = torch.is_grad_enabled()
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(cuda_api.installed(session, autocast))
-            stack.enter_context(autocast.installed())
-            stack.enter_context(composites.installed())
+            if not cpu:  # --gpu none: the script's own CPU run, torch.cuda as this machine has it
+                stack.enter_context(cuda_api.installed(session, autocast))
+                stack.enter_context(autocast.installed())
+                stack.enter_context(composites.installed())
             stack.enter_context(policies(session))
             if world_size > 1:
                 from .distributed import fake_process_group
@@ -405,10 +441,31 @@ def main():
         error = e
         code = 1
     if error is not None:
+        _drop_our_frames(error)
         sys.excepthook(type(error), error, error.__traceback__)
     _finish(session, settings, code)
     sys.stdout.flush()
     os._exit(code) if settings.get("hard_exit") else sys.exit(code)
+
+
+def _drop_our_frames(error):
+    """The script's traceback as the GPU run would print it: without the simulator's own frames."""
+    ours = ("tracekit/simulate/", "tracekit/record/script.py", "torch/utils/_python_dispatch.py", "torch/_ops.py",
+            "torch/_compile.py", "torch/_dynamo/eval_frame.py")
+    seen = set()
+    e = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb, keep = e.__traceback__, []
+        while tb is not None:
+            if not any(o in tb.tb_frame.f_code.co_filename.replace("\\", "/") for o in ours):
+                keep.append(tb)
+            tb = tb.tb_next
+        for a, b in zip(keep, keep[1:] + [None]):
+            a.tb_next = b
+        if keep:
+            e.__traceback__ = keep[0]
+        e = e.__cause__ or e.__context__
 
 
 def _finish(session, settings, code):
@@ -426,8 +483,10 @@ def _finish(session, settings, code):
     lines = []
     for i, d in sorted(session.devices.items()):
         a = d.allocator
-        lines.append(f"cuda:{i} ({session.card.name}, simulated): peak allocated {_fmt(a.peak_allocated)} "
-                     f"({a.peak_allocated:,} B), peak reserved {_fmt(a.peak_reserved)} ({a.peak_reserved:,} B)"
+        where = "cpu (the host, simulated)" if session.cpu_run else f"cuda:{i} ({session.card.name}, simulated)"
+        lines.append(f"{where}: peak allocated {_fmt(a.peak_allocated)} "
+                     f"({a.peak_allocated:,} B)" + ("" if session.cpu_run else
+                                                  f", peak reserved {_fmt(a.peak_reserved)} ({a.peak_reserved:,} B)")
                      + (f", {a.ooms} out-of-memory error{'s' if a.ooms != 1 else ''}" if a.ooms else ""))
     if not lines:
         lines.append("no tensor was put on the simulated GPU")

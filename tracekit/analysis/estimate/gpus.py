@@ -59,10 +59,17 @@ def _norm(text: str) -> str:
     return re.sub(r"[\s_\-]+", "", text.lower()).replace("nvidia", "").replace("geforce", "")
 
 
+# `tracekit simulate --gpu none`: no GPU, the script's CPU tensors are the memory simulated (no caching allocator of
+# CUDA's kind on the host: the blocks are the requests in 512-byte multiples, nothing is reserved beyond them)
+NONE = Gpu("none", 1 << 50, (0, 0), "cpu", 0, 0)
+
+
 def gpu(name: str | None) -> Gpu:
     """The GPU named (case, spaces and dashes ignored: "h100", "A100-40GB", "rtx 4090"); TracekitError otherwise."""
     if not name:
         return gpu(DEFAULT)
+    if str(name).strip().lower() in ("none", "cpu"):
+        return NONE
     want = _norm(name)
     for g in GPUS:
         if _norm(g.name) == want:
