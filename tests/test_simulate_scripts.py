@@ -141,6 +141,21 @@ def test_moe_and_lora_run():
     assert res["state_bytes"] == 8 * res["trainable"]
 
 
+def test_hf_trainer_runs_on_the_card():
+    res, _ = simulate("--", "python", "trainer_hf.py")
+    assert res["device"] == "cuda:0" and res["steps"] == 2 and res["max_allocated"] > 0
+
+
+def test_an_op_without_a_fake_kernel_is_one_line(tmp_path):
+    op = tmp_path / "op.py"
+    op.write_text("import torch\n@torch.library.custom_op('tk_test::double', mutates_args=())\n"
+                  "def double(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n"
+                  "y = double(torch.ones(4, device='cuda'))\n")
+    _, r = simulate("--", "python", str(op), cwd=str(tmp_path), expect=2)
+    line = [x for x in r.stderr.splitlines() if "no fake kernel" in x]
+    assert line and "tk_test.double" in line[0] and "op.py:5" in line[0] and "Traceback" not in r.stderr
+
+
 def test_a_failing_script_fails_its_own_way(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\nx = torch.zeros(3, device='cuda')\nraise ValueError('mine')\n")

@@ -811,16 +811,16 @@ def _tracker_class():
                 out = func(*args, **kwargs)
             except (DynamicOutputShapeException, DataDependentOutputException):
                 out = self._dynamic(func, args, kwargs)
-            except RuntimeError:
-                if func is not GROUPED_MM:
-                    raise
-                out = self._grouped_mm(args, kwargs)
             except Exception as e:
                 from torch._subclasses.fake_tensor import UnsupportedOperatorException
-                if isinstance(e, UnsupportedOperatorException):
-                    raise SimulationError(f"{func} has no fake kernel (at {self.where()}): this op cannot be "
-                                          "simulated") from None
-                raise
+                text = str(e)
+                if isinstance(e, UnsupportedOperatorException) or "no fake impl" in text or \
+                        "'Meta' backend" in text or "does not have a meta" in text.lower():
+                    raise SimulationError(f"{func} has no fake kernel, so it cannot be simulated (at {self.where()}); "
+                                          "a custom op needs register_fake") from None
+                if func is not GROUPED_MM or not isinstance(e, RuntimeError):
+                    raise
+                out = self._grouped_mm(args, kwargs)
             target = s.target
             if s.cpu_run:
                 target = 0
