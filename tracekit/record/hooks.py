@@ -39,6 +39,34 @@ class Hooks:
         self._depth = 0  # outermost-module tracking for global hooks
         self._thread = None
         self._warned = False
+        self._fsdp_patched = False
+
+    def patch_fsdp(self):
+        """Once FSDP2 is imported (the model is wrapped before its first forward): tell the listener each time a
+        unit's parameters have been all-gathered (`FSDPParamGroup.wait_for_unshard` returned), so that it can tag
+        them. The wrapper calls the original first and never changes what it returns."""
+        if self._fsdp_patched or not self.active:
+            return
+        import sys
+
+        mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+        if mod is None:
+            return
+        self._fsdp_patched = True
+        cls = getattr(mod, "FSDPParamGroup", None)
+        original = getattr(cls, "wait_for_unshard", None)
+        if original is None:
+            return
+        hooks = self
+
+        @functools.wraps(original)
+        def wait_for_unshard(group, *args, **kwargs):
+            out = original(group, *args, **kwargs)
+            if hooks._listening():
+                hooks._call("fsdp_unsharded", group)
+            return out
+
+        self._patch(cls, "wait_for_unshard", wait_for_unshard)
 
     # -- install / remove --------------------------------------------------
     def install(self, model=None, optimizer=None):
@@ -158,6 +186,7 @@ class Hooks:
 
     def _model_pre(self, module, args, kwargs):
         if self._listening():
+            self.patch_fsdp()
             self._call("forward_started", module, args, kwargs)
 
     def _global_pre(self, module, args):
@@ -165,6 +194,7 @@ class Hooks:
             return
         self._depth += 1
         if self._depth == 1:
+            self.patch_fsdp()
             self._call("forward_started", module, args, None)
 
     def _global_post(self, module, args, *rest):

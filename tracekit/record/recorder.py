@@ -85,6 +85,7 @@ class Recorder:
         self._checkpoint = None  # CUDA: torch.utils.checkpoint's early stop, switched off while recording
         self._param_names_memo = None
         self._named_memo = None
+        self._fsdp_units = {}  # FSDP2 unit name -> bytes of its all-gathered parameters
 
     @property
     def model(self):
@@ -269,6 +270,17 @@ class Recorder:
         self._marks.optimizer_ended()
         if self.recording:
             self._tags.add_optimizer_state(optimizer, self._param_names())
+
+    def fsdp_unsharded(self, group):
+        """FSDP2 all-gathered a unit's parameters (hooks.patch_fsdp): tag them, and remember the unit's bytes."""
+        if self.recording:
+            name = getattr(group, "_module_fqn", None) or "(root)"
+            held = []
+            for fp in getattr(group, "fsdp_params", ()):
+                held += list(getattr(fp, "all_gather_outputs", None) or ())
+                held += list(getattr(fp, "_unsharded_inner_tensors", None) or ())
+            self._tags.add_unsharded(held, f"{name} (unsharded)")
+            self._fsdp_units[name] = sum(t.untyped_storage().nbytes() for t in held)
 
     def saved_tensor(self, tensor, fn=False):
         if self.recording:
@@ -471,6 +483,7 @@ class Recorder:
             "phases": [clamp(p) for p in self._marks.phases if kept(p["iteration"])],
             "iterations": [clamp(i) for i in self._marks.iterations if kept(i["iteration"])],
             "tags": self._tags.items,
+            "distributed": self._distributed(),
             "command": self.command,
             "exit_code": self.exit_code,
             "error": self.error,
@@ -480,11 +493,21 @@ class Recorder:
             "settings": {
                 "backend": self._backend.name if self._backend is not None else self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
                 "activations": self.activations, "warmup": self.warmup, "steps": self.steps,
-                "path": self.path, "pid": os.getpid(), "rank": rank(),
+                "path": self.path, "pid": os.getpid(), "rank": rank(), "world_size": world_size(),
                 "start_us": self._start_us, "end_us": end_us, "origins": bool(self.origins),
                 **self._backend_settings(),
             },
         }
+
+    def _distributed(self):
+        """What a sharded or data-parallel job's rank holds (record/distributed.py); None outside one."""
+        try:
+            from .distributed import summary as distributed_summary
+
+            return distributed_summary(self._roots(), self._fsdp_units)
+        except Exception as e:
+            warnings.warn(f"tracekit: could not read the distributed setup ({e!r})", RuntimeWarning)
+            return None
 
     def _main_model_summary(self):
         """The summary of the biggest known model (taken when it was first seen, refreshed if it still lives)."""
@@ -596,6 +619,12 @@ def rank():
         if value is not None and value.strip().lstrip("-").isdigit():
             return int(value)
     return None
+
+
+def world_size():
+    """The number of processes of a torchrun job (WORLD_SIZE), or None."""
+    value = os.environ.get("WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() else None
 
 
 def expand_path(path) -> str:
