@@ -156,7 +156,25 @@ def stack_roles(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return out_role, out_why
 
 
-def evidence(trace: Trace, al, same_run: np.ndarray) -> list:
+DDP_BUCKETS = "DDP gradient buckets (made in DDP's pre-forward, alive past it; the recorder's marks)"
+
+
+def _ddp_buckets(trace: Trace, rep) -> np.ndarray | None:
+    """Allocations made inside DDP's pre-forward (the recorder's marks: the reducer rebuilds its gradient buckets
+    there, in C++, with no Python stack) and alive after it."""
+    spans = ((trace.recorder or {}).get("distributed") or {}).get("ddp_pre_forward_us") or []
+    if not spans or rep is None or not len(rep.allocations):
+        return None
+    from .categories import allocation_times
+
+    ta, tf = allocation_times(trace, rep)
+    out = np.zeros(len(ta), bool)
+    for a, b in spans:
+        out |= (ta >= a) & (ta <= b) & (tf > b)
+    return out
+
+
+def evidence(trace: Trace, al, same_run: np.ndarray, rep=None) -> list:
     """(mask, category name, reason) rules for categories.infer, in order."""
     role, why = stack_roles(trace)
     sid = al.stack_id.astype(np.int64) + 1
@@ -178,11 +196,15 @@ def evidence(trace: Trace, al, same_run: np.ndarray) -> list:
     comm = (r == COMM) | ((r == GRAD) | (r == STATE)) & same_run
     for k in np.unique(w[comm]).tolist():
         out.append((comm & (w == k), "communication", REASONS[k]))
+    buckets = _ddp_buckets(trace, rep)
+    if buckets is not None and buckets.any():
+        out.append((buckets, "communication", DDP_BUCKETS))
     return out
 
 
 EXTRA_REASONS = ("this rank's gradient shard (reduce-scatter output, alive past the backward pass that made it; "
-                 "by frames)", "reduce-scatter staging (freed in the backward pass that made it; by frames)")
+                 "by frames)", "reduce-scatter staging (freed in the backward pass that made it; by frames)",
+                 DDP_BUCKETS)
 
 
 # -- what a rank holds -------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class Hooks:
         self._thread = None
         self._warned = False
         self._fsdp_patched = False
+        self._ddp_patched = False
 
     def patch_fsdp(self):
         """Once FSDP2 is imported (the model is wrapped before its first forward): tell the listener each time a
@@ -67,6 +68,34 @@ class Hooks:
             return out
 
         self._patch(cls, "wait_for_unshard", wait_for_unshard)
+
+    def patch_ddp(self):
+        """Once DDP is imported: tell the listener when `DistributedDataParallel._pre_forward` starts and ends (it
+        rebuilds the gradient buckets there, in C++, where no Python stack names them)."""
+        if self._ddp_patched or not self.active:
+            return
+        import sys
+
+        mod = sys.modules.get("torch.nn.parallel.distributed")
+        cls = getattr(mod, "DistributedDataParallel", None) if mod is not None else None
+        original = getattr(cls, "_pre_forward", None)
+        if original is None:
+            return
+        self._ddp_patched = True
+        hooks = self
+
+        @functools.wraps(original)
+        def _pre_forward(ddp, *args, **kwargs):
+            listening = hooks._listening()
+            if listening:
+                hooks._call("ddp_pre_forward", True)
+            try:
+                return original(ddp, *args, **kwargs)
+            finally:
+                if listening:
+                    hooks._call("ddp_pre_forward", False)
+
+        self._patch(cls, "_pre_forward", _pre_forward)
 
     # -- install / remove --------------------------------------------------
     def install(self, model=None, optimizer=None):
@@ -187,6 +216,7 @@ class Hooks:
     def _model_pre(self, module, args, kwargs):
         if self._listening():
             self.patch_fsdp()
+            self.patch_ddp()
             self._call("forward_started", module, args, kwargs)
 
     def _global_pre(self, module, args):
@@ -195,6 +225,7 @@ class Hooks:
         self._depth += 1
         if self._depth == 1:
             self.patch_fsdp()
+            self.patch_ddp()
             self._call("forward_started", module, args, None)
 
     def _global_post(self, module, args, *rest):

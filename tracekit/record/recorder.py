@@ -86,6 +86,9 @@ class Recorder:
         self._param_names_memo = None
         self._named_memo = None
         self._fsdp_units = {}  # FSDP2 unit name -> bytes of its all-gathered parameters
+        self._ddp_intervals = []  # [start_us, end_us] of DDP's pre-forward (bucket rebuilds)
+        self._distributed_info = None
+        self._distributed_tries = 0
 
     @property
     def model(self):
@@ -258,6 +261,9 @@ class Recorder:
         self._marks.backward_ended()
         if self.recording:
             self._tags.add_gradients(self._named_parameters())
+            if self._distributed_tries < 2 and not (self._distributed_info or {}).get("parameter_bytes"):
+                self._distributed_tries += 1  # the first backward passes (FSDP is initialised by then), not every one
+                self._take_distributed()
 
     def optimizer_started(self, optimizer):
         if all(ref() is not optimizer for ref, _ in self._optimizers):
@@ -281,6 +287,28 @@ class Recorder:
                 held += list(getattr(fp, "_unsharded_inner_tensors", None) or ())
             self._tags.add_unsharded(held, f"{name} (unsharded)")
             self._fsdp_units[name] = sum(t.untyped_storage().nbytes() for t in held)
+
+    def ddp_pre_forward(self, started):
+        """DDP's pre-forward began or ended (hooks.patch_ddp): its bucket rebuilds happen in between."""
+        if self.recording:
+            if started:
+                self._ddp_intervals.append([now_us(), None])
+            elif self._ddp_intervals and self._ddp_intervals[-1][1] is None:
+                self._ddp_intervals[-1][1] = now_us()
+
+    def _take_distributed(self):
+        """What the job's wrappers say (record/distributed.py), taken while the model lives (a script's model is
+        gone by the time its file is written)."""
+        try:
+            from .distributed import summary as distributed_summary
+
+            got = distributed_summary(self._roots(), self._fsdp_units)
+            if got is not None and (got.get("parameter_bytes") or self._distributed_info is None):
+                self._distributed_info = got
+        except Exception as e:
+            if not getattr(self, "_warned_distributed", False):
+                self._warned_distributed = True
+                warnings.warn(f"tracekit: could not read the distributed setup ({e!r})", RuntimeWarning)
 
     def saved_tensor(self, tensor, fn=False):
         if self.recording:
@@ -501,13 +529,15 @@ class Recorder:
 
     def _distributed(self):
         """What a sharded or data-parallel job's rank holds (record/distributed.py); None outside one."""
-        try:
-            from .distributed import summary as distributed_summary
-
-            return distributed_summary(self._roots(), self._fsdp_units)
-        except Exception as e:
-            warnings.warn(f"tracekit: could not read the distributed setup ({e!r})", RuntimeWarning)
-            return None
+        self._take_distributed()
+        info = self._distributed_info
+        if info is not None:
+            info = dict(info)
+            if self._fsdp_units:
+                info["unsharded_units"] = [{"name": k, "bytes": int(v)} for k, v in self._fsdp_units.items()]
+            if self._ddp_intervals:
+                info["ddp_pre_forward_us"] = [[a, b] for a, b in self._ddp_intervals if b is not None]
+        return info
 
     def _main_model_summary(self):
         """The summary of the biggest known model (taken when it was first seen, refreshed if it still lives)."""
