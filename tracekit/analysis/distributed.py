@@ -256,7 +256,7 @@ def rank_holds(trace: Trace, device: int, at_peak: dict, peak_index: int | None)
     out["share"] = fraction(local, full) if full else None
     # units unsharded at the peak: the units whose all-gathered parameters (tags) are live, plus all-gather
     # outputs not yet copied out (a unit prefetched ahead of its compute)
-    n_units = n_prefetch = 0
+    n_units = n_prefetch = prefetched_bytes = 0
     names = []
     rep = replay(trace)[device]
     al = rep.allocations
@@ -279,11 +279,13 @@ def rank_holds(trace: Trace, device: int, at_peak: dict, peak_index: int | None)
             sid = al.stack_id.astype(np.int64) + 1
             gathered = un & ~tagged & (role[sid] == UNSHARD)
             n_prefetch = int(gathered.sum())
+            prefetched_bytes = int(al.size[gathered].sum())
             if not tags:  # no recorder: each all-gather output or unsharded flat parameter is a unit
                 n_units = 0
             n_units += n_prefetch
     out["unsharded_units_at_peak"] = n_units
     out["prefetched_at_peak"] = n_prefetch
+    out["prefetched_bytes_at_peak"] = prefetched_bytes
     out["unsharded_names_at_peak"] = names
     out["unsharded_bytes_at_peak"] = int(at_peak.get("unsharded_parameter", 0))
     out["summary"] = holds_text(out)

@@ -370,6 +370,7 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
         "workspace_bytes": int(workspace),
         "gradient_bytes": grads,
         "fixed_precision": _precision(model),
+        "distributed": summary.get("distributed"),  # what this rank of a sharded / DDP job holds (distributed.py)
     }
 
 
@@ -523,7 +524,11 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
             f"{'Adam-like (' + facts['optimizer'].rsplit('.', 1)[-1] + ')' if facts.get('optimizer') else 'its optimizer not recorded'};"
             " 8 bits per value plus an fp32 absmax per 2048 after",
             f"Optimizer state holds {fmt_bytes(state)} at the peak.", "optimizer state at the peak")
-    if train and state > 0:
+    dist = facts.get("distributed") or {}
+    sharded = _sharded(dist)
+    if train and dist:
+        out += _distributed_levers(facts, dist, at_peak, work)
+    if train and state > 0 and not sharded:
         ranks = dp if dp and dp > 1 else facts.get("world_size") or 8
         given = "given" if dp and dp > 1 else ("the recorder's world size" if facts.get("world_size") else
                                               "an example: give --dp in whatif")
@@ -586,6 +591,98 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
                     "evidence": {"rule": "reserved - allocated at the peak", "workload": work},
                     "note": "saves reserved, not allocated, memory"})
     out.sort(key=lambda r: -r["saves_bytes"])
+    return out
+
+
+def _sharded(dist: dict) -> bool:
+    """The rank's parameters, gradients and optimizer state are sharded already (FSDP, ZeRO-3)."""
+    share = dist.get("share")
+    return bool(dist) and (str(dist.get("strategy", "")).startswith(("fsdp", "sharded"))
+                           or (dist.get("zero_stage") or 0) >= 1 or (share not in (None, "all", "none")))
+
+
+def _distributed_levers(facts: dict, dist: dict, at_peak: dict, work: str) -> list:
+    """FSDP levers (prefetch depth, reshard after forward, CPU offload, mixed-precision parameters, more ranks)
+    and DDP levers (gradient_as_bucket_view, sharding), priced from what this rank holds at its peak."""
+    out = []
+
+    def add(technique, lever, category, saves, assumes, how, rule):
+        if saves > 0:
+            out.append({"technique": technique, "lever": lever, "category": category, "saves_bytes": int(saves),
+                        "assumes": assumes, "how": how,
+                        "evidence": {"rule": rule, "workload": f"{work} ({facts['workload_source']})"}})
+
+    state, grad, param = at_peak.get("optimizer_state", 0), at_peak.get("gradient", 0), at_peak.get("parameter", 0)
+    unsh, comm = at_peak.get("unsharded_parameter", 0), at_peak.get("communication", 0)
+    world = dist.get("world_size") or facts.get("world_size")
+    strategy = str(dist.get("strategy") or "")
+    units = [u for u in dist.get("units") or [] if u.get("bytes")]
+    if _sharded(dist):
+        pre = dist.get("prefetched_bytes_at_peak") or 0
+        n = dist.get("unsharded_units_at_peak") or 0
+        add("FSDP prefetch depth", "FSDP: no prefetch at the peak's pass (set_modules_to_backward_prefetch([]) / "
+                                   "set_modules_to_forward_prefetch([]), or fewer modules to prefetch)",
+            "unsharded_parameter", pre,
+            f"{dist.get('prefetched_at_peak') or 0} unit(s) all-gathered ahead of their compute at the peak "
+            f"({fmt_bytes(pre)} of the {fmt_bytes(unsh)} unsharded); without prefetch the all-gather no longer "
+            "overlaps compute (slower)",
+            f"{n} unit(s) are unsharded at the peak, {dist.get('prefetched_at_peak') or 0} of them prefetched.",
+            "the prefetched units' all-gathered bytes at the peak")
+        kept = [u for u in units if u.get("reshard_after_forward") is False]
+        if kept and unsh:
+            one = max(u["bytes"] for u in units)
+            add("reshard after forward", f"FSDP reshard_after_forward=True for {len(kept)} unit(s) that keep their "
+                                         "full parameters from forward to backward",
+                "unsharded_parameter", min(unsh, sum(u["bytes"] for u in kept)) - one,
+                f"{len(kept)} unit(s) not resharded after forward (the recorder: {', '.join(u['name'] for u in kept[:4])}"
+                f"); resharding frees their full parameters after forward and all-gathers them again in backward "
+                "(one more all-gather per unit)",
+                f"Unsharded parameters hold {fmt_bytes(unsh)} at the peak.",
+                "the full bytes of the units kept unsharded, less one unit computing")
+        if not any(u.get("offload") for u in units):
+            add("FSDP CPU offload", "FSDP CPU offload (fully_shard(offload_policy=CPUOffloadPolicy()))",
+                "parameter", param + grad + state,
+                "parameter shards, gradient shards and optimizer state move to host memory (the optimizer step runs "
+                "on the CPU: much slower); units are still all-gathered on the device",
+                f"Shards and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
+                "(parameter + gradient + optimizer state) at the peak")
+        fp32 = facts.get("fixed_precision") == "fp32" and not any(u.get("param_dtype") for u in units)
+        if fp32 and unsh:
+            add("FSDP mixed-precision parameters",
+                "FSDP mixed precision: MixedPrecisionPolicy(param_dtype=torch.bfloat16)", "unsharded_parameter",
+                unsh / 2 + comm / 2,
+                "fp32 parameters all-gathered today (the recorder: no param_dtype); bf16 halves the unsharded units "
+                "and the collective buffers, shards and optimizer state stay fp32",
+                f"Unsharded parameters hold {fmt_bytes(unsh)} and collective buffers {fmt_bytes(comm)} at the peak.",
+                "(unsharded parameters + communication) at the peak / 2")
+        if world and world > 1:
+            add("shard over more ranks", f"FSDP over {2 * world} ranks instead of {world}", "parameter",
+                (param + grad + state) / 2,
+                f"{world} ranks today (the recorder); each rank keeps half the shards with twice the ranks "
+                "(units are all-gathered whole either way)",
+                f"Shards and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
+                "(parameter + gradient + optimizer state) at the peak / 2")
+    elif strategy == "ddp":
+        bucket = dist.get("bucket_bytes")
+        if dist.get("gradient_as_bucket_view") is False and comm:
+            add("DDP gradient_as_bucket_view", "DDP(gradient_as_bucket_view=True)", "communication",
+                min(comm, max(grad, facts.get("gradient_bytes") or 0) or comm),
+                "gradients become views of DDP's buckets: the second copy of every gradient (the buckets, "
+                f"{fmt_bytes(comm)} at the peak) goes; the bucket size "
+                + (f"({fmt_bytes(bucket)} now, bucket_cap_mb) " if bucket else "")
+                + "changes how many buckets there are, not their total (every gradient has a slot in one)",
+                f"DDP's gradient buckets hold {fmt_bytes(comm)} at the peak.",
+                "min(collective buffers, gradients) at the peak")
+        if world and world > 1 and param + grad + state:
+            blocks = facts.get("blocks") or 0
+            unit = param / blocks if blocks else 0
+            add("FSDP instead of DDP", f"FSDP (fully_shard per block) over the {world} ranks instead of DDP",
+                "parameter", (param + grad + state) * (1 - 1 / world) + comm - 2 * unit,
+                f"{world} ranks (the recorder): parameters, gradients and optimizer state 1/{world} per rank, no "
+                "gradient buckets; two blocks' full parameters all-gathered at a time"
+                + ("" if blocks else " (the blocks are not known: not counted)"),
+                f"Parameters, gradients and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
+                "(parameter + gradient + optimizer state) × (1 - 1/ranks) + buckets - 2 blocks' parameters")
     return out
 
 
