@@ -226,7 +226,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
     ]
     # sharded and data-parallel training (FSDP, ZeRO, DDP) and any other collective buffer, by frames
-    evidence += [(mask, CATEGORIES.index(cat), why) for mask, cat, why in _dist.evidence(trace, al, same_run, rep)]
+    dist = _dist.evidence(trace, al, same_run, allocation_times(trace, rep))
+    evidence += [(mask, CATEGORIES.index(cat), why) for mask, cat, why in dist]
     evidence += [
         (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
         # a cache's scalars (≤ 16 B: cumulative_length, seen-token counters) are its bookkeeping, not keys/values
