@@ -48,8 +48,7 @@ def _run_job(out, mode):
 
 @pytest.fixture(scope="module")
 def fsdp_job(tmp_path_factory):
-    if not hasattr(__import__("torch").distributed, "fsdp"):
-        pytest.skip("torch.distributed.fsdp is not available")
+    pytest.importorskip("torch.distributed.fsdp")
     return _run_job(str(tmp_path_factory.mktemp("fsdp")), "fsdp")
 
 
@@ -234,9 +233,11 @@ def test_estimate_fsdp_per_gpu():
     assert held["optimizer_state"] == pytest.approx(8 * P / N, abs=2)
     layers, per_layer, root = fsdp_units(shape)
     assert layers == 8 and layers * per_layer + root == P
-    assert held["unsharded_parameter"] == 4 * root + 2 * 4 * per_layer  # the root + the computing + 1 prefetched
+    assert held["unsharded_parameter"] == 4 * root + 4 * per_layer  # the root + the computing layer
+    # a prefetched unit waits in its all-gather output; the reduce-scatter input is one unit's full gradients
+    assert held["communication"] == 4 * per_layer + 4 * per_layer
     no_prefetch = estimate(shape, Setup(precision="fp32", zero=3, dp=N, fsdp=True, prefetch=0)).held("gpu")
-    assert held["unsharded_parameter"] - no_prefetch["unsharded_parameter"] == 4 * per_layer
+    assert held["communication"] - no_prefetch["communication"] == 4 * per_layer
     keep = estimate(shape, Setup(precision="fp32", zero=3, dp=N, fsdp=True, reshard_after_forward=False)).held("gpu")
     assert keep["unsharded_parameter"] == 4 * P  # every unit unsharded from forward to backward
 

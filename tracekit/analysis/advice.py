@@ -39,7 +39,7 @@ def advice_findings(trace: Trace, device: int, at_peak: dict, peak_bytes: int, p
         "quantize the KV cache": kv >= SHARES["kv_cache"] * peak,
         "smaller batch": growing_bytes(at_peak) >= SHARES["batch"] * peak,
         # sharded / data-parallel training (levers._distributed_levers)
-        "FSDP prefetch depth": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
+        "FSDP prefetch depth": at_peak.get("communication", 0) >= SHARES["communication"] * peak,
         "reshard after forward": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
         "FSDP mixed-precision parameters": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
         "FSDP CPU offload": param + grad + state >= SHARES["training_state"] * peak,

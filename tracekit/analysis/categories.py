@@ -54,8 +54,8 @@ TAG_CATEGORY = {"parameter": PARAMETER, "buffer": PARAMETER, "gradient": GRADIEN
                 "optimizer_state": OPTIMIZER_STATE, "activation": ACTIVATION, "input": INPUT,
                 "unsharded_parameter": UNSHARDED_PARAMETER}
 # When several tags land on one allocation, the first kind here wins (an all-gathered weight that a matmul
-# saves for backward is an unsharded parameter, not an activation).
-TAG_PRIORITY = (PARAMETER, UNSHARDED_PARAMETER, OPTIMIZER_STATE, GRADIENT, INPUT, ACTIVATION)
+# saves for backward, or that the model's own parameters() names while it is unsharded, is an unsharded parameter).
+TAG_PRIORITY = (UNSHARDED_PARAMETER, PARAMETER, OPTIMIZER_STATE, GRADIENT, INPUT, ACTIVATION)
 
 # memory_timeline files (torch.profiler) carry the profiler's category names.
 PROFILER_NAMES = {"autograd_detail": "temporary", "unknown": "other", "": "other"}

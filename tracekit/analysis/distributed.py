@@ -29,10 +29,17 @@ import numpy as np
 from ..model import Trace
 from .memo import per_trace
 
-NONE, STOP, PARAM, UNSHARD, REDUCE, GRAD, STATE, COMM = range(8)
+NONE, STOP, PARAM, UNSHARD, REDUCE, GRAD, STATE, COMM, GATHER = range(9)
 ROLE_NAMES = ("", "stop", "parameter", "unsharded_parameter", "reduce", "gradient", "optimizer_state",
-              "communication")
+              "communication", "all-gather output")
 
+# FSDP2 all-gathers a unit into one flat buffer, then copies each parameter out of it into the unsharded
+# parameters (which the unit computes with, and frees on reshard); the flat buffer lives from the all-gather (a
+# prefetch: before the unit runs) to shortly after the copy-out, so for much of its life it duplicates the
+# unsharded parameters: a collective buffer. A unit prefetched and not yet copied out is only there (holds.py
+# counts those at the peak).
+GATHER_WHY = ("all-gather output (FSDP2: a unit's full parameters before and just after their copy-out into the "
+              "unsharded parameters; by frames)")
 _S = r"[/\\]"
 _FSDP2 = rf"torch{_S}distributed{_S}fsdp{_S}_fully_shard{_S}"
 _FSDP1 = rf"torch{_S}distributed{_S}fsdp{_S}"
@@ -50,8 +57,9 @@ RULES = [
     (rf"{_FSDP2}_fsdp_collectives\.py$", {"_get_param_all_gather_inputs", "foreach_reduce_scatter_copy_in",
                                            "_div_if_needed", "foreach_all_reduce"}, COMM,
      "collective staging (FSDP2 all-gather input / reduce-scatter copy-in, by frames)"),
-    (rf"{_FSDP2}_fsdp_collectives\.py$", {"foreach_all_gather", "foreach_all_gather_copy_out"}, UNSHARD,
-     "full parameters all-gathered for compute (FSDP2 all-gather output, by frames)"),
+    (rf"{_FSDP2}_fsdp_collectives\.py$", {"foreach_all_gather"}, GATHER, GATHER_WHY),
+    (rf"{_FSDP2}_fsdp_collectives\.py$", {"foreach_all_gather_copy_out"}, COMM,
+     "collective staging (FSDP2 all-gather copy-out, by frames)"),
     (rf"{_FSDP2}_fsdp_collectives\.py$", {"foreach_reduce"}, REDUCE,
      "reduce-scatter (FSDP2 foreach_reduce, by frames)"),
     (rf"{_FSDP2}_fsdp_common\.py$", {"alloc_storage"}, UNSHARD,
@@ -190,7 +198,7 @@ def evidence(trace: Trace, al, same_run: np.ndarray, times=None) -> list:
                                                     "the backward pass that made it; by frames)"))
         out.append((reduce, "communication", "reduce-scatter staging (freed in the backward pass that made it; "
                                              "by frames)"))
-    comm = (r == COMM) | ((r == GRAD) | (r == STATE)) & same_run
+    comm = (r == COMM) | (r == GATHER) | ((r == GRAD) | (r == STATE)) & same_run
     for k in np.unique(w[comm]).tolist():
         out.append((comm & (w == k), "communication", REASONS[k]))
     buckets = _ddp_buckets(trace, times)

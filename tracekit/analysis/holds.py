@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model import Trace
-from .distributed import UNSHARD, stack_roles
+from .distributed import GATHER, UNSHARD, stack_roles
 
 
 def fraction(part: float, whole: float) -> str:
@@ -59,8 +59,10 @@ def rank_holds(trace: Trace, device: int, at_peak: dict, peak_index: int | None)
     out["parameter_bytes"] = full
     out["local_parameter_bytes"] = int(local)
     out["share"] = fraction(local, full) if full else None
-    # units unsharded at the peak: the units whose all-gathered parameters (tags) are live, plus all-gather
-    # outputs not yet copied out (a unit prefetched ahead of its compute)
+    # units unsharded at the peak: the units whose all-gathered parameters are live (our recorder's tags name the
+    # unit; without them each unsharded allocation made by frames counts as its own unit), and, on top, units
+    # prefetched: FSDP2 all-gather outputs live at the peak with no unsharded parameters made since (their copy-out
+    # has not come yet); those bytes are in `communication`
     n_units = n_prefetch = prefetched_bytes = 0
     names = []
     rep = replay(trace)[device]
@@ -68,26 +70,27 @@ def rank_holds(trace: Trace, device: int, at_peak: dict, peak_index: int | None)
     if peak_index is not None and len(al):
         cats = categorize(trace)[device]
         live = al.live_at(peak_index)
-        un = live & (cats.labels == cats.names.index("unsharded_parameter"))
+        un_all = cats.labels == cats.names.index("unsharded_parameter")
+        un = live & un_all
+        sid = al.stack_id.astype(np.int64) + 1
+        tags = [t for t in rec.get("tags") or [] if isinstance(t, dict) and t.get("kind") == "unsharded_parameter"
+                and t.get("device", 0) == device]
         if un.any():
-            tags = [t for t in rec.get("tags") or [] if isinstance(t, dict) and t.get("kind") == "unsharded_parameter"
-                    and t.get("device", 0) == device]
             rows = match_tags(trace, rep, tags) if tags else np.zeros(0, np.int64)
-            tagged = np.zeros(len(al), bool)
             for row, t in zip(rows.tolist(), tags):
                 if row >= 0 and un[row]:
-                    tagged[row] = True
                     name = str(t.get("name", "")).removesuffix(" (unsharded)")
                     if name not in names:
                         names.append(name)
-            n_units = len(names)
-            sid = al.stack_id.astype(np.int64) + 1
-            gathered = un & ~tagged & (role[sid] == UNSHARD)
-            n_prefetch = int(gathered.sum())
-            prefetched_bytes = int(al.size[gathered].sum())
-            if not tags:  # no recorder: each all-gather output or unsharded flat parameter is a unit
-                n_units = 0
-            n_units += n_prefetch
+            n_units = len(names) if tags else int((un & (role[sid] == UNSHARD)).sum())
+        gathers = np.flatnonzero(live & (role[sid] == GATHER) & (al.alloc_index >= 0))
+        made = np.sort(al.alloc_index[un_all & (al.alloc_index >= 0)])
+        for g in gathers.tolist():
+            a = int(al.alloc_index[g])
+            k = np.searchsorted(made, a, side="right")
+            if k >= len(made) or made[k] > peak_index:  # nothing copied out since this all-gather began
+                n_prefetch += 1
+                prefetched_bytes += int(al.size[g])
     out["unsharded_units_at_peak"] = n_units
     out["prefetched_at_peak"] = n_prefetch
     out["prefetched_bytes_at_peak"] = prefetched_bytes
@@ -109,10 +112,13 @@ def holds_text(h: dict) -> str:
     else:
         text = f"{who} holds {fmt_bytes(local)} of parameters"
     n = h.get("unsharded_units_at_peak") or 0
+    pre = h.get("prefetched_at_peak") or 0
     if n or h.get("unsharded_bytes_at_peak"):
-        pre = h.get("prefetched_at_peak") or 0
-        text += (f"; {n} unit{'s' if n != 1 else ''} unsharded at the peak"
-                 + (f" ({pre} prefetched)" if pre else "") + f", {fmt_bytes(h.get('unsharded_bytes_at_peak') or 0)}")
+        text += (f"; {n} unit{'s' if n != 1 else ''} unsharded at the peak "
+                 f"({fmt_bytes(h.get('unsharded_bytes_at_peak') or 0)})")
+    if pre:
+        text += (f"{'' if n else ';'} + {pre} prefetched (all-gathered, not yet copied out: "
+                 f"{fmt_bytes(h.get('prefetched_bytes_at_peak') or 0)} of communication)")
     if h.get("world_size"):
         text += f" [{h['strategy']}, {h['world_size']} ranks]"
     elif h.get("strategy"):

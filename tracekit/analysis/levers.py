@@ -622,11 +622,11 @@ def _distributed_levers(facts: dict, dist: dict, at_peak: dict, work: str) -> li
         n = dist.get("unsharded_units_at_peak") or 0
         add("FSDP prefetch depth", "FSDP: no prefetch at the peak's pass (set_modules_to_backward_prefetch([]) / "
                                    "set_modules_to_forward_prefetch([]), or fewer modules to prefetch)",
-            "unsharded_parameter", pre,
+            "communication", pre,
             f"{dist.get('prefetched_at_peak') or 0} unit(s) all-gathered ahead of their compute at the peak "
-            f"({fmt_bytes(pre)} of the {fmt_bytes(unsh)} unsharded); without prefetch the all-gather no longer "
+            f"({fmt_bytes(pre)} in all-gather outputs not yet copied out); without prefetch the all-gather no longer "
             "overlaps compute (slower)",
-            f"{n} unit(s) are unsharded at the peak, {dist.get('prefetched_at_peak') or 0} of them prefetched.",
+            f"{n} unit(s) are unsharded at the peak and {dist.get('prefetched_at_peak') or 0} more prefetched.",
             "the prefetched units' all-gathered bytes at the peak")
         kept = [u for u in units if u.get("reshard_after_forward") is False]
         if kept and unsh:

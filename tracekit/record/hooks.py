@@ -136,6 +136,8 @@ class Hooks:
             self._disable_patch = (graph, original, self._wrap_disable(original))
             graph.disable_saved_tensors_hooks = self._disable_patch[2]
         self.active = True
+        self.patch_fsdp()  # a model wrapped before recording starts: FSDP / DDP are imported already
+        self.patch_ddp()
 
     def remove(self, pop_saved_hooks=True):
         """Detach every hook. The saved-tensor hooks are a per-thread stack that

@@ -351,9 +351,12 @@ def _unsharded(est: Estimate, w: int):
     if got is None:
         largest = shape.largest_layer_params()
         if largest:
-            est.add("unsharded_parameter", (1 + s.prefetch) * largest * c,
-                    f"{1 + s.prefetch} units all-gathered (the computing one + {s.prefetch} prefetched): "
-                    f"largest layer {largest:,} params × {c} B", when=SAVED)
+            est.add("unsharded_parameter", largest * c, f"the computing unit all-gathered: largest layer "
+                                                        f"{largest:,} params × {c} B", when=SAVED)
+            if s.prefetch:
+                est.add("communication", s.prefetch * largest * c,
+                        f"all-gather output of {s.prefetch} prefetched unit(s): {s.prefetch} × {largest:,} params × "
+                        f"{c} B", when=SAVED)
         est.assumptions.append("FSDP with --params only: a unit is taken as the largest layer (--largest-layer)")
         return
     layers, per_layer, root = got
@@ -362,20 +365,25 @@ def _unsharded(est: Estimate, w: int):
             f"root unit all-gathered (embeddings, final norm, output layer: {root:,} params × {c} B{tp}; the root "
             "is not resharded after forward)", when=SAVED)
     if s.reshard_after_forward:
-        n = min(layers, 1 + s.prefetch)
-        est.add("unsharded_parameter", n * per_layer * c / s.tp,
-                f"{n} layer unit{'s' if n > 1 else ''} all-gathered at once (the computing one + {n - 1} prefetched): "
-                f"{n} × {per_layer:,} params × {c} B{tp}", when=SAVED)
+        est.add("unsharded_parameter", per_layer * c / s.tp,
+                f"the computing layer unit's full parameters (copied out of its all-gather): {per_layer:,} params × "
+                f"{c} B{tp}", when=SAVED)
     else:
         est.add("unsharded_parameter", layers * per_layer * c / s.tp,
                 f"every layer unit kept all-gathered from forward to backward (reshard_after_forward=False): "
                 f"{layers} × {per_layer:,} params × {c} B{tp}", when=SAVED)
+    if s.prefetch:
+        n = min(layers - 1, s.prefetch)
+        est.add("communication", n * per_layer * c / s.tp,
+                f"all-gather output of {n} unit{'s' if n > 1 else ''} prefetched (its full parameters before their "
+                f"copy-out): {n} × {per_layer:,} params × {c} B{tp}", when=SAVED)
     g = 4 if s.precision in ("fp32", "amp") else 2
     est.add("communication", per_layer * g / s.tp,
             f"reduce-scatter input of the unit in backward: its full gradients, {per_layer:,} × {g} B{tp}",
             when=LOSS_BWD)
     est.assumptions.append(f"FSDP: each of the {layers} layers is a unit (fully_shard per layer, then the root), "
-                           f"{s.prefetch} unit(s) prefetched; units are all-gathered in "
+                           f"{s.prefetch} unit(s) prefetched (held in their all-gather outputs until their copy-out: "
+                           "communication); units are all-gathered in "
                            f"{'16' if c == 2 else '32'}-bit; shards, gradients and optimizer state are 1/{s.dp} "
                            "per rank")
 
