@@ -110,9 +110,11 @@ def test_fsdp2_rank_table_reads_right(fsdp_job):
     text = out.output
     for rank in range(WORLD):
         assert f"rank {rank} holds 1/2 of the parameters" in text
-    assert "unsharded_parameter" in text and "(rank 0) to" not in text.replace("(rank 1) to", "")
+    assert "unsharded_parameter" in text and "communication" in text  # columns of the table
     imb = [ln for ln in text.splitlines() if ln.startswith(("Imbalance", "Balanced"))]
-    assert imb and not any("(rank 0) to" in ln and ln.count("(rank 0)") == 2 for ln in imb)
+    # equal ranks read "Balanced: both ranks peak at X (to the byte)."; unequal ones name two different ranks
+    assert imb and all(ln.count("(rank 0)") < 2 and ln.count("(rank 1)") < 2 for ln in imb), imb
+    assert imb[0].startswith("Balanced: both ranks peak at") or "(rank 0) to" in imb[0] or "(rank 1) to" in imb[0]
 
 
 def test_ddp_each_rank_holds_everything_and_its_buckets(ddp_job):
