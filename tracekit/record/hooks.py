@@ -63,7 +63,8 @@ class Hooks:
         @functools.wraps(original)
         def wait_for_unshard(group, *args, **kwargs):
             out = original(group, *args, **kwargs)
-            if hooks._listening():
+            # any thread: on CUDA, backward (and FSDP's unshard for it) runs on autograd's device thread
+            if hooks.active and hooks.listener is not None and not _compiling():
                 hooks._call("fsdp_unsharded", group)
             return out
 
