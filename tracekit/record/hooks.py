@@ -69,6 +69,16 @@ class Hooks:
             return out
 
         self._patch(cls, "wait_for_unshard", wait_for_unshard)
+        original_pb = getattr(cls, "post_backward", None)
+        if original_pb is not None:
+            @functools.wraps(original_pb)
+            def post_backward(group, *args, **kwargs):
+                # before the original: the unit's full gradients, which it reduce-scatters and frees
+                if hooks.active and hooks.listener is not None and not _compiling():
+                    hooks._call("fsdp_post_backward", group)
+                return original_pb(group, *args, **kwargs)
+
+            self._patch(cls, "post_backward", post_backward)
 
     def patch_ddp(self):
         """Once DDP is imported: tell the listener when `DistributedDataParallel._pre_forward` starts and ends (it

@@ -286,7 +286,24 @@ class Recorder:
                 held += list(getattr(fp, "all_gather_outputs", None) or ())
                 held += list(getattr(fp, "_unsharded_inner_tensors", None) or ())
             self._tags.add_unsharded(held, f"{name} (unsharded)")
-            self._fsdp_units[name] = sum(t.untyped_storage().nbytes() for t in held)
+            try:
+                self._fsdp_units[name] = sum(t.untyped_storage().nbytes() for t in held)
+            except Exception:  # fake or meta tensors (a simulation): no bytes to count
+                pass
+
+    def fsdp_post_backward(self, group):
+        """FSDP2 is about to reduce-scatter a unit's gradients: tag its full (unsharded) gradients as gradients."""
+        if self.recording:
+            name = getattr(group, "_module_fqn", None) or "(root)"
+            for fp in getattr(group, "fsdp_params", ()):
+                try:
+                    grad = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+                except Exception:
+                    grad = None
+                for g in (grad, getattr(fp, "unsharded_accumulated_grad", None)):
+                    if g is not None:
+                        self._tags.add(g, GRADIENT, f"{name}: {getattr(fp, '_param_fqn', None) or 'param'}.grad "
+                                                    "(unsharded, before its reduce-scatter)")
 
     def ddp_pre_forward(self, started):
         """DDP's pre-forward began or ended (hooks.patch_ddp): its bucket rebuilds happen in between."""
