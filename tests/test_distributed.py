@@ -87,6 +87,21 @@ def test_fsdp2_each_rank_holds_its_shards(fsdp_job):
         assert h["summary"].startswith(f"rank {rank} holds 1/2 of the parameters (")
 
 
+def test_fsdp2_levers_price_what_the_rank_holds(fsdp_job):
+    from tracekit.analysis.levers import file_facts, levers
+
+    facts, files = fsdp_job
+    trace = load(files[0])
+    d = _device(files[0])
+    at = d["categories_at_peak"]
+    got = {lv["technique"]: lv for lv in levers(file_facts(trace, 0, d), at, d["peak_allocated_bytes"])}
+    assert got["FSDP CPU offload"]["saves_bytes"] == at["parameter"] + at.get("gradient", 0) + at["optimizer_state"]
+    assert got["FSDP prefetch depth"]["saves_bytes"] == d["distributed"]["prefetched_bytes_at_peak"] > 0
+    assert got["FSDP mixed-precision parameters"]["saves_bytes"] == (at["unsharded_parameter"]
+                                                                      + at.get("communication", 0)) // 2
+    assert "shard the optimizer state" not in got  # this rank's state is sharded already
+
+
 def test_fsdp2_predicted_vs_measured_is_sharded(fsdp_job):
     facts, files = fsdp_job
     P, N = facts["params"], facts["world_size"]

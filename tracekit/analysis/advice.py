@@ -41,6 +41,8 @@ def advice_findings(trace: Trace, device: int, at_peak: dict, peak_bytes: int, p
         # sharded / data-parallel training (levers._distributed_levers)
         "FSDP prefetch depth": at_peak.get("communication", 0) >= SHARES["communication"] * peak,
         "reshard after forward": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
+        "FSDP units per layer": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
+        "FSDP root unit": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
         "FSDP mixed-precision parameters": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
         "FSDP CPU offload": param + grad + state >= SHARES["training_state"] * peak,
         "shard over more ranks": param + grad + state >= SHARES["training_state"] * peak,

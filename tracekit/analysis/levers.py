@@ -639,6 +639,25 @@ def _distributed_levers(facts: dict, dist: dict, at_peak: dict, work: str) -> li
                 "(one more all-gather per unit)",
                 f"Unsharded parameters hold {fmt_bytes(unsh)} at the peak.",
                 "the full bytes of the units kept unsharded, less one unit computing")
+        names = dist.get("unsharded_names_at_peak") or []
+        blocks = [u for u in units if u.get("name") in names and u.get("name") != "(root)"]
+        root = next((u for u in units if u.get("name") == "(root)" and "(root)" in names), None)
+        if blocks:
+            big = max(u["bytes"] for u in blocks)
+            add("FSDP units per layer", "FSDP: two units per layer (fully_shard the attention and the MLP apart)",
+                "unsharded_parameter", len(blocks) * big / 2,
+                f"{len(blocks)} layer unit(s) unsharded at the peak, the largest {fmt_bytes(big)} of full parameters "
+                "(the recorder's units); halved units gather half as much at a time (more, smaller collectives)",
+                f"Unsharded parameters hold {fmt_bytes(unsh)} at the peak.",
+                "the layer units unsharded at the peak × half a unit")
+        if root is not None and blocks and root["bytes"] > max(u["bytes"] for u in blocks):
+            add("FSDP root unit", "FSDP: the embeddings and the output layer as units of their own (fully_shard them "
+                                  "before the root)", "unsharded_parameter",
+                root["bytes"] - max(u["bytes"] for u in blocks),
+                f"the root unit ({fmt_bytes(root['bytes'])} of full parameters: what no other unit holds) is "
+                "unsharded at the peak and is larger than a layer; split, only the part that computes is gathered",
+                f"The root unit holds {fmt_bytes(root['bytes'])} unsharded at the peak.",
+                "root unit - the largest layer unit")
         if not any(u.get("offload") for u in units):
             add("FSDP CPU offload", "FSDP CPU offload (fully_shard(offload_policy=CPUOffloadPolicy()))",
                 "parameter", param + grad + state,
