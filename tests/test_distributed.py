@@ -87,6 +87,24 @@ def test_fsdp2_each_rank_holds_its_shards(fsdp_job):
         assert h["summary"].startswith(f"rank {rank} holds 1/2 of the parameters (")
 
 
+def test_fsdp2_by_frames_alone(fsdp_job):
+    """The same file with the recorder's tags removed (a file recorded elsewhere): shards by FSDP2's frames,
+    gradient shards by the reduce-scatter's frames and lifetime, state by phases."""
+    facts, files = fsdp_job
+    P, N = facts["params"], facts["world_size"]
+    trace = load(files[0])
+    trace.recorder["tags"] = []
+    d = build_report(trace)["devices"][0]
+    at = d["categories_at_peak"]
+    assert at["parameter"] == pytest.approx(4 * P / N, rel=0.01)
+    assert at["optimizer_state"] == pytest.approx(8 * P / N, rel=0.05)
+    assert at.get("other", 0) <= 0.02 * d["peak_allocated_bytes"]
+    optim = [p for p in d["phases"] if p["phase"] == "optimizer"][0]["categories_at_peak"]
+    assert optim["gradient"] == pytest.approx(4 * P / N, rel=0.01)
+    why = {r["reason"] for r in d["reasons_at_peak"]}
+    assert "this rank's parameter shard (FSDP2 sharding, by frames)" in why
+
+
 def test_fsdp2_levers_price_what_the_rank_holds(fsdp_job):
     from tracekit.analysis.levers import file_facts, levers
 

@@ -52,7 +52,7 @@ RULES = [
                                      "init_dtensor_from_local_tensor"}, PARAM,
      "this rank's parameter shard (FSDP2 sharding, by frames)"),
     (rf"{_FSDP2}_fsdp_param\.py$", {"init_all_gather_outputs", "alloc_all_gather_outputs", "init_unsharded_param",
-                                     "to_unsharded"}, UNSHARD,
+                                     "to_unsharded", "alloc_storage"}, UNSHARD,
      "full parameters all-gathered for compute (FSDP2 unshard, by frames)"),
     (rf"{_FSDP2}_fsdp_collectives\.py$", {"_get_param_all_gather_inputs", "foreach_reduce_scatter_copy_in",
                                            "_div_if_needed", "foreach_all_reduce"}, COMM,
@@ -62,8 +62,6 @@ RULES = [
      "collective staging (FSDP2 all-gather copy-out, by frames)"),
     (rf"{_FSDP2}_fsdp_collectives\.py$", {"foreach_reduce"}, REDUCE,
      "reduce-scatter (FSDP2 foreach_reduce, by frames)"),
-    (rf"{_FSDP2}_fsdp_common\.py$", {"alloc_storage"}, UNSHARD,
-     "full parameters all-gathered for compute (FSDP2 unshard, by frames)"),
     # FSDP1 (FullyShardedDataParallel)
     (rf"{_FSDP1}_flat_param\.py$", {"flatten_tensors_into_flat_param", "_init_flat_param_and_metadata", "shard",
                                      "_get_shard", "_init_shard_metadata", "_use_sharded_flat_param"}, PARAM,
