@@ -1,7 +1,8 @@
 """A training script of FSDP2 (`fully_shard`) or DDP for 2 ranks over gloo on the CPU, run under
 `python -m torch.distributed.run ... -m tracekit record -o OUT -- python tests/fsdp_train.py MODE`.
 
-MODE is `fsdp` (each block a unit, then the root: embeddings, final norm and head) or `ddp`
+MODE is `fsdp` (each block a unit, then the root: embeddings, final norm and head), `fsdp-bf16` (the same
+with `MixedPrecisionPolicy(param_dtype=bfloat16)` and the blocks kept unsharded after forward) or `ddp`
 (DistributedDataParallel). The model is a small GPT (tracekit.record.toy.TinyGPT) trained with AdamW
 on random tokens for three steps. It prints one JSON line per rank (`TRACEKIT_FACTS {...}`) with what
 the analytic bytes rest on: the parameter count, each unit's parameter count and the world size.
@@ -27,14 +28,17 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     units = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     root = params - sum(units)
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
+        extra = {}
+        if mode == "fsdp-bf16":
+            extra = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16), "reshard_after_forward": False}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **extra)
+        fully_shard(model, mesh=mesh, **{k: v for k, v in extra.items() if k == "mp_policy"})
     else:
         from torch.nn.parallel import DistributedDataParallel
 

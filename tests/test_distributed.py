@@ -53,6 +53,12 @@ def fsdp_job(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fsdp_bf16_job(tmp_path_factory):
+    pytest.importorskip("torch.distributed.fsdp")
+    return _run_job(str(tmp_path_factory.mktemp("fsdp_bf16")), "fsdp-bf16")
+
+
+@pytest.fixture(scope="module")
 def ddp_job(tmp_path_factory):
     return _run_job(str(tmp_path_factory.mktemp("ddp")), "ddp")
 
@@ -148,6 +154,26 @@ def test_fsdp2_rank_table_reads_right(fsdp_job):
     # equal ranks read "Balanced: both ranks peak at X (to the byte)."; unequal ones name two different ranks
     assert imb and all(ln.count("(rank 0)") < 2 and ln.count("(rank 1)") < 2 for ln in imb), imb
     assert imb[0].startswith("Balanced: both ranks peak at") or "(rank 0) to" in imb[0] or "(rank 1) to" in imb[0]
+
+
+def test_fsdp2_bf16_units_kept_after_forward(fsdp_bf16_job):
+    """MixedPrecisionPolicy(param_dtype=bfloat16), blocks not resharded after forward: shards stay fp32 (4P/N),
+    units are all-gathered in bf16 (2 B per parameter), and the advice says to reshard after forward."""
+    facts, files = fsdp_bf16_job
+    P, N = facts["params"], facts["world_size"]
+    trace = load(files[0])
+    info = trace.recorder["distributed"]
+    gathered = {u["name"]: u["bytes"] for u in info["unsharded_units"]}
+    assert gathered["blocks.0"] == 2 * facts["units"][0] and gathered["(root)"] == 2 * facts["root"]
+    assert [u["reshard_after_forward"] for u in info["units"] if u["name"].startswith("blocks.")] == [False] * 4
+    d = _device(files[0])
+    at = d["categories_at_peak"]
+    assert at["parameter"] == pytest.approx(4 * P / N, rel=0.05)
+    assert at["optimizer_state"] == pytest.approx(8 * P / N, rel=0.05)
+    assert at.get("other", 0) <= 0.02 * d["peak_allocated_bytes"]
+    assert d["distributed"]["unsharded_units_at_peak"] >= 2  # blocks kept from forward to backward
+    advice = {f["technique"] for f in build_report(trace)["findings"] if f["kind"] == "advice"}
+    assert "FSDP mixed-precision parameters" not in advice  # bf16 already
 
 
 def test_ddp_each_rank_holds_everything_and_its_buckets(ddp_job):

@@ -56,6 +56,9 @@ def rank_holds(trace: Trace, device: int, at_peak: dict, peak_index: int | None)
         local = info["local_parameter_bytes"]
     units = info.get("units") or []
     out["units"] = units
+    # each unit's all-gathered bytes as the recorder saw them (the parameter dtype of FSDP's mixed precision)
+    out["unsharded_unit_bytes"] = {str(u.get("name")): int(u.get("bytes") or 0)
+                                   for u in info.get("unsharded_units") or [] if isinstance(u, dict)}
     out["parameter_bytes"] = full
     out["local_parameter_bytes"] = int(local)
     out["share"] = fraction(local, full) if full else None

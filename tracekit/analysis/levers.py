@@ -628,35 +628,38 @@ def _distributed_levers(facts: dict, dist: dict, at_peak: dict, work: str) -> li
             "overlaps compute (slower)",
             f"{n} unit(s) are unsharded at the peak and {dist.get('prefetched_at_peak') or 0} more prefetched.",
             "the prefetched units' all-gathered bytes at the peak")
-        kept = [u for u in units if u.get("reshard_after_forward") is False]
-        if kept and unsh:
-            one = max(u["bytes"] for u in units)
+        names = dist.get("unsharded_names_at_peak") or []
+        gathered = dist.get("unsharded_unit_bytes") or {}
+        size = lambda u: gathered.get(u.get("name"), u["bytes"])  # noqa: E731  (bytes as all-gathered)
+        # the root keeps its parameters after forward by FSDP's own choice (they are needed first in backward)
+        kept = [u for u in units if u.get("reshard_after_forward") is False and u.get("name") != "(root)"
+                and u.get("name") in names]
+        if len(kept) > 1 and unsh:
             add("reshard after forward", f"FSDP reshard_after_forward=True for {len(kept)} unit(s) that keep their "
                                          "full parameters from forward to backward",
-                "unsharded_parameter", min(unsh, sum(u["bytes"] for u in kept)) - one,
-                f"{len(kept)} unit(s) not resharded after forward (the recorder: {', '.join(u['name'] for u in kept[:4])}"
-                f"); resharding frees their full parameters after forward and all-gathers them again in backward "
-                "(one more all-gather per unit)",
+                "unsharded_parameter", min(unsh, sum(size(u) for u in kept)) - max(size(u) for u in kept),
+                f"{len(kept)} unit(s) not resharded after forward, unsharded at the peak (the recorder: "
+                f"{', '.join(u['name'] for u in kept[:4])}{', ...' if len(kept) > 4 else ''}); resharding frees their "
+                "full parameters after forward and all-gathers them again in backward (one more all-gather per unit)",
                 f"Unsharded parameters hold {fmt_bytes(unsh)} at the peak.",
-                "the full bytes of the units kept unsharded, less one unit computing")
-        names = dist.get("unsharded_names_at_peak") or []
+                "the all-gathered bytes of the units kept unsharded at the peak, less one unit computing")
         blocks = [u for u in units if u.get("name") in names and u.get("name") != "(root)"]
         root = next((u for u in units if u.get("name") == "(root)" and "(root)" in names), None)
         if blocks:
-            big = max(u["bytes"] for u in blocks)
+            big = max(size(u) for u in blocks)
             add("FSDP units per layer", "FSDP: two units per layer (fully_shard the attention and the MLP apart)",
                 "unsharded_parameter", len(blocks) * big / 2,
                 f"{len(blocks)} layer unit(s) unsharded at the peak, the largest {fmt_bytes(big)} of full parameters "
                 "(the recorder's units); halved units gather half as much at a time (more, smaller collectives)",
                 f"Unsharded parameters hold {fmt_bytes(unsh)} at the peak.",
                 "the layer units unsharded at the peak × half a unit")
-        if root is not None and blocks and root["bytes"] > max(u["bytes"] for u in blocks):
+        if root is not None and blocks and size(root) > max(size(u) for u in blocks):
             add("FSDP root unit", "FSDP: the embeddings and the output layer as units of their own (fully_shard them "
                                   "before the root)", "unsharded_parameter",
-                root["bytes"] - max(u["bytes"] for u in blocks),
-                f"the root unit ({fmt_bytes(root['bytes'])} of full parameters: what no other unit holds) is "
+                size(root) - max(size(u) for u in blocks),
+                f"the root unit ({fmt_bytes(size(root))} all-gathered: what no other unit holds) is "
                 "unsharded at the peak and is larger than a layer; split, only the part that computes is gathered",
-                f"The root unit holds {fmt_bytes(root['bytes'])} unsharded at the peak.",
+                f"The root unit holds {fmt_bytes(size(root))} unsharded at the peak.",
                 "root unit - the largest layer unit")
         if not any(u.get("offload") for u in units):
             add("FSDP CPU offload", "FSDP CPU offload (fully_shard(offload_policy=CPUOffloadPolicy()))",
