@@ -372,6 +372,12 @@ def _unsharded(est: Estimate, w: int):
         est.add("unsharded_parameter", layers * per_layer * c / s.tp,
                 f"every layer unit kept all-gathered from forward to backward (reshard_after_forward=False): "
                 f"{layers} × {per_layer:,} params × {c} B{tp}", when=SAVED)
+    if s.mode == "train" and not s.lora_rank:
+        head = shape.head_params() or shape.vocab * shape.emb  # tied: the embedding is the output layer
+        g = 4 if s.precision in ("fp32", "amp") else 2
+        est.add("gradient", head * g / s.tp,
+                f"the output layer's full gradient ({head:,} × {g} B{tp}): made first in backward, kept unsharded "
+                "until the root unit reduce-scatters at the end of backward", when=LOSS_BWD)
     if s.prefetch:
         n = min(layers - 1, s.prefetch)
         est.add("communication", n * per_layer * c / s.tp,
@@ -450,7 +456,7 @@ def _optimizer(est: Estimate):
         if (s.optimizer in ("adam", "adamw") and not s.fused_optimizer and s.precision != "mixed"
                 and (s.zero == 0 or s.fsdp)):
             est.add("temporary", n * e / div / tp,
-                    f"optimizer step: foreach Adam's sqrt(exp_avg_sq) for all {n:,} trainable at once × {e} B "
+                    f"optimizer step: foreach Adam's sqrt(exp_avg_sq) for all {n:,} trainable at once × {e} B{text} "
                     "(torch.optim's default on CUDA; fused=True has none)", when=OPT_STEP)
     if s.optimizer in ("adam", "adamw", "adafactor"):
         est.assumptions.append("optimizer 'step' counters (one small tensor per parameter) are not counted")
