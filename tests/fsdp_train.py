@@ -2,9 +2,9 @@
 `python -m torch.distributed.run ... -m tracekit record -o OUT -- python tests/fsdp_train.py MODE`.
 
 MODE is `fsdp` (each block a unit, then the root: embeddings, final norm and head), `fsdp-bf16` (the same
-with `MixedPrecisionPolicy(param_dtype=bfloat16)` and the blocks kept unsharded after forward) or `ddp`
-(DistributedDataParallel). The model is a small GPT (tracekit.record.toy.TinyGPT) trained with AdamW
-on random tokens for three steps. It prints one JSON line per rank (`TRACEKIT_FACTS {...}`) with what
+with `MixedPrecisionPolicy(param_dtype=bfloat16)` and the blocks kept unsharded after forward), `fsdp1`
+(FullyShardedDataParallel, each block a unit) or `ddp` (DistributedDataParallel). The model is a small GPT (tracekit.record.toy.TinyGPT) trained with AdamW
+on random tokens for three steps. Rank 0 prints one JSON line (`TRACEKIT_FACTS {...}`) with what
 the analytic bytes rest on: the parameter count, each unit's parameter count and the world size.
 """
 import json
@@ -28,7 +28,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     units = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     root = params - sum(units)
-    if mode.startswith("fsdp"):
+    if mode in ("fsdp", "fsdp-bf16"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -39,6 +39,14 @@ def main():
         for block in model.blocks:
             fully_shard(block, mesh=mesh, **extra)
         fully_shard(model, mesh=mesh, **{k: v for k, v in extra.items() if k == "mp_policy"})
+    elif mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from tracekit.record.toy import Block
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         device_id=torch.device("cpu"))
     else:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -50,8 +58,9 @@ def main():
         lm_loss(model(inputs), targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    print("TRACEKIT_FACTS " + json.dumps({"rank": rank, "world_size": world, "mode": mode, "params": params,
-                                           "units": units, "root": root}), flush=True)
+    if rank == 0:  # one line (two ranks printing at once may interleave)
+        print("TRACEKIT_FACTS " + json.dumps({"rank": rank, "world_size": world, "mode": mode, "params": params,
+                                               "units": units, "root": root}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -42,7 +42,8 @@ def _run_job(out, mode):
         raise
     assert p.returncode == 0, text[-4000:]
     facts = [json.loads(line.split(" ", 1)[1]) for line in text.splitlines() if line.startswith("TRACEKIT_FACTS ")]
-    assert len(facts) == WORLD, text[-4000:]
+    assert len(facts) == 1, text[-4000:]
+    assert all(os.path.exists(os.path.join(out, f"{mode}.rank{r}.pickle")) for r in range(WORLD)), text[-4000:]
     return facts[0], {r: os.path.join(out, f"{mode}.rank{r}.pickle") for r in range(WORLD)}
 
 
@@ -56,6 +57,12 @@ def fsdp_job(tmp_path_factory):
 def fsdp_bf16_job(tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
     return _run_job(str(tmp_path_factory.mktemp("fsdp_bf16")), "fsdp-bf16")
+
+
+@pytest.fixture(scope="module")
+def fsdp1_job(tmp_path_factory):
+    pytest.importorskip("torch.distributed.fsdp")
+    return _run_job(str(tmp_path_factory.mktemp("fsdp1")), "fsdp1")
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +181,22 @@ def test_fsdp2_bf16_units_kept_after_forward(fsdp_bf16_job):
     assert d["distributed"]["unsharded_units_at_peak"] >= 2  # blocks kept from forward to backward
     advice = {f["technique"] for f in build_report(trace)["findings"] if f["kind"] == "advice"}
     assert "FSDP mixed-precision parameters" not in advice  # bf16 already
+
+
+def test_fsdp1_flat_parameters(fsdp1_job):
+    """FullyShardedDataParallel: the flat parameter's shard is `parameter` (4P/N), the padded unsharded flat
+    parameters all-gathered for compute are `unsharded_parameter` (the recorder tags them after each unshard)."""
+    facts, files = fsdp1_job
+    P, N = facts["params"], facts["world_size"]
+    unit = 4 * max(facts["units"])
+    for rank, path in files.items():
+        d = _device(path)
+        at = d["categories_at_peak"]
+        assert at["parameter"] == pytest.approx(4 * P / N, rel=0.05), at
+        assert at["optimizer_state"] == pytest.approx(8 * P / N, rel=0.05), at
+        assert unit <= at.get("unsharded_parameter", 0) <= 3 * unit, at
+        assert at.get("other", 0) <= 0.02 * d["peak_allocated_bytes"], at
+        assert d["distributed"]["strategy"] == "fsdp" and d["distributed"]["share"] == "1/2"
 
 
 def test_ddp_each_rank_holds_everything_and_its_buckets(ddp_job):

@@ -56,7 +56,8 @@ def summary(roots, unsharded_units=None) -> dict | None:
             local += _nbytes(_local(p))
         for name, m in root.named_modules():
             kind = type(m).__name__
-            if hasattr(m, "_get_fsdp_state") and strategy in (None, "fsdp2"):
+            fsdp2 = any(c.__name__ == "FSDPModule" for c in type(m).__mro__)  # fully_shard's class
+            if fsdp2 and strategy in (None, "fsdp2"):
                 strategy = "fsdp2"
                 try:
                     state = m._get_fsdp_state()

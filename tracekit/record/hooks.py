@@ -50,6 +50,7 @@ class Hooks:
             return
         import sys
 
+        self._patch_fsdp1(sys.modules.get("torch.distributed.fsdp._flat_param"))
         mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
         if mod is None:
             return
@@ -79,6 +80,26 @@ class Hooks:
                 return original_pb(group, *args, **kwargs)
 
             self._patch(cls, "post_backward", post_backward)
+
+    def _patch_fsdp1(self, mod):
+        """FSDP1 (FullyShardedDataParallel): tell the listener after `FlatParamHandle.unshard` returned."""
+        if getattr(self, "_fsdp1_patched", False) or mod is None:
+            return
+        cls = getattr(mod, "FlatParamHandle", None)
+        original = getattr(cls, "unshard", None)
+        if original is None:
+            return
+        self._fsdp1_patched = True
+        hooks = self
+
+        @functools.wraps(original)
+        def unshard(handle, *args, **kwargs):
+            out = original(handle, *args, **kwargs)
+            if hooks.active and hooks.listener is not None and not _compiling():
+                hooks._call("fsdp1_unsharded", handle)
+            return out
+
+        self._patch(cls, "unshard", unshard)
 
     def patch_ddp(self):
         """Once DDP is imported: tell the listener when `DistributedDataParallel._pre_forward` starts and ends (it

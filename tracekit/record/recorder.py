@@ -87,6 +87,7 @@ class Recorder:
         self._named_memo = None
         self._fsdp_units = {}  # FSDP2 unit name -> bytes of its all-gathered parameters
         self._ddp_intervals = []  # [start_us, end_us] of DDP's pre-forward (bucket rebuilds)
+        self._fsdp1_names = {}  # id(module) -> its name without FSDP1's wrappers
         self._distributed_info = None
         self._distributed_tries = 0
 
@@ -290,6 +291,24 @@ class Recorder:
                 self._fsdp_units[name] = sum(t.untyped_storage().nbytes() for t in held)
             except Exception:  # fake or meta tensors (a simulation): no bytes to count
                 pass
+
+    def fsdp1_unsharded(self, handle):
+        """FSDP1 all-gathered a flat parameter (hooks._patch_fsdp1): tag its padded unsharded flat parameter."""
+        if self.recording:
+            flat = getattr(handle, "flat_param", None)
+            if flat is None or not getattr(handle, "uses_sharded_strategy", True):
+                return
+            module = getattr(handle, "_fully_sharded_module", None)
+            names = self._fsdp1_names
+            if id(module) not in names:  # the wrapped module's name, FSDP's wrappers left out
+                for prefix, root in self._roots():
+                    for n, m in root.named_modules():
+                        n = ".".join(x for x in (prefix.rstrip(".") + "." + n).split(".")
+                                     if x and x != "_fsdp_wrapped_module")
+                        names.setdefault(id(m), n)
+            name = names.get(id(module)) or "(root)"
+            held = [getattr(flat, a, None) for a in ("_full_param_padded", "_full_prec_full_param_padded")]
+            self._tags.add_unsharded([t for t in held if t is not None], f"{name} (unsharded)")
 
     def fsdp_post_backward(self, group):
         """FSDP2 is about to reduce-scatter a unit's gradients: tag its full (unsharded) gradients as gradients."""
