@@ -67,7 +67,8 @@ def summarize(trace: Trace, rules=None) -> dict:
 
 
 HOLDS_KEYS = ("strategy", "world_size", "rank", "parameter_bytes", "local_parameter_bytes", "share",
-              "unsharded_units_at_peak", "prefetched_at_peak", "unsharded_bytes_at_peak", "summary")
+              "unsharded_units_at_peak", "prefetched_at_peak", "prefetched_bytes_at_peak", "unsharded_bytes_at_peak",
+              "summary")
 
 
 def _holds(d: dict | None) -> dict | None:
