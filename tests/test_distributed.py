@@ -239,7 +239,9 @@ def test_frame_roles():
     assert frame_role(ds + "stage3.py", "_create_fp32_partitions")[0] == STATE
     assert frame_role(ds + "stage3.py", "reduce_ipg_grads")[0] == COMM
     assert frame_role(SITE + "torch/nn/parallel/distributed.py", "_ddp_init_helper")[0] == COMM
+    assert frame_role(SITE + "torch/nn/parallel/distributed.py", "_pre_forward")[0] == COMM  # bucket rebuild
     assert frame_role(SITE + "torch/nn/parallel/distributed.py", "forward")[0] != COMM  # runs the user's model
+    assert frame_role(SITE + "torch/distributed/fsdp/_runtime_utils.py", "_pre_forward")[0] != COMM
     assert frame_role("train.py", "forward")[0] == NONE
 
 

@@ -102,6 +102,9 @@ RULES = [
                                                        "_sync_buffers", "_build_params_for_reducer",
                                                        "_check_sync_bufs_pre_fwd", "_sync_params_and_buffers"},
      COMM, "collective buffer (DDP gradient buckets / broadcast, by frames)"),
+    # DDP rebuilds its buckets in its pre-forward (the reducer's C++, under this Python frame)
+    (rf"torch{_S}nn{_S}parallel{_S}distributed\.py$", {"_pre_forward"}, COMM,
+     "collective buffer (DDP gradient buckets rebuilt in its pre-forward, by frames)"),
     # wrappers that run the user's module or its ops: what is made under them is the model's own memory
     (rf"torch{_S}(distributed|nn{_S}parallel){_S}.*\.py$", {"forward", "_run_ddp_forward", "_pre_forward",
                                                             "_post_forward", "_root_pre_forward"}, STOP, ""),
