@@ -13,7 +13,7 @@ from ..units import fmt_bytes
 
 # Advice is given when what a lever acts on holds at least this share of the peak.
 SHARES = {"activation": 0.25, "optimizer_state": 0.15, "training_state": 0.40, "parameter": 0.30, "spike": 0.10,
-          "kv_cache": 0.10, "batch": 0.25}
+          "kv_cache": 0.10, "batch": 0.25, "unsharded": 0.10, "communication": 0.10}
 
 
 def advice_findings(trace: Trace, device: int, at_peak: dict, peak_bytes: int, peak_index: int,
@@ -38,6 +38,16 @@ def advice_findings(trace: Trace, device: int, at_peak: dict, peak_bytes: int, p
         "chunked loss": True,  # the lever itself asks for a loss spike of SHARES["spike"]
         "quantize the KV cache": kv >= SHARES["kv_cache"] * peak,
         "smaller batch": growing_bytes(at_peak) >= SHARES["batch"] * peak,
+        # sharded / data-parallel training (levers._distributed_levers)
+        "FSDP prefetch depth": at_peak.get("communication", 0) >= SHARES["communication"] * peak,
+        "reshard after forward": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
+        "FSDP units per layer": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
+        "FSDP root unit": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
+        "FSDP mixed-precision parameters": at_peak.get("unsharded_parameter", 0) >= SHARES["unsharded"] * peak,
+        "FSDP CPU offload": param + grad + state >= SHARES["training_state"] * peak,
+        "shard over more ranks": param + grad + state >= SHARES["training_state"] * peak,
+        "DDP gradient_as_bucket_view": at_peak.get("communication", 0) >= SHARES["communication"] * peak,
+        "FSDP instead of DDP": param + grad + state >= SHARES["training_state"] * peak,
     }
     out = []
     for lv in levers(facts, at_peak, peak_bytes or 0, 0, spikes):

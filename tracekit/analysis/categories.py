@@ -35,21 +35,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model import NO_TIME, Trace
+from . import distributed as _dist
 from . import phases as ph
 from .memo import per_trace
 from .replay import DeviceReplay, block_size, replay
 
 CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "kv_cache", "workspace",
-              "other")
-PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, KV_CACHE, WORKSPACE, OTHER = range(9)
+              "unsharded_parameter", "communication", "other")
+(PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, TEMPORARY, INPUT, KV_CACHE, WORKSPACE, UNSHARDED_PARAMETER,
+ COMMUNICATION, OTHER) = range(11)
 METHODS = ("tag", "rule", "inferred")
 TAG, RULE, INFERRED = range(3)
 
 # Recorder tag kinds -> category; buffers (running stats, masks) count as model weights.
+# Sharded training (record/tags.py): "parameter" is this rank's shard (a DTensor's local tensor),
+# "unsharded_parameter" a unit's full parameters all-gathered for compute (FSDP2's unshard).
 TAG_CATEGORY = {"parameter": PARAMETER, "buffer": PARAMETER, "gradient": GRADIENT,
-                "optimizer_state": OPTIMIZER_STATE, "activation": ACTIVATION, "input": INPUT}
-# When several tags land on one allocation, the first kind here wins.
-TAG_PRIORITY = (PARAMETER, OPTIMIZER_STATE, GRADIENT, INPUT, ACTIVATION)
+                "optimizer_state": OPTIMIZER_STATE, "activation": ACTIVATION, "input": INPUT,
+                "unsharded_parameter": UNSHARDED_PARAMETER}
+# When several tags land on one allocation, the first kind here wins (an all-gathered weight that a matmul
+# saves for backward, or that the model's own parameters() names while it is unsharded, is an unsharded parameter).
+TAG_PRIORITY = (UNSHARDED_PARAMETER, PARAMETER, OPTIMIZER_STATE, GRADIENT, INPUT, ACTIVATION)
 
 # memory_timeline files (torch.profiler) carry the profiler's category names.
 PROFILER_NAMES = {"autograd_detail": "temporary", "unknown": "other", "": "other"}
@@ -167,6 +173,7 @@ REASONS = (
     "made by the generation loop between decoding steps and freed there",
     "made by the generation loop, kept across decoding steps (generated tokens, attention mask, positions)",
 )
+REASONS = REASONS + tuple(r for r in _dist.REASONS + _dist.EXTRA_REASONS if r not in REASONS)  # sharded training
 R = {text: i for i, text in enumerate(REASONS)}
 # cuBLAS keeps one workspace per handle and stream (a handle per thread: the user's and autograd's),
 # of CUBLAS_WORKSPACE_CONFIG's default size (aten/src/ATen/cuda/CublasHandlePool.cpp): ":4096:2:16:8"
@@ -217,7 +224,11 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     cast_of_weight = has(ph.F_AUTOCAST) & ~freed & np.isin(block_size(2 * al.size), static_sizes)
     evidence = [  # what the frames say, whatever the phase
         (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
-        (has(ph.F_COMM), OTHER, "NCCL / c10d communication buffer"),
+    ]
+    # sharded and data-parallel training (FSDP, ZeRO, DDP) and any other collective buffer, by frames
+    dist = _dist.evidence(trace, al, same_run, allocation_times(trace, rep))
+    evidence += [(mask, CATEGORIES.index(cat), why) for mask, cat, why in dist]
+    evidence += [
         (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
         # a cache's scalars (≤ 16 B: cumulative_length, seen-token counters) are its bookkeeping, not keys/values
         (has(ph.F_KV_CACHE) & ~same_run & (al.size > KV_SCALAR_BYTES), KV_CACHE, "KV cache (Hugging Face cache)"),

@@ -370,6 +370,7 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
         "workspace_bytes": int(workspace),
         "gradient_bytes": grads,
         "fixed_precision": _precision(model),
+        "distributed": summary.get("distributed"),  # what this rank of a sharded / DDP job holds (distributed.py)
     }
 
 
@@ -523,7 +524,11 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
             f"{'Adam-like (' + facts['optimizer'].rsplit('.', 1)[-1] + ')' if facts.get('optimizer') else 'its optimizer not recorded'};"
             " 8 bits per value plus an fp32 absmax per 2048 after",
             f"Optimizer state holds {fmt_bytes(state)} at the peak.", "optimizer state at the peak")
-    if train and state > 0:
+    dist = facts.get("distributed") or {}
+    sharded = _sharded(dist)
+    if train and dist:
+        out += _distributed_levers(facts, dist, at_peak, work)
+    if train and state > 0 and not sharded:
         ranks = dp if dp and dp > 1 else facts.get("world_size") or 8
         given = "given" if dp and dp > 1 else ("the recorder's world size" if facts.get("world_size") else
                                               "an example: give --dp in whatif")
@@ -586,6 +591,120 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
                     "evidence": {"rule": "reserved - allocated at the peak", "workload": work},
                     "note": "saves reserved, not allocated, memory"})
     out.sort(key=lambda r: -r["saves_bytes"])
+    return out
+
+
+def _sharded(dist: dict) -> bool:
+    """The rank's parameters, gradients and optimizer state are sharded already (FSDP, ZeRO-3)."""
+    share = dist.get("share")
+    return bool(dist) and (str(dist.get("strategy", "")).startswith(("fsdp", "sharded"))
+                           or (dist.get("zero_stage") or 0) >= 1 or (share not in (None, "all", "none")))
+
+
+def _distributed_levers(facts: dict, dist: dict, at_peak: dict, work: str) -> list:
+    """FSDP levers (prefetch depth, reshard after forward, CPU offload, mixed-precision parameters, more ranks)
+    and DDP levers (gradient_as_bucket_view, sharding), priced from what this rank holds at its peak."""
+    out = []
+
+    def add(technique, lever, category, saves, assumes, how, rule):
+        if saves > 0:
+            out.append({"technique": technique, "lever": lever, "category": category, "saves_bytes": int(saves),
+                        "assumes": assumes, "how": how,
+                        "evidence": {"rule": rule, "workload": f"{work} ({facts['workload_source']})"}})
+
+    state, grad, param = at_peak.get("optimizer_state", 0), at_peak.get("gradient", 0), at_peak.get("parameter", 0)
+    unsh, comm = at_peak.get("unsharded_parameter", 0), at_peak.get("communication", 0)
+    world = dist.get("world_size") or facts.get("world_size")
+    strategy = str(dist.get("strategy") or "")
+    units = [u for u in dist.get("units") or [] if u.get("bytes")]
+    if _sharded(dist):
+        pre = dist.get("prefetched_bytes_at_peak") or 0
+        n = dist.get("unsharded_units_at_peak") or 0
+        add("FSDP prefetch depth", "FSDP: no prefetch at the peak's pass (set_modules_to_backward_prefetch([]) / "
+                                   "set_modules_to_forward_prefetch([]), or fewer modules to prefetch)",
+            "communication", pre,
+            f"{dist.get('prefetched_at_peak') or 0} unit(s) all-gathered ahead of their compute at the peak "
+            f"({fmt_bytes(pre)} in all-gather outputs not yet copied out); without prefetch the all-gather no longer "
+            "overlaps compute (slower)",
+            f"{n} unit(s) are unsharded at the peak and {dist.get('prefetched_at_peak') or 0} more prefetched.",
+            "the prefetched units' all-gathered bytes at the peak")
+        names = dist.get("unsharded_names_at_peak") or []
+        gathered = dist.get("unsharded_unit_bytes") or {}
+        size = lambda u: gathered.get(u.get("name"), u["bytes"])  # noqa: E731  (bytes as all-gathered)
+        # the root keeps its parameters after forward by FSDP's own choice (they are needed first in backward)
+        kept = [u for u in units if u.get("reshard_after_forward") is False and u.get("name") != "(root)"
+                and u.get("name") in names]
+        if len(kept) > 1 and unsh:
+            add("reshard after forward", f"FSDP reshard_after_forward=True for {len(kept)} unit(s) that keep their "
+                                         "full parameters from forward to backward",
+                "unsharded_parameter", min(unsh, sum(size(u) for u in kept)) - max(size(u) for u in kept),
+                f"{len(kept)} unit(s) not resharded after forward, unsharded at the peak (the recorder: "
+                f"{', '.join(u['name'] for u in kept[:4])}{', ...' if len(kept) > 4 else ''}); resharding frees their "
+                "full parameters after forward and all-gathers them again in backward (one more all-gather per unit)",
+                f"Unsharded parameters hold {fmt_bytes(unsh)} at the peak.",
+                "the all-gathered bytes of the units kept unsharded at the peak, less one unit computing")
+        blocks = [u for u in units if u.get("name") in names and u.get("name") != "(root)"]
+        root = next((u for u in units if u.get("name") == "(root)" and "(root)" in names), None)
+        if blocks:
+            big = max(size(u) for u in blocks)
+            add("FSDP units per layer", "FSDP: two units per layer (fully_shard the attention and the MLP apart)",
+                "unsharded_parameter", len(blocks) * big / 2,
+                f"{len(blocks)} layer unit(s) unsharded at the peak, the largest {fmt_bytes(big)} of full parameters "
+                "(the recorder's units); halved units gather half as much at a time (more, smaller collectives)",
+                f"Unsharded parameters hold {fmt_bytes(unsh)} at the peak.",
+                "the layer units unsharded at the peak × half a unit")
+        if root is not None and blocks and size(root) > max(size(u) for u in blocks):
+            add("FSDP root unit", "FSDP: the embeddings and the output layer as units of their own (fully_shard them "
+                                  "before the root)", "unsharded_parameter",
+                size(root) - max(size(u) for u in blocks),
+                f"the root unit ({fmt_bytes(size(root))} all-gathered: what no other unit holds) is "
+                "unsharded at the peak and is larger than a layer; split, only the part that computes is gathered",
+                f"The root unit holds {fmt_bytes(size(root))} unsharded at the peak.",
+                "root unit - the largest layer unit")
+        if not any(u.get("offload") for u in units):
+            add("FSDP CPU offload", "FSDP CPU offload (fully_shard(offload_policy=CPUOffloadPolicy()))",
+                "parameter", param + grad + state,
+                "parameter shards, gradient shards and optimizer state move to host memory (the optimizer step runs "
+                "on the CPU: much slower); units are still all-gathered on the device",
+                f"Shards and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
+                "(parameter + gradient + optimizer state) at the peak")
+        fp32 = facts.get("fixed_precision") == "fp32" and not any(u.get("param_dtype") for u in units)
+        if fp32 and unsh:
+            add("FSDP mixed-precision parameters",
+                "FSDP mixed precision: MixedPrecisionPolicy(param_dtype=torch.bfloat16)", "unsharded_parameter",
+                unsh / 2 + comm / 2,
+                "fp32 parameters all-gathered today (the recorder: no param_dtype); bf16 halves the unsharded units "
+                "and the collective buffers, shards and optimizer state stay fp32",
+                f"Unsharded parameters hold {fmt_bytes(unsh)} and collective buffers {fmt_bytes(comm)} at the peak.",
+                "(unsharded parameters + communication) at the peak / 2")
+        if world and world > 1:
+            add("shard over more ranks", f"FSDP over {2 * world} ranks instead of {world}", "parameter",
+                (param + grad + state) / 2,
+                f"{world} ranks today (the recorder); each rank keeps half the shards with twice the ranks "
+                "(units are all-gathered whole either way)",
+                f"Shards and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
+                "(parameter + gradient + optimizer state) at the peak / 2")
+    elif strategy == "ddp":
+        bucket = dist.get("bucket_bytes")
+        if dist.get("gradient_as_bucket_view") is False and comm:
+            add("DDP gradient_as_bucket_view", "DDP(gradient_as_bucket_view=True)", "communication",
+                min(comm, max(grad, facts.get("gradient_bytes") or 0) or comm),
+                "gradients become views of DDP's buckets: the second copy of every gradient (the buckets, "
+                f"{fmt_bytes(comm)} at the peak) goes; the bucket size "
+                + (f"({fmt_bytes(bucket)} now, bucket_cap_mb) " if bucket else "")
+                + "changes how many buckets there are, not their total (every gradient has a slot in one)",
+                f"DDP's gradient buckets hold {fmt_bytes(comm)} at the peak.",
+                "min(collective buffers, gradients) at the peak")
+        if world and world > 1 and param + grad + state:
+            blocks = facts.get("blocks") or 0
+            unit = param / blocks if blocks else 0
+            add("FSDP instead of DDP", f"FSDP (fully_shard per block) over the {world} ranks instead of DDP",
+                "parameter", (param + grad + state) * (1 - 1 / world) + comm - 2 * unit,
+                f"{world} ranks (the recorder): parameters, gradients and optimizer state 1/{world} per rank, no "
+                "gradient buckets; two blocks' full parameters all-gathered at a time"
+                + ("" if blocks else " (the blocks are not known: not counted)"),
+                f"Parameters, gradients and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
+                "(parameter + gradient + optimizer state) × (1 - 1/ranks) + buckets - 2 blocks' parameters")
     return out
 
 

@@ -25,7 +25,7 @@ from .replay import replay
 from .report import build_report
 
 FORMAT = "tracekit-summary"
-VERSION = 2  # 2: demand_bytes / demand_is_lower_bound / out_of_memory per device
+VERSION = 3  # 2: demand_bytes / demand_is_lower_bound / out_of_memory per device; 3: distributed (what the rank holds)
 CURVE_POINTS = 256  # points of the allocated curve kept in a summary (envelope: the peaks survive)
 OUTLIER_SHARE = 0.05  # a rank is an outlier when its peak is this far from the median peak
 OUTLIER_FLOOR = 4096  # bytes
@@ -52,6 +52,7 @@ def summarize(trace: Trace, rules=None) -> dict:
                                      "demand_bytes", "demand_is_lower_bound", "out_of_memory")},
             "peak_time_s": None if d.get("peak_time_us") is None or t0 is None else (d["peak_time_us"] - t0) / 1e6,
             "peak_when": when(trace, d["device"], d["peak_event_index"])[2] or None,
+            "distributed": _holds(d.get("distributed")),
             "phases": [{"phase": p["phase"], "peak_bytes": p["peak_bytes"]} for p in d.get("phases") or []],
             "iterations": [{k: i[k] for k in ("iteration", "peak_bytes", "end_bytes")}
                            for i in d.get("iterations") or []],
@@ -63,6 +64,16 @@ def summarize(trace: Trace, rules=None) -> dict:
             "rank": settings.get("rank"), "world_size": settings.get("world_size"), "devices": devices,
             "findings": [{k: f.get(k) for k in ("kind", "device", "label", "bytes", "where", "summary")}
                          for f in report["findings"] if f["kind"] != "peak"]}
+
+
+HOLDS_KEYS = ("strategy", "world_size", "rank", "parameter_bytes", "local_parameter_bytes", "share",
+              "unsharded_units_at_peak", "prefetched_at_peak", "prefetched_bytes_at_peak", "unsharded_bytes_at_peak",
+              "summary")
+
+
+def _holds(d: dict | None) -> dict | None:
+    """What a rank of a sharded / data-parallel job holds (analysis/distributed.rank_holds), for its summary."""
+    return {k: d.get(k) for k in HOLDS_KEYS} if isinstance(d, dict) else None
 
 
 def is_summary(obj) -> bool:
@@ -85,6 +96,8 @@ def is_summary(obj) -> bool:
                     and num(d["final_allocated_bytes"]) and num(d.get("peak_time_s")) and num(d.get("demand_bytes"))
                     and isinstance(d.get("demand_is_lower_bound", False), (bool, type(None)))
                     and isinstance(d["peak_when"] or "", str) and isinstance(d["label"], str)
+                    and (d.get("distributed") is None or (isinstance(d["distributed"], dict)
+                                                          and isinstance(d["distributed"].get("summary"), str)))
                     and sizes(d["categories_at_peak"]) and sizes(d["categories_at_end"] or {})
                     and isinstance(curve, dict) and all(isinstance(curve[k] or [], list) and
                                                         all(num(v, False) for v in curve[k] or [])
@@ -145,6 +158,7 @@ def rank_table(summaries: list[dict], paths: list[str], with_curves: bool = Fals
                      "demand_is_lower_bound": lower, "peak_when": dev.get("peak_when"),
                      "peak_time_s": dev.get("peak_time_s"), "final_allocated_bytes": dev.get("final_allocated_bytes"),
                      "categories_at_peak": dev.get("categories_at_peak") or {}, "findings": kinds,
+                     "holds": dev.get("distributed"),
                      "finding_summaries": [f["summary"] for f in found]})
         if with_curves:
             rows[-1]["curve"] = dev.get("curve")
@@ -174,8 +188,11 @@ def imbalance(rows: list[dict]) -> dict | None:
             by_cat.append({"category": c, "bytes": int(round(delta)), "others_bytes": int(round(med))})
     by_cat.sort(key=lambda x: -abs(x["bytes"]))
     lo, hi = int(np.argmin(peaks)), int(np.argmax(peaks))
+    if lo == hi:  # every rank peaks at the same bytes: the last rank is the "max" (never one rank for both ends)
+        hi = len(rows) - 1 if lo == 0 else 0
     threshold = max(OUTLIER_FLOOR, OUTLIER_SHARE * base)
     return {
+        "equal": bool(peaks[lo] == peaks[hi]), "ranks": len(rows),
         "min_bytes": int(peaks[lo]), "min_rank": rows[lo]["rank"],
         "max_bytes": int(peaks[hi]), "max_rank": rows[hi]["rank"],
         "max_over_min": round(float(peaks[hi]) / float(peaks[lo]), 4) if peaks[lo] > 0 else None,

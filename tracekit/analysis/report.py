@@ -27,6 +27,8 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     add_estimates(trace, devices, estimate, rules)
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
+    from .holds import add_distributed  # what a rank of a sharded / data-parallel job holds (issue 33)
+    add_distributed(trace, devices)
     findings = []
     shape = (estimate or {}).get("shape")
     for d, summary in zip(trace.devices, devices):

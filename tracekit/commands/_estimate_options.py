@@ -78,6 +78,13 @@ KNOBS = [
     _knob("--fused-optimizer", is_flag=True, help="torch.optim's fused=True (default foreach: one state-sized "
           "temporary during Adam's step)."),
     _knob("--zero", type=click.IntRange(0, 3), default=0, show_default=True),
+    _knob("--fsdp", type=click.IntRange(min=2), help="PyTorch FSDP over N ranks (fully_shard per layer): "
+          "parameters, gradients and optimizer state 1/N per rank, plus the units all-gathered for compute "
+          "(the root and 1 + --prefetch layers). Sets --zero 3 --dp N."),
+    _knob("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
+          help="With --fsdp: units all-gathered ahead of the one computing."),
+    _knob("--reshard-after-forward/--no-reshard-after-forward", "reshard_after_forward", default=True,
+          show_default=True, help="With --fsdp: free each unit's full parameters after its forward."),
     _knob("--dp", type=int, default=1, show_default=True, help="Data-parallel size."),
     _knob("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size."),
     _knob("--offload-param", type=click.Choice(["none", "cpu"]), default="none", show_default=True),
@@ -126,17 +133,22 @@ FIELDS = {"double_quant": "quant_double"}  # knob -> Setup field, where they dif
 
 def overrides_from(kw) -> dict:
     """Setup fields from the knobs that were given (None: not given)."""
-    out = {}
+    out, fsdp = {}, None
     for decls, _ in KNOBS:
-        knob = decls[0].lstrip("-").replace("-", "_")
+        knob = decls[1] if len(decls) > 1 and decls[1].isidentifier() else decls[0].lstrip("-").replace("-", "_")
         value = kw.get(knob)
         if value is None or (knob in ("double_quant", "fused_optimizer", "loss_only") and not value):
+            continue
+        if knob == "fsdp":
+            fsdp = value
             continue
         if knob == "lora_targets":
             value = tuple(t.strip() for t in value.split(",") if t.strip())
         elif knob in ("offload_param", "offload_optimizer"):
             value = value == "cpu"
         out[FIELDS.get(knob, knob)] = value
+    if fsdp:  # --fsdp N is ZeRO-3 over N ranks, with FSDP's units counted (it wins over --zero / --dp)
+        out.update(zero=3, dp=fsdp, fsdp=True)
     return out
 
 

@@ -39,6 +39,95 @@ class Hooks:
         self._depth = 0  # outermost-module tracking for global hooks
         self._thread = None
         self._warned = False
+        self._fsdp_patched = False
+        self._ddp_patched = False
+
+    def patch_fsdp(self):
+        """Once FSDP2 is imported (the model is wrapped before its first forward): tell the listener each time a
+        unit's parameters have been all-gathered (`FSDPParamGroup.wait_for_unshard` returned), so that it can tag
+        them. The wrapper calls the original first and never changes what it returns."""
+        if self._fsdp_patched or not self.active:
+            return
+        import sys
+
+        self._patch_fsdp1(sys.modules.get("torch.distributed.fsdp._flat_param"))
+        mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+        if mod is None:
+            return
+        self._fsdp_patched = True
+        cls = getattr(mod, "FSDPParamGroup", None)
+        original = getattr(cls, "wait_for_unshard", None)
+        if original is None:
+            return
+        hooks = self
+
+        @functools.wraps(original)
+        def wait_for_unshard(group, *args, **kwargs):
+            out = original(group, *args, **kwargs)
+            # any thread: on CUDA, backward (and FSDP's unshard for it) runs on autograd's device thread
+            if hooks.active and hooks.listener is not None and not _compiling():
+                hooks._call("fsdp_unsharded", group)
+            return out
+
+        self._patch(cls, "wait_for_unshard", wait_for_unshard)
+        original_pb = getattr(cls, "post_backward", None)
+        if original_pb is not None:
+            @functools.wraps(original_pb)
+            def post_backward(group, *args, **kwargs):
+                # before the original: the unit's full gradients, which it reduce-scatters and frees
+                if hooks.active and hooks.listener is not None and not _compiling():
+                    hooks._call("fsdp_post_backward", group)
+                return original_pb(group, *args, **kwargs)
+
+            self._patch(cls, "post_backward", post_backward)
+
+    def _patch_fsdp1(self, mod):
+        """FSDP1 (FullyShardedDataParallel): tell the listener after `FlatParamHandle.unshard` returned."""
+        if getattr(self, "_fsdp1_patched", False) or mod is None:
+            return
+        cls = getattr(mod, "FlatParamHandle", None)
+        original = getattr(cls, "unshard", None)
+        if original is None:
+            return
+        self._fsdp1_patched = True
+        hooks = self
+
+        @functools.wraps(original)
+        def unshard(handle, *args, **kwargs):
+            out = original(handle, *args, **kwargs)
+            if hooks.active and hooks.listener is not None and not _compiling():
+                hooks._call("fsdp1_unsharded", handle)
+            return out
+
+        self._patch(cls, "unshard", unshard)
+
+    def patch_ddp(self):
+        """Once DDP is imported: tell the listener when `DistributedDataParallel._pre_forward` starts and ends (it
+        rebuilds the gradient buckets there, in C++, where no Python stack names them)."""
+        if self._ddp_patched or not self.active:
+            return
+        import sys
+
+        mod = sys.modules.get("torch.nn.parallel.distributed")
+        cls = getattr(mod, "DistributedDataParallel", None) if mod is not None else None
+        original = getattr(cls, "_pre_forward", None)
+        if original is None:
+            return
+        self._ddp_patched = True
+        hooks = self
+
+        @functools.wraps(original)
+        def _pre_forward(ddp, *args, **kwargs):
+            listening = hooks._listening()
+            if listening:
+                hooks._call("ddp_pre_forward", True)
+            try:
+                return original(ddp, *args, **kwargs)
+            finally:
+                if listening:
+                    hooks._call("ddp_pre_forward", False)
+
+        self._patch(cls, "_pre_forward", _pre_forward)
 
     # -- install / remove --------------------------------------------------
     def install(self, model=None, optimizer=None):
@@ -79,6 +168,8 @@ class Hooks:
             self._disable_patch = (graph, original, self._wrap_disable(original))
             graph.disable_saved_tensors_hooks = self._disable_patch[2]
         self.active = True
+        self.patch_fsdp()  # a model wrapped before recording starts: FSDP / DDP are imported already
+        self.patch_ddp()
 
     def remove(self, pop_saved_hooks=True):
         """Detach every hook. The saved-tensor hooks are a per-thread stack that
@@ -158,6 +249,8 @@ class Hooks:
 
     def _model_pre(self, module, args, kwargs):
         if self._listening():
+            self.patch_fsdp()
+            self.patch_ddp()
             self._call("forward_started", module, args, kwargs)
 
     def _global_pre(self, module, args):
@@ -165,6 +258,8 @@ class Hooks:
             return
         self._depth += 1
         if self._depth == 1:
+            self.patch_fsdp()
+            self.patch_ddp()
             self._call("forward_started", module, args, None)
 
     def _global_post(self, module, args, *rest):

@@ -85,6 +85,11 @@ class Recorder:
         self._checkpoint = None  # CUDA: torch.utils.checkpoint's early stop, switched off while recording
         self._param_names_memo = None
         self._named_memo = None
+        self._fsdp_units = {}  # FSDP2 unit name -> bytes of its all-gathered parameters
+        self._ddp_intervals = []  # [start_us, end_us] of DDP's pre-forward (bucket rebuilds)
+        self._fsdp1_names = {}  # id(module) -> its name without FSDP1's wrappers
+        self._distributed_info = None
+        self._distributed_tries = 0
 
     @property
     def model(self):
@@ -257,6 +262,9 @@ class Recorder:
         self._marks.backward_ended()
         if self.recording:
             self._tags.add_gradients(self._named_parameters())
+            if self._distributed_tries < 2 and not (self._distributed_info or {}).get("parameter_bytes"):
+                self._distributed_tries += 1  # the first backward passes (FSDP is initialised by then), not every one
+                self._take_distributed()
 
     def optimizer_started(self, optimizer):
         if all(ref() is not optimizer for ref, _ in self._optimizers):
@@ -269,6 +277,74 @@ class Recorder:
         self._marks.optimizer_ended()
         if self.recording:
             self._tags.add_optimizer_state(optimizer, self._param_names())
+
+    def fsdp_unsharded(self, group):
+        """FSDP2 all-gathered a unit's parameters (hooks.patch_fsdp): tag them, and remember the unit's bytes."""
+        if self.recording:
+            name = getattr(group, "_module_fqn", None) or "(root)"
+            held = []
+            for fp in getattr(group, "fsdp_params", ()):
+                held += list(getattr(fp, "all_gather_outputs", None) or ())
+                held += list(getattr(fp, "_unsharded_inner_tensors", None) or ())
+            self._tags.add_unsharded(held, f"{name} (unsharded)")
+            try:
+                self._fsdp_units[name] = sum(t.untyped_storage().nbytes() for t in held)
+            except Exception:  # fake or meta tensors (a simulation): no bytes to count
+                pass
+
+    def fsdp1_unsharded(self, handle):
+        """FSDP1 all-gathered a flat parameter (hooks._patch_fsdp1): tag its padded unsharded flat parameter."""
+        if self.recording:
+            flat = getattr(handle, "flat_param", None)
+            if flat is None or not getattr(handle, "uses_sharded_strategy", True):
+                return
+            module = getattr(handle, "_fully_sharded_module", None)
+            names = self._fsdp1_names
+            if id(module) not in names:  # the wrapped module's name, FSDP's wrappers left out
+                for prefix, root in self._roots():
+                    for n, m in root.named_modules():
+                        n = ".".join(x for x in (prefix.rstrip(".") + "." + n).split(".")
+                                     if x and x != "_fsdp_wrapped_module")
+                        names.setdefault(id(m), n)
+            name = names.get(id(module)) or "(root)"
+            held = [getattr(flat, a, None) for a in ("_full_param_padded", "_full_prec_full_param_padded")]
+            self._tags.add_unsharded([t for t in held if t is not None], f"{name} (unsharded)")
+
+    def fsdp_post_backward(self, group):
+        """FSDP2 is about to reduce-scatter a unit's gradients: tag its full (unsharded) gradients as gradients."""
+        if self.recording:
+            name = getattr(group, "_module_fqn", None) or "(root)"
+            for fp in getattr(group, "fsdp_params", ()):
+                try:
+                    grad = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+                except Exception:
+                    grad = None
+                for g in (grad, getattr(fp, "unsharded_accumulated_grad", None)):
+                    if g is not None:
+                        self._tags.add(g, GRADIENT, f"{name}: {getattr(fp, '_param_fqn', None) or 'param'}.grad "
+                                                    "(unsharded, before its reduce-scatter)")
+
+    def ddp_pre_forward(self, started):
+        """DDP's pre-forward began or ended (hooks.patch_ddp): its bucket rebuilds happen in between."""
+        if self.recording:
+            if started:
+                self._ddp_intervals.append([now_us(), None])
+            elif self._ddp_intervals and self._ddp_intervals[-1][1] is None:
+                self._ddp_intervals[-1][1] = now_us()
+
+    def _take_distributed(self):
+        """What the job's wrappers say (record/distributed.py), taken while the model lives (a script's model is
+        gone by the time its file is written)."""
+        try:
+            from .distributed import summary as distributed_summary
+
+            got = distributed_summary(self._roots(), self._fsdp_units)
+            if got is not None and (got.get("parameter_bytes") or self._distributed_info is None):
+                self._distributed_info = got
+        except Exception as e:
+            if not getattr(self, "_warned_distributed", False):
+                self._warned_distributed = True
+                warnings.warn(f"tracekit: could not read the distributed setup ({e!r})", RuntimeWarning)
 
     def saved_tensor(self, tensor, fn=False):
         if self.recording:
@@ -471,6 +547,7 @@ class Recorder:
             "phases": [clamp(p) for p in self._marks.phases if kept(p["iteration"])],
             "iterations": [clamp(i) for i in self._marks.iterations if kept(i["iteration"])],
             "tags": self._tags.items,
+            "distributed": self._distributed(),
             "command": self.command,
             "exit_code": self.exit_code,
             "error": self.error,
@@ -480,11 +557,23 @@ class Recorder:
             "settings": {
                 "backend": self._backend.name if self._backend is not None else self.backend_name, "stacks": self.stacks, "max_entries": self.max_entries,
                 "activations": self.activations, "warmup": self.warmup, "steps": self.steps,
-                "path": self.path, "pid": os.getpid(), "rank": rank(),
+                "path": self.path, "pid": os.getpid(), "rank": rank(), "world_size": world_size(),
                 "start_us": self._start_us, "end_us": end_us, "origins": bool(self.origins),
                 **self._backend_settings(),
             },
         }
+
+    def _distributed(self):
+        """What a sharded or data-parallel job's rank holds (record/distributed.py); None outside one."""
+        self._take_distributed()
+        info = self._distributed_info
+        if info is not None:
+            info = dict(info)
+            if self._fsdp_units:
+                info["unsharded_units"] = [{"name": k, "bytes": int(v)} for k, v in self._fsdp_units.items()]
+            if self._ddp_intervals:
+                info["ddp_pre_forward_us"] = [[a, b] for a, b in self._ddp_intervals if b is not None]
+        return info
 
     def _main_model_summary(self):
         """The summary of the biggest known model (taken when it was first seen, refreshed if it still lives)."""
@@ -596,6 +685,12 @@ def rank():
         if value is not None and value.strip().lstrip("-").isdigit():
             return int(value)
     return None
+
+
+def world_size():
+    """The number of processes of a torchrun job (WORLD_SIZE), or None."""
+    value = os.environ.get("WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() else None
 
 
 def expand_path(path) -> str:

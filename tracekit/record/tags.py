@@ -11,13 +11,20 @@ from .marks import now_us
 
 PARAMETER, BUFFER, GRADIENT = "parameter", "buffer", "gradient"
 OPTIMIZER_STATE, ACTIVATION, INPUT = "optimizer_state", "activation", "input"
-KINDS = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT)
+UNSHARDED_PARAMETER = "unsharded_parameter"  # a unit's full parameters all-gathered for compute (FSDP2 unshard)
+KINDS = (PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT, UNSHARDED_PARAMETER)
 MAX_TAGS = 50_000  # the newest kept (CUDA: the kept window is known at the end only); all are re-tagged every iteration
 
 
 def storage_span(tensor):
-    """(base address, size in bytes) of a tensor's storage, or None (no storage, meta, sparse...)."""
+    """(base address, size in bytes) of a tensor's storage, or None (no storage, meta, sparse...).
+
+    A DTensor (FSDP2's sharded parameters, their gradients and optimizer state; tensor parallelism) has no
+    storage of its own: its local tensor's is what this rank holds."""
     try:
+        local = getattr(tensor, "_local_tensor", None)
+        if local is not None:
+            tensor = local
         storage = tensor.untyped_storage()
         addr, size = storage.data_ptr(), storage.nbytes()
     except Exception:
@@ -99,6 +106,16 @@ class Tags:
         elif kind == ACTIVATION:
             self._activation_at[addr] = len(self._items)
         self._items.append((addr, size, device, self.clock() if time_us is None else time_us, kind, name))
+
+    def add_unsharded(self, tensors, name):
+        """Tag full parameters just all-gathered (FSDP2's unshard): every time, since a unit is unsharded in
+        forward and again in backward, often at the same address."""
+        for t in tensors:
+            if t is None or self.device_of(t) is None:
+                continue
+            span = storage_span(t)
+            if span is not None:
+                self._items.append((span[0], span[1], self.device_of(t), self.clock(), UNSHARDED_PARAMETER, name))
 
     # -- what a model and an optimizer hold -------------------------------
     def add_named(self, named, kind, prefix=""):

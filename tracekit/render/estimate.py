@@ -36,17 +36,18 @@ def estimate_text(est, deepspeed=None) -> str:
         if where == "cpu" and not per["total"]:
             continue
         out += ["", title]
+        wc = max([16] + [len(c) for c in per if c != "total" and per[c]])  # unsharded_parameter is 19 wide
         for cat in [c for c in per if c != "total"]:
             lines = [ln for ln in est.lines if ln.category == cat and ln.where == where]
             if not per[cat]:
                 continue  # JSON keeps every category; text shows what holds bytes
             if len(lines) == 1:
-                out.append(f"  {cat:<16} {fmt_bytes(per[cat]):>11}  {lines[0].formula}")
+                out.append(f"  {cat:<{wc}} {fmt_bytes(per[cat]):>11}  {lines[0].formula}")
                 continue
-            out.append(f"  {cat:<16} {fmt_bytes(per[cat]):>11}")
+            out.append(f"  {cat:<{wc}} {fmt_bytes(per[cat]):>11}")
             out += [f"    {fmt_bytes(ln.bytes):>13}  {ln.formula}" for ln in lines]
         if where == "cpu":
-            out.append(f"  {'total':<16} {fmt_bytes(per['total']):>11}  ({_gb(per['total'])}, {per['total']:,} bytes)")
+            out.append(f"  {'total':<{wc}} {fmt_bytes(per['total']):>11}  ({_gb(per['total'])}, {per['total']:,} bytes)")
             continue
         moments, peak = est.moments(), est.peak_moment
         shown = [c for c in per if c != "total" and any(m["per_gpu"][c] for m in moments)]
@@ -108,8 +109,11 @@ def comparison_lines(e: dict) -> list[str]:
     s = e["setup"]
     what = f"{s['precision']}, " + (s["optimizer"] if s["mode"] == "train" else "inference") + (
         f", batch {s['batch']} × seq {s['seq']}" if s["seq"] else "")
+    if s.get("fsdp") or (s.get("dp") or 1) > 1:
+        what += f", {'FSDP' if s.get('fsdp') else 'ZeRO-' + str(s.get('zero', 0))} over {s['dp']} ranks"
+    wc = max([16] + [len(r["category"]) for r in e["categories"] if r["predicted"] or r["measured"]])
     out = [f"  predicted vs measured ({e['model']}: {e['params']:,} params; {what}):",
-           f"    {'':<16} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12} "
+           f"    {'':<{wc}} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12} "
            f"{'predicted at peak':>18}"]
     for r in e["categories"]:
         if r["predicted"] or r["measured"]:
@@ -117,11 +121,11 @@ def comparison_lines(e: dict) -> list[str]:
             share = f" ({ratio:+.1%})" if ratio and abs(ratio) < 10 else ""
             guess = r.get("inferred_share") or 0
             tag = ("  (inferred)" if guess >= 0.995 else f"  ({guess:.0%} inferred)" if guess > 0 else "")
-            out.append(f"    {r['category']:<16} {fmt_bytes(r['predicted']):>11} {fmt_bytes(r['measured']):>11} "
+            out.append(f"    {r['category']:<{wc}} {fmt_bytes(r['predicted']):>11} {fmt_bytes(r['measured']):>11} "
                        f"{_signed(r['difference']):>11} {fmt_bytes(r['at_peak']):>12} "
                        f"{fmt_bytes(r.get('predicted_at_peak', r['predicted'])):>18}{share}{tag}")
     moment = f", predicted at '{e['predicted_peak_moment']}'" if e.get("predicted_peak_moment") else ""
-    out.append(f"    {'total':<16} {fmt_bytes(e['predicted_total']):>11} {fmt_bytes(e['peak_allocated']):>11} "
+    out.append(f"    {'total':<{wc}} {fmt_bytes(e['predicted_total']):>11} {fmt_bytes(e['peak_allocated']):>11} "
                f"{_signed(e['peak_difference']):>11}   (the peak: measured allocated{moment})")
     if e["gap_at_peak"]:
         out.append("    the difference at the peak:")

@@ -19,6 +19,8 @@ CATEGORY_COLORS = {
     "input": SKY,
     "kv_cache": YELLOW,
     "workspace": "#C9B79C",  # a handle's scratch space: a quiet sand, like overhead
+    "unsharded_parameter": "#7FB8E0",  # a unit's full parameters, all-gathered: a lighter parameter blue
+    "communication": "#8C6D5A",  # collective buffers (all-gather / reduce-scatter staging, DDP buckets)
     "other": GREY,
     "allocated": BLUE,  # shown when a file has no categories
 }

@@ -1,7 +1,7 @@
 """Plain-text rendering of a many-rank report: one row per rank, then the imbalance."""
 from __future__ import annotations
 
-from ..units import fmt_bytes
+from ..units import fmt_bytes, fmt_bytes_exact
 from . import Reporter
 from .diff import relative
 
@@ -28,18 +28,49 @@ def ranks_text(table: dict) -> str:
         out.append(f"  ≥: rank{'s' if len(died) > 1 else ''} {', '.join(str(r['rank']) for r in died)} ran out of memory: "
                    "the figure is what it needed at least (live when a request failed + the request), not its peak")
     out.append("")
+    out += holds_lines(rows)
     out += imbalance_lines(table.get("imbalance"))
     for e in table.get("errors") or []:
         out.append(f"not read: {e['error']}")
     return "\n".join(out).rstrip() + "\n"
 
 
+MAX_HOLDS_LINES = 8  # more ranks than this: the first rank's line, and whether the others hold the same share
+
+
+def holds_lines(rows) -> list[str]:
+    """What each rank of a sharded / data-parallel job holds ("rank 0 holds 1/2 of the parameters ...")."""
+    held = [r["holds"] for r in rows if isinstance(r.get("holds"), dict) and r["holds"].get("summary")]
+    if not held:
+        return []
+    if len(held) <= MAX_HOLDS_LINES:
+        return [f"  {h['summary']}" for h in held] + [""]
+    same = len({(h.get("share"), h.get("local_parameter_bytes")) for h in held}) == 1
+    return [f"  {held[0]['summary']}",
+            f"  ({'every other rank holds the same share' if same else 'the ranks hold different shares: see --json'};"
+            f" {len(held)} ranks)", ""]
+
+
+def _two(a: int, b: int) -> tuple[str, str]:
+    """Two sizes with enough digits that different bytes never read the same."""
+    for digits in (1, 2, 3):
+        x, y = fmt_bytes_exact(a, digits), fmt_bytes_exact(b, digits)
+        if x != y or a == b:
+            return x, y
+    return f"{a:,} B", f"{b:,} B"
+
+
 def imbalance_lines(imb: dict | None) -> list[str]:
     if not imb:
         return []
+    if imb.get("equal") or imb["min_bytes"] == imb["max_bytes"]:
+        n = imb.get("ranks")
+        return [f"Balanced: {('both ranks' if n == 2 else f'all {n} ranks') if n else 'every rank'} peak at "
+                f"{fmt_bytes(imb['max_bytes'])} (to the byte)."]
     ratio = f"max/min {imb['max_over_min']:.2f}" if imb.get("max_over_min") else "max/min n/a"
-    out = [f"Imbalance: peaks from {fmt_bytes(imb['min_bytes'])} (rank {imb['min_rank']}) to "
-           f"{fmt_bytes(imb['max_bytes'])} (rank {imb['max_rank']}), {ratio}; median {fmt_bytes(imb['median_bytes'])}"]
+    lo, hi = _two(imb["min_bytes"], imb["max_bytes"])
+    out = [f"Imbalance: peaks from {lo} (rank {imb['min_rank']}) to "
+           f"{hi} (rank {imb['max_rank']}), {ratio}; median {fmt_bytes(imb['median_bytes'])}"]
     o = imb.get("outlier")
     if o is None:
         out.append(f"Balanced: no rank peaks {imb['threshold_share']:.0%} or more away from the others' median.")
@@ -57,7 +88,8 @@ def imbalance_lines(imb: dict | None) -> list[str]:
 
 
 def _columns(rows) -> list[str]:
-    order = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "kv_cache", "other")
+    order = ("parameter", "unsharded_parameter", "gradient", "optimizer_state", "activation", "temporary", "input",
+             "kv_cache", "communication", "other")
     seen = {}
     for r in rows:
         peak = r.get("peak_allocated_bytes") or 0

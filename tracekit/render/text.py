@@ -76,6 +76,8 @@ def report_text(report: dict, t0_by_device=None) -> str:
                 why.setdefault(r["category"], r["reason"])
             out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}  {why.get(c, '')}".rstrip()) for c, b in cats if b],
                          indent="    ")
+        if d.get("distributed"):  # what this rank of a sharded / data-parallel job holds (issue 33)
+            out.append(f"  {d['distributed']['summary']}")
         out += _phase_rows(d)
         if d.get("estimate"):  # predicted vs measured (render/estimate.py)
             from .estimate import comparison_lines

@@ -45,7 +45,8 @@ def recorded_setup(trace: Trace):
     cfg = model.get("config")
     attention = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash"}.get(
         str((cfg or {}).get("_attn_implementation") or "sdpa"), "sdpa")
-    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq, attention=attention)
+    setup = Setup(precision=precision, optimizer=kind, batch=batch, seq=seq, attention=attention,
+                  **_distributed_setup(rec.get("distributed"), notes))
     if cfg:
         try:
             shape = from_hf_config(cfg, name=cfg.get("_name_or_path") or model.get("class", "model"))
@@ -57,11 +58,32 @@ def recorded_setup(trace: Trace):
         except Exception as e:  # a config this estimator does not know: fall back to the counts
             notes.append(f"recorded config not usable ({e})")
     trainable = model.get("trainable_parameters", model["parameters"])
+    units = [u.get("parameters") or 0 for u in (rec.get("distributed") or {}).get("units") or []]
     shape = ParamCount(model["parameters"], name=model.get("class", "model"), trainable=trainable,
-                       factored=_factored(model.get("trainable_shapes")))
+                       factored=_factored(model.get("trainable_shapes")), largest=max(units, default=0))
     notes.append("model states from the recorder's parameter count; without the model's shape activations are "
                  "not predicted: give --estimate-config")
     return shape, replace(setup, optimizer=kind if kind != "adafactor" or shape.factored else "none"), notes
+
+
+def _distributed_setup(info, notes) -> dict:
+    """Setup fields for a rank of a sharded or data-parallel job (record/distributed.py): FSDP shards parameters,
+    gradients and optimizer state over the ranks (ZeRO-3), DDP keeps whole copies (dp only)."""
+    if not isinstance(info, dict) or not isinstance(info.get("world_size"), int) or info["world_size"] < 2:
+        return {}
+    world, strategy = info["world_size"], info.get("strategy")
+    if strategy == "fsdp2" or (strategy == "fsdp" and info.get("sharding_strategy", "FULL_SHARD") in
+                               ("FULL_SHARD", "HYBRID_SHARD")):
+        notes.append(f"{strategy.upper()} over {world} ranks (the recorder): parameters, gradients and optimizer "
+                     "state sharded, units all-gathered for compute")
+        return {"zero": 3, "dp": world, "fsdp": True}
+    if strategy == "fsdp" and info.get("sharding_strategy") == "SHARD_GRAD_OP":
+        return {"zero": 2, "dp": world}
+    if strategy == "deepspeed" and isinstance(info.get("zero_stage"), int):
+        return {"zero": info["zero_stage"], "dp": world}
+    notes.append(f"{strategy or 'data parallel'} over {world} ranks (the recorder): whole parameters, gradients "
+                 "and optimizer state on every rank")
+    return {"dp": world}
 
 
 def _factored(shapes) -> int | None:

@@ -64,6 +64,9 @@ class Setup:
     dropout: float | None = None  # None: the model's
     zero: int = 0
     dp: int = 1
+    fsdp: bool = False  # PyTorch FSDP (--fsdp N: zero 3 over dp N): units all-gathered for compute, counted
+    prefetch: int = 1  # FSDP: units all-gathered ahead of the one computing (forward/backward prefetch)
+    reshard_after_forward: bool = True  # FSDP: False keeps every unit unsharded from its forward to its backward
     tp: int = 1
     offload_param: bool = False
     offload_optimizer: bool = False
@@ -96,6 +99,10 @@ class Setup:
             raise TracekitError("--seq, --lora-rank, --generate and --kv-block-size cannot be negative")
         if self.cublas_workspace < 0:
             raise TracekitError("the cuBLAS workspace cannot be negative")
+        if self.fsdp and (self.zero != 3 or self.dp < 2):
+            raise TracekitError("--fsdp N shards over N ranks (ZeRO-3 semantics): N must be at least 2")
+        if self.prefetch < 0:
+            raise TracekitError("--prefetch cannot be negative")
         if self.offload_param and self.zero != 3:
             raise TracekitError("--offload-param cpu needs --zero 3 (only ZeRO-3 partitions parameters)")
         if self.mode == "train" and self.quant != "none" and not self.lora_rank:
@@ -305,9 +312,12 @@ def _parameters(est: Estimate):
         est.assumptions.append("bitsandbytes keeps the embeddings, the output layer (lm_head), norms and "
                                f"biases in {w * 8}-bit; only the layers' matmul weights are quantized")
     if s.zero == 3 and s.dp > 1:
-        nbytes, formula = nbytes / s.dp, f"({formula}) / dp {s.dp} (ZeRO-3)"
-        est.assumptions.append("ZeRO-3 also gathers each layer's full weights while it runs "
-                               "(about the largest layer; transient, not counted)")
+        nbytes, formula = nbytes / s.dp, f"({formula}) / dp {s.dp} ({'FSDP' if s.fsdp else 'ZeRO-3'})"
+        if s.fsdp:
+            _unsharded(est, w)
+        else:
+            est.assumptions.append("ZeRO-3 also gathers each layer's full weights while it runs "
+                                   "(about the largest layer; transient, not counted)")
     if s.lora_rank:
         lora = _lora_params(est.shape, s)
         est.add("parameter", lora * 4, f"LoRA adapters: {lora:,} params × 4 B (fp32) "
@@ -320,9 +330,73 @@ def _parameters(est: Estimate):
         est.add("parameter", nbytes, formula)
 
 
+def fsdp_units(shape) -> tuple[int, int, int] | None:
+    """(units, parameters of one layer unit, parameters of the root unit) when each layer is an FSDP unit and the
+    root holds the rest (embeddings, final norm, output layer): how `fully_shard` is applied to a transformer."""
+    layers = getattr(shape, "layers", 0)
+    if isinstance(shape, ModelShape) and layers:
+        per_layer = (shape.params() - shape.embedding_params() - shape.head_params()
+                     - (shape.norm_params() if shape.final_norm else 0)) // layers
+        return layers, per_layer, shape.params() - layers * per_layer
+    if isinstance(shape, ParamCount) and shape.largest:
+        return None
+    return None
+
+
+def _unsharded(est: Estimate, w: int):
+    """FSDP: the full parameters of the units being computed, all-gathered (and freed on reshard)."""
+    s, shape = est.setup, est.shape
+    c = 2 if s.precision in ("mixed", "bf16", "fp16", "amp") and s.precision != "amp" else w
+    got = fsdp_units(shape)
+    if got is None:
+        largest = shape.largest_layer_params()
+        if largest:
+            est.add("unsharded_parameter", largest * c, f"the computing unit all-gathered: largest layer "
+                                                        f"{largest:,} params × {c} B", when=SAVED)
+            if s.prefetch:
+                est.add("communication", s.prefetch * largest * c,
+                        f"all-gather output of {s.prefetch} prefetched unit(s): {s.prefetch} × {largest:,} params × "
+                        f"{c} B", when=SAVED)
+        est.assumptions.append("FSDP with --params only: a unit is taken as the largest layer (--largest-layer)")
+        return
+    layers, per_layer, root = got
+    tp = f" / tp {s.tp}" if s.tp > 1 else ""
+    est.add("unsharded_parameter", root * c / s.tp,
+            f"root unit all-gathered (embeddings, final norm, output layer: {root:,} params × {c} B{tp}; the root "
+            "is not resharded after forward)", when=SAVED)
+    if s.reshard_after_forward:
+        est.add("unsharded_parameter", per_layer * c / s.tp,
+                f"the computing layer unit's full parameters (copied out of its all-gather): {per_layer:,} params × "
+                f"{c} B{tp}", when=SAVED)
+    else:
+        est.add("unsharded_parameter", layers * per_layer * c / s.tp,
+                f"every layer unit kept all-gathered from forward to backward (reshard_after_forward=False): "
+                f"{layers} × {per_layer:,} params × {c} B{tp}", when=SAVED)
+    if s.mode == "train" and not s.lora_rank:
+        head = shape.head_params() or shape.vocab * shape.emb  # tied: the embedding is the output layer
+        g = 4 if s.precision in ("fp32", "amp") else 2
+        est.add("gradient", head * g / s.tp,
+                f"the output layer's full gradient ({head:,} × {g} B{tp}): made first in backward, kept unsharded "
+                "until the root unit reduce-scatters at the end of backward", when=LOSS_BWD)
+    if s.prefetch:
+        n = min(layers - 1, s.prefetch)
+        est.add("communication", n * per_layer * c / s.tp,
+                f"all-gather output of {n} unit{'s' if n > 1 else ''} prefetched (its full parameters before their "
+                f"copy-out): {n} × {per_layer:,} params × {c} B{tp}", when=SAVED)
+    g = 4 if s.precision in ("fp32", "amp") else 2
+    est.add("communication", per_layer * g / s.tp,
+            f"reduce-scatter input of the unit in backward: its full gradients, {per_layer:,} × {g} B{tp}",
+            when=LOSS_BWD)
+    est.assumptions.append(f"FSDP: each of the {layers} layers is a unit (fully_shard per layer, then the root), "
+                           f"{s.prefetch} unit(s) prefetched (held in their all-gather outputs until their copy-out: "
+                           "communication); units are all-gathered in "
+                           f"{'16' if c == 2 else '32'}-bit; shards, gradients and optimizer state are 1/{s.dp} "
+                           "per rank")
+
+
 def _shard(stage_needed: int, s: Setup) -> tuple[int, str]:
     if s.zero >= stage_needed and s.dp > 1:
-        return s.dp, f" / dp {s.dp} (ZeRO-{s.zero})"
+        return s.dp, f" / dp {s.dp} ({'FSDP' if s.fsdp else f'ZeRO-{s.zero}'})"
     return 1, ""
 
 
@@ -380,13 +454,13 @@ def _optimizer(est: Estimate):
         # torch.optim's Adam/AdamW on CUDA default to foreach: _multi_tensor_adam takes the square root of every
         # exp_avg_sq at once (torch._foreach_sqrt), one state-sized list, before addcdiv
         if (s.optimizer in ("adam", "adamw") and not s.fused_optimizer and s.precision != "mixed"
-                and s.zero == 0):
+                and (s.zero == 0 or s.fsdp)):
             est.add("temporary", n * e / div / tp,
-                    f"optimizer step: foreach Adam's sqrt(exp_avg_sq) for all {n:,} trainable at once × {e} B "
+                    f"optimizer step: foreach Adam's sqrt(exp_avg_sq) for all {n:,} trainable at once × {e} B{text} "
                     "(torch.optim's default on CUDA; fused=True has none)", when=OPT_STEP)
     if s.optimizer in ("adam", "adamw", "adafactor"):
         est.assumptions.append("optimizer 'step' counters (one small tensor per parameter) are not counted")
-    if s.precision == "mixed" or s.zero:
+    if s.precision == "mixed" or (s.zero and not s.fsdp):
         est.assumptions.append("mixed precision / ZeRO: the optimizer is DeepSpeed's or Megatron's fused one "
                                "(no step temporaries counted)")
 

@@ -26,6 +26,8 @@ from ...errors import TracekitError
 from .memory import Setup
 
 FIXED = ("parameter", "gradient", "optimizer_state", "workspace")
+# a sharded / data-parallel rank's all-gathered units and collective buffers do not grow with the batch either
+FIXED_DISTRIBUTED = ("unsharded_parameter", "communication")
 SURE = ("activation", "input", "kv_cache")  # grow with the batch by what they are
 LIKELY = ("temporary",)  # the brief's split counts them growing; some (an optimizer's foreach copies) do not
 GROWING = SURE + LIKELY
@@ -118,7 +120,8 @@ def _slopes(m: Moment, size: int) -> tuple[float, float, float]:
     cats = m.by_category
     sure = sum(cats.get(c, 0) for c in SURE)
     likely = sum(cats.get(c, 0) for c in LIKELY)
-    unknown = sum(v for c, v in cats.items() if c not in FIXED and c not in GROWING) - m.fixed_extra
+    unknown = sum(v for c, v in cats.items()
+                  if c not in FIXED and c not in FIXED_DISTRIBUTED and c not in GROWING) - m.fixed_extra
     unknown = max(0, unknown) + m.uncertain_extra
     return sure / size, (sure + likely) / size, (sure + likely + unknown) / size
 
@@ -157,8 +160,9 @@ def fit(points: list[Point], by="batch") -> dict:
     lo, mid, hi = main["per"]
     fixed = main["bytes"] - mid * p.size
     growing = ", ".join(GROWING)
+    fixed_names = FIXED + tuple(c for c in FIXED_DISTRIBUTED if p.moments and p.moments[0].by_category.get(c))
     method = (f"one recording's categories at its peak ({growing} grow with the {by}; "
-              f"{', '.join(FIXED)} are fixed)")
+              f"{', '.join(fixed_names)} are fixed)")
     notes.append(f"an extrapolation from one recording ({by} {p.size}): {_mib(mid)} per {by} by the categories' "
                  f"split, {_mib(hi)} if the bytes of unknown kind grow too (only what surely grows, activations, "
                  f"inputs and KV cache: {_mib(lo)}), so the answer is an interval; record a second size to measure it")
