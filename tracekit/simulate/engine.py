@@ -391,6 +391,8 @@ class Session:
         self.marks = None
         self.compiled = 0
         self.fake_mode = None
+        self.resized = {}  # id(storage) -> device, for storages freed by resize_(0)
+        self.finalized = set()  # id(storage) with a finalizer
         self.cpu_run = False  # --gpu none: host storages are what is simulated (device 0 stands for the host)
 
     # clock and devices ----------------------------------------------------------------------------
@@ -462,6 +464,9 @@ class Session:
             st = t.untyped_storage()
         except Exception:
             return None
+        return self.register_storage(st, op, device, dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape))
+
+    def register_storage(self, st, op, device, dtype="", shape=()):
         key = id(st)
         sid = self.sids.get(key)
         nbytes = st.nbytes()
@@ -472,6 +477,9 @@ class Session:
             else:
                 return sid
         if device is None or device == HOST:
+            return None
+        if nbytes == 0:
+            self.resized[key] = device  # a storage freed by resize_(0) keeps its device for resize_(n)
             return None
         self.sid_seq += 1
         sid = self.sid_seq
@@ -486,10 +494,32 @@ class Session:
         self.info[sid] = dict(size=int(nbytes), op=op, device=device, entry=len(dev.entries) - 1,
                               metadata=self.metadata, backward=node is not None,
                               node=id(node) if node is not None else None,
-                              weight_cast=self.frames.weight_cast > 0, dtype=str(t.dtype).replace("torch.", ""),
-                              shape=tuple(t.shape))
-        weakref.finalize(st, self._release, key, sid)
+                              weight_cast=self.frames.weight_cast > 0, dtype=dtype, shape=shape)
+        if key not in self.finalized:
+            self.finalized.add(key)
+            weakref.finalize(st, self._storage_died, key)
         return sid
+
+    def _storage_died(self, key):
+        self.finalized.discard(key)
+        self.resized.pop(key, None)
+        sid = self.sids.get(key)
+        if sid is not None:
+            self._release(key, sid)
+
+    def storage_resized(self, st):
+        """UntypedStorage.resize_ (FSDP's free_storage / alloc_storage): a free and a new request."""
+        key = id(st)
+        sid = self.sids.get(key)
+        device = self.dev_of.get(key, self.resized.get(key))
+        if sid is not None:
+            info = self.info.get(sid)
+            if info is not None and info["size"] == st.nbytes():
+                return
+            self._release(key, sid)
+        if device is not None:
+            self.dev_of[key] = device
+            self.register_storage(st, "resize_", device)
 
     def _release(self, key, sid):
         if self.sids.get(key) == sid:
@@ -627,6 +657,17 @@ def device_aware_fake_tensors(session):
             return
         return swap(t1, t2)
 
+    storage_resize = torch.UntypedStorage.resize_
+
+    def resize_(self, size):
+        out = storage_resize(self, size)
+        try:
+            S.storage_resized(self)
+        except Exception as e:  # an out-of-memory error is the script's to see
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+        return out
+
     old_types = (list(optmod._foreach_supported_types), list(fu._foreach_supported_types))
     FakeTensor.device = property(device)
     FakeTensor.is_cuda = property(is_cuda)
@@ -637,6 +678,7 @@ def device_aware_fake_tensors(session):
     FakeTensor.__torch_dispatch__ = classmethod(tensor_dispatch)
     FakeTensorMode.__torch_dispatch__ = mode_dispatch_wrapped
     torch.utils.swap_tensors = swap_tensors
+    torch.UntypedStorage.resize_ = resize_
     optmod._foreach_supported_types.append(FakeTensor)
     fu._foreach_supported_types.append(FakeTensor)
     try:
@@ -652,6 +694,7 @@ def device_aware_fake_tensors(session):
                 setattr(FakeTensor, name, v)
         FakeTensorMode.__torch_dispatch__ = mode_dispatch
         torch.utils.swap_tensors = swap
+        torch.UntypedStorage.resize_ = storage_resize
         optmod._foreach_supported_types[:] = old_types[0]
         fu._foreach_supported_types[:] = old_types[1]
 
