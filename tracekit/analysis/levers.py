@@ -366,11 +366,21 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
         "optimizer": opt or None, "lora": lora, "bytes_per_parameter": width,
         "cpu": summary.get("label") == "cpu" or rec.get("backend") == "cpu",
         "expandable_segments": bool(settings.get("expandable_segments")),
+        "expandable": None if settings.get("expandable_segments") else _expandable(trace, device),
         "world_size": world if isinstance(world, int) and world > 1 else None,
         "workspace_bytes": int(workspace),
         "gradient_bytes": grads,
         "fixed_precision": _precision(model),
     }
+
+
+def _expandable(trace: Trace, device: int):
+    """The allocator replay's saving from expandable segments (allocator/whatif.expandable_saving), or None."""
+    if (trace.recorder or {}).get("backend") == "cpu":
+        return None
+    from .allocator.whatif import expandable_saving
+
+    return expandable_saving(trace, device)
 
 
 def _most_live(rep, mask) -> int:
@@ -577,13 +587,19 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
             f"halves with it; the batch is {batch if batch else 'at least 2 (not in the file)'}",
             f"Batch-proportional memory holds {fmt_bytes(growing)} at the peak.",
             "half of the batch-proportional categories at the peak, less the gradients held between micro-batches")
-    if fragmentation > 0 and not facts.get("cpu") and not facts.get("expandable_segments"):
+    # expandable segments: the allocator replay's answer (whatif --alloc-conf expandable_segments:True), never a
+    # share of the reserved-but-unused bytes (`fragmentation` is no longer read: one computation, issue 31)
+    exp = facts.get("expandable")
+    if exp and exp["saves_bytes"] > 0 and not facts.get("cpu") and not facts.get("expandable_segments"):
         out.append({"technique": "expandable_segments",
-                    "lever": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved-but-unused at the peak)",
-                    "category": "reserved", "saves_bytes": int(fragmentation), "reserved_only": True,
-                    "assumes": "segments that grow in place return most of the reserved-but-unused memory",
-                    "how": f"{fmt_bytes(fragmentation)} is reserved but not allocated at the peak.",
-                    "evidence": {"rule": "reserved - allocated at the peak", "workload": work},
+                    "lever": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved memory)",
+                    "category": "reserved", "saves_bytes": int(exp["saves_bytes"]), "reserved_only": True,
+                    "assumes": "the file's requests served again by the caching-allocator model with expandable "
+                               "segments, from the same start (tracekit whatif FILE --alloc-conf "
+                               "expandable_segments:True)",
+                    "how": f"{exp['text']}.",
+                    "evidence": {"rule": "allocator replay: peak reserved under the recorded settings - under "
+                                         "expandable_segments:True", "workload": work},
                     "note": "saves reserved, not allocated, memory"})
     out.sort(key=lambda r: -r["saves_bytes"])
     return out
@@ -616,4 +632,9 @@ def not_offered(facts: dict) -> list[str]:
         out.append("no flash-attention lever: the stacks show no attention kernel, eager or fused")
     if facts.get("lora"):
         out.append("no LoRA lever: most parameters are frozen already")
+    exp = facts.get("expandable")
+    if facts.get("expandable_segments"):
+        out.append("no expandable-segments lever: the file was recorded with expandable_segments:True")
+    elif exp is not None and exp["saves_bytes"] <= 0:
+        out.append(f"no expandable-segments lever: {exp['text'][0].lower()}{exp['text'][1:]}")
     return out

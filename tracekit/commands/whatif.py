@@ -10,20 +10,8 @@ from dataclasses import replace
 import click
 
 from ..errors import TracekitError
-from ._common import json_option, no_cache_option, open_trace, show
+from ._common import json_option, no_cache_option, open_trace, show, size_callback
 from ._estimate_options import model_options, overrides_from, setup_options, shape_from
-
-
-def _budget(ctx, param, value):
-    from ..units import parse_bytes
-
-    try:
-        got = parse_bytes(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    if got <= 0:
-        raise click.BadParameter(f"{value!r} is not a budget: give a size above zero")
-    return got
 
 
 def point(path, by, size, no_cache):
@@ -50,28 +38,26 @@ def _knobs(f):
 
 def alloc_options(f):
     """--alloc-conf and what goes with it (tracekit/commands/_alloc_whatif.py)."""
-    f = click.option("--memory-limit", callback=_size_or_none, metavar="SIZE",
+    f = click.option("--memory-limit", callback=size_callback, metavar="SIZE",
                      help="With --alloc-conf: a per-process memory cap (set_per_process_memory_fraction) "
                           "in bytes; default: the file's.")(f)
-    f = click.option("--device-memory", callback=_size_or_none, metavar="SIZE",
+    f = click.option("--device-memory", callback=size_callback, metavar="SIZE",
                      help="With --alloc-conf: what CUDA lets the process reserve; default: from the file "
                           "(at an OOM: reserved + free then; else the device's total).")(f)
-    f = click.option("--start", "alloc_start", type=click.Choice(["rebuilt", "recorded"]), default="rebuilt",
+    f = click.option("--start", "alloc_start", type=click.Choice(["recorded", "rebuilt"]), default="recorded",
                      show_default=True,
-                     help="With --alloc-conf: start from an empty allocator that first allocates what was held "
-                          "when the trace began (rebuilt), or from the allocator's state then (recorded).")(f)
+                     help="With --alloc-conf: start from the allocator's state when the trace began, rebuilt from "
+                          "the final segments as the report does (recorded: the run under the recorded settings "
+                          "reproduces the recorded peak), or from an empty allocator that first allocates what was "
+                          "held then (rebuilt).")(f)
     return click.option("--alloc-conf", metavar="SETTINGS",
                         help='Replay the requests under these caching-allocator settings, in '
                              'PYTORCH_CUDA_ALLOC_CONF syntax: "expandable_segments:True,max_split_size_mb:128".')(f)
 
 
-def _size_or_none(ctx, param, value):
-    return None if value is None else _budget(ctx, param, value)
-
-
 @click.command("whatif")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
-@click.option("--budget", callback=lambda c, p, v: _size_or_none(c, p, v), help="Memory per GPU to fit in: 80GiB, 24GB, ...")
+@click.option("--budget", callback=size_callback, help="Memory per GPU to fit in: 80GiB, 24GB, ...")
 @click.option("--by", type=click.Choice(["batch", "seq"]), default="batch", show_default=True,
               help="What differs between the recordings (and what to grow).")
 @click.option("--sizes", help="The micro-batch (or seq) of each file, e.g. 8,16 (default: what the recorder stored).")

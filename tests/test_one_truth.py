@@ -1,0 +1,127 @@
+"""Issue 31: one fact, one figure. Each test runs two front ends on one file and compares what they say,
+against an independent figure (torch's own counters in truth.json, or the file's recorded peaks)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT, SAMPLES
+
+CUDA = ROOT / "tests" / "fixtures" / "cuda"
+REAL = ROOT / "tests" / "fixtures" / "real"
+TRUTH = json.loads((CUDA / "truth.json").read_text())["files"]
+
+
+def tk(*args):
+    return subprocess.run([sys.executable, "-m", "tracekit.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def tk_json(*args):
+    r = tk(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+# -- units: a byte option without a unit is refused (one line, exit 2, naming the units) -------------------------
+@pytest.mark.parametrize("args", [
+    ["whatif", SAMPLES / "gpt_adamw_cuda.pickle", "--budget", "80"],
+    ["whatif", SAMPLES / "oom_cuda.pickle", "--alloc-conf", "expandable_segments:True", "--memory-limit", "1200"],
+    ["whatif", SAMPLES / "oom_cuda.pickle", "--alloc-conf", "expandable_segments:True", "--device-memory", "8e10"],
+    ["check", SAMPLES / "gpt_adamw_cuda.pickle", "--max-peak", "80"],
+    ["check", SAMPLES / "gpt_adamw_cuda.pickle", "--max", "activation=80"],
+    ["estimate", "--config", "gpt2", "--batch", "1", "--seq", "128", "--budget", "80"],
+])
+def test_a_size_without_a_unit_is_refused(args):
+    r = tk(*args)
+    assert r.returncode == 2, (args, r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "has no unit" in r.stderr and "GiB" in r.stderr and "MiB" in r.stderr and "GB" in r.stderr, r.stderr
+
+
+def test_a_size_with_a_unit_still_reads_as_before():
+    peak = TRUTH["qwen2_amp_adamw_b4_s256.pickle.gz"]["max_allocated"]  # torch.cuda.max_memory_allocated()
+    path = CUDA / "qwen2_amp_adamw_b4_s256.pickle.gz"
+    assert tk("check", path, "--max-peak", f"{peak}B").returncode == 0
+    assert tk("check", path, "--max-peak", f"{peak - 1}B").returncode == 1
+
+
+# -- the replay's baseline: the file's own settings reproduce the recorded reserved peak ---------------------------
+@pytest.mark.parametrize("path", [
+    CUDA / "qwen2_amp_adamw_b4_s256.pickle.gz", CUDA / "opt_amp_adamw_b4_s256.pickle.gz",
+    CUDA / "neox_amp_adamw_b4_s256.pickle.gz",
+    REAL / "snapshot_cpp_frames_adamw_full_step.pickle",  # blocks and segments alive before the trace
+    REAL / "snapshot_newest_format_windows_paths.pickle",
+])
+def test_whatif_baseline_is_the_recorded_reserved_peak(path):
+    report = tk_json("report", path, "--no-cache")["devices"][0]
+    w = tk_json("whatif", path, "--alloc-conf", "expandable_segments:False", "--no-cache")["devices"][0]
+    assert w["baseline"]["peak_reserved_bytes"] == report["peak_reserved_bytes"] == w["recorded"]["peak_reserved_bytes"]
+    assert w["baseline_check"]["reproduced"] and w["baseline_check"]["difference_bytes"] == 0
+    if path.name in TRUTH:  # and that is torch's own max_memory_reserved()
+        assert report["peak_reserved_bytes"] == TRUTH[path.name]["max_reserved"]
+
+
+def test_a_rebuilt_start_says_why_and_by_how_much_it_misses():
+    path = CUDA / "opt_amp_adamw_b4_s256.pickle.gz"  # 476 MiB allocated before the trace
+    w = tk_json("whatif", path, "--alloc-conf", "expandable_segments:False", "--start", "rebuilt",
+                "--no-cache")["devices"][0]
+    check = w["baseline_check"]
+    assert check["recorded_peak_reserved_bytes"] == TRUTH[path.name]["max_reserved"]
+    assert check["difference_bytes"] == w["baseline"]["peak_reserved_bytes"] - TRUTH[path.name]["max_reserved"] != 0
+    assert not check["reproduced"] and "--start recorded reproduces" in check["why"]
+    assert any(f"{check['difference_bytes']:+,} bytes" in n for n in w["notes"])
+
+
+# -- expandable segments: the lever, the report's finding and the replay are one computation ----------------------
+def test_expandable_lever_finding_and_replay_say_the_same_bytes():
+    path = SAMPLES / "logits_spike_cuda.pickle"
+    w = tk_json("whatif", path, "--alloc-conf", "expandable_segments:True", "--no-cache")["devices"][0]
+    replay = w["baseline"]["peak_reserved_bytes"] - w["whatif"]["peak_reserved_bytes"]
+    assert replay == w["saved_reserved_bytes"] > 100 << 20
+    report = tk_json("report", path, "--no-cache")
+    frag = next(f for f in report["findings"] if f["kind"] == "fragmentation")
+    assert frag["expandable_segments_saves_bytes"] == replay
+    budget = tk_json("whatif", path, "--budget", "80GiB", "--no-cache")
+    lever = next(lv for lv in budget["levers"] if lv["technique"] == "expandable_segments")
+    assert lever["saves_bytes"] == replay
+    text = tk("whatif", path, "--budget", "80GiB", "--no-cache").stdout
+    assert f"{replay / 2**20:.1f} MiB" in text
+
+
+def test_no_expandable_lever_where_the_replay_saves_nothing():
+    path = REAL / "snapshot_cpp_frames_adamw_full_step.pickle"
+    w = tk_json("whatif", path, "--alloc-conf", "expandable_segments:True", "--no-cache")["devices"][0]
+    assert w["saved_reserved_bytes"] <= 0
+    budget = tk_json("whatif", path, "--budget", "80GiB", "--sizes", "8", "--no-cache")
+    assert not any(lv["technique"] == "expandable_segments" for lv in budget["levers"])
+    assert any(n.startswith("no expandable-segments lever") for n in budget["levers_not_offered"])
+    frag = next(f for f in tk_json("report", path, "--no-cache")["findings"] if f["kind"] == "fragmentation")
+    assert frag["expandable_segments_saves_bytes"] == w["saved_reserved_bytes"]
+    assert "would not help here" in frag["summary"]
+
+
+# -- the headline: the allocator's counter, exact where it is, requested bytes beside it -------------------------
+@pytest.mark.parametrize("name", ["qwen2_amp_adamw_b4_s256.pickle.gz", "opt_amp_adamw_b4_s256.pickle.gz",
+                                  "qwen2_generate_b2_p256_n128.pickle.gz"])
+def test_report_text_json_and_check_lead_with_max_memory_allocated(name):
+    from tracekit.units import fmt_bytes
+
+    path, truth = CUDA / name, TRUTH[name]["max_allocated"]  # torch.cuda.max_memory_allocated() on the H100
+    d = tk_json("report", path)["devices"][0]
+    head = d["headline_peak"]
+    assert head["bytes"] == truth and head["exact"] and head["measure"] == "blocks"
+    assert head["requested_bytes"] == d["peak_allocated_bytes"] < truth  # kept: requested bytes, beside it
+    first = tk("report", path).stdout.splitlines()[3]
+    assert first.split() [:3] == ["peak", "allocated", fmt_bytes(truth).split()[0]]
+    assert f"{fmt_bytes(truth)}  exact, as torch.cuda.max_memory_allocated()" in first
+    assert f"tensors requested {fmt_bytes(head['requested_bytes'])}" in first
+    assert tk("check", path, "--max-peak", f"{truth}B").returncode == 0
+    over = tk("check", path, "--max-peak", f"{truth - 1}B")
+    assert over.returncode == 1 and "over by 1 B" in over.stdout
+
+
+def test_headline_on_a_cpu_recording_is_the_requested_bytes():
+    d = tk_json("report", SAMPLES / "gpt_adamw.pickle")["devices"][0]
+    assert d["headline_peak"]["measure"] == "requested" and d["headline_peak"]["bytes"] == d["peak_allocated_bytes"]
