@@ -125,3 +125,47 @@ def test_report_text_json_and_check_lead_with_max_memory_allocated(name):
 def test_headline_on_a_cpu_recording_is_the_requested_bytes():
     d = tk_json("report", SAMPLES / "gpt_adamw.pickle")["devices"][0]
     assert d["headline_peak"]["measure"] == "requested" and d["headline_peak"]["bytes"] == d["peak_allocated_bytes"]
+
+
+# -- a cuBLAS workspace is `workspace` and in no module, whatever the tags or the stacks' module say -------------
+def _workspaces(path):
+    import numpy as np
+
+    from tracekit.analysis.categories import WORKSPACE, categorize
+    from tracekit.analysis.replay import replay
+    from tracekit.io import load
+
+    trace = load(path, use_cache=False)
+    rep = replay(trace)[0]
+    ws = np.flatnonzero(categorize(trace)[0].labels == WORKSPACE)
+    return trace, rep, sorted(zip(rep.allocations.alloc_index[ws].tolist(), rep.allocations.size[ws].tolist()))
+
+
+def test_workspaces_without_cpp_frames_are_those_the_cpp_frames_name():
+    """gpt_adamw_cuda and gpt_adamw_cpp_stacks_cuda record the same step; the second has C++ frames, which
+    name its cuBLAS workspaces (getCurrentCUDABlasHandle / getCUDABlasLtWorkspace): the first, without
+    them, must find the same blocks by size and lifetime (they were activation and gradient before)."""
+    _, _, truth = _workspaces(SAMPLES / "gpt_adamw_cpp_stacks_cuda.pickle")
+    assert truth == [(19, 32 << 20), (20, 1 << 20), (218, 32 << 20)]
+    for name in ("gpt_adamw_cuda.pickle", "leak_loop_cuda.pickle", "lora_cuda.pickle"):
+        _, _, got = _workspaces(SAMPLES / name)
+        assert [s for _, s in got] == [32 << 20, 1 << 20, 32 << 20], (name, got)
+    assert _workspaces(SAMPLES / "gpt_adamw_cuda.pickle")[2] == truth
+    r = tk_json("report", SAMPLES / "gpt_adamw_cuda.pickle")["devices"][0]
+    assert r["categories_at_peak"]["workspace"] == (32 << 20) * 2 + (1 << 20)
+
+
+def test_no_module_holds_a_workspace_in_the_report_or_the_viewer():
+    import numpy as np
+
+    from tracekit.analysis.modules import allocation_module_names
+
+    path = CUDA / "qwen2_generate_b2_p256_n128.pickle.gz"  # torch-recorded: the workspace ran under rotary_emb
+    trace, rep, ws = _workspaces(path)
+    assert (32 << 20) in [s for _, s in ws]
+    strings, ids = allocation_module_names(trace, rep)  # the viewer's "group by module"
+    rows = np.flatnonzero(np.isin(rep.allocations.alloc_index, [a for a, _ in ws]))
+    assert all(strings[ids[r]] == "" for r in rows)
+    mods = tk_json("report", path)["devices"][0]["modules"]["rows"]
+    assert mods and max(m["bytes_at_peak"] for m in mods) < 32 << 20
+    assert all(m["module"] != "(outside any module)" or m["bytes_at_peak"] < 32 << 20 for m in mods)
