@@ -169,3 +169,24 @@ def test_no_module_holds_a_workspace_in_the_report_or_the_viewer():
     mods = tk_json("report", path)["devices"][0]["modules"]["rows"]
     assert mods and max(m["bytes_at_peak"] for m in mods) < 32 << 20
     assert all(m["module"] != "(outside any module)" or m["bytes_at_peak"] < 32 << 20 for m in mods)
+
+
+# -- whatif from one recording: the interval follows the fit's own slope range -----------------------------------
+def test_one_recording_interval_spans_its_slope_range():
+    import math
+
+    budget = 80 * 2**30
+    r = tk_json("whatif", SAMPLES / "gpt_adamw_cuda.pickle", "--budget", "80GiB", "--no-cache")
+    f, p = r["fit"], r["points"][0]
+    lo_slope, hi_slope = f["per_unit_range"]
+    assert lo_slope < hi_slope
+    # independent arithmetic: each moment the fit follows, at its own slope range; the low end also keeps the
+    # reserved-but-unused bytes at the peak aside
+    def largest(k, b):
+        return min(ln["at"] + math.floor((b - ln["bytes"]) / ln["per"][k]) for ln in f["lines"] if ln["per"][k] > 0)
+    main = f["lines"][0]
+    assert main["per"][0] == pytest.approx(lo_slope, abs=1) and main["per"][2] == pytest.approx(hi_slope, abs=1)
+    want = [largest(2, budget - p["fragmentation"]), largest(0, budget)]
+    assert r["largest_batch_range"] == want and want[1] - want[0] > 0.2 * want[0]
+    text = tk("whatif", SAMPLES / "gpt_adamw_cuda.pickle", "--budget", "80GiB", "--no-cache").stdout
+    assert f"largest batch that fits = {want[0]} to {want[1]}" in text
