@@ -1,6 +1,7 @@
 """Issue 31: one fact, one figure. Each test runs two front ends on one file and compares what they say,
 against an independent figure (torch's own counters in truth.json, or the file's recorded peaks)."""
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -190,3 +191,120 @@ def test_one_recording_interval_spans_its_slope_range():
     assert r["largest_batch_range"] == want and want[1] - want[0] > 0.2 * want[0]
     text = tk("whatif", SAMPLES / "gpt_adamw_cuda.pickle", "--budget", "80GiB", "--no-cache").stdout
     assert f"largest batch that fits = {want[0]} to {want[1]}" in text
+
+
+# -- torch.compile: forward phase and modules below the compiled wrapper, from the graph's source nodes ----------
+def _compiled_snapshot(tmp_path, with_fx=True):
+    """A compiled GPT-2 step as torch records it: forward allocations come from generated code under dynamo's
+    wrapper (`fx_generated_*.py`, aot_autograd, eval_frame, the model's own transformed `forward`), each
+    generated frame carrying its graph node's source (`fx_original_trace`, as
+    torch.cuda.memory._snapshot(augment_with_fx_traces=True) writes it); backward from the compiled backward."""
+    import pickle
+
+    import transformers
+
+    from .synth import Sim
+
+    tf = Path(transformers.__file__).parent
+    gpt2, utils = str(tf / "models" / "gpt2" / "modeling_gpt2.py"), str(tf / "pytorch_utils.py")
+    torch_dir = "/opt/venv/lib/python3.11/site-packages/torch"
+
+    def trace_of(calls):
+        return "".join(f'  File "{f}", line {ln}, in {name}\n    code\n' for f, ln, name in calls)
+
+    outer = [{"filename": f"{torch_dir}/_functorch/_aot_autograd/runtime_wrappers.py", "line": 3462, "name": "forward"},
+             {"filename": f"{torch_dir}/autograd/function.py", "line": 625, "name": "apply"},
+             {"filename": f"{torch_dir}/_dynamo/eval_frame.py", "line": 1446, "name": "_fn"},
+             {"filename": gpt2, "line": 683, "name": "forward"},  # the model's forward, running the graph
+             {"filename": f"{torch_dir}/nn/modules/module.py", "line": 1884, "name": "_call_impl"},
+             {"filename": f"{torch_dir}/nn/modules/module.py", "line": 1778, "name": "_wrapped_call_impl"},
+             {"filename": f"{torch_dir}/_dynamo/eval_frame.py", "line": 511, "name": "__call__"},
+             {"filename": "/home/u/train.py", "line": 20, "name": "<module>"}]
+    lm, model = (gpt2, 683, "forward"), (gpt2, 608, "forward")
+    paths = {  # node -> the source lines it came from, outermost first
+        "addmm": [lm, model, (gpt2, 277, "forward"), (gpt2, 187, "forward"), (utils, 119, "forward")],
+        "addmm_1": [lm, model, (gpt2, 308, "forward"), (gpt2, 241, "forward"), (utils, 119, "forward")],
+    }
+    sim = Sim()
+    made = []
+    for layer in range(2):
+        for node, calls in paths.items():
+            gen = {"filename": "/tmp/fx_generated_abc123.py", "line": 40 + layer, "name": "forward"}
+            if with_fx:
+                gen.update(fx_node_op="call_function", fx_node_name=node, fx_node_target="aten.addmm",
+                           fx_original_trace=trace_of(calls))
+            made.append(sim.alloc(4 << 20, frames=[gen] + outer))
+    bwd = [{"filename": f"{torch_dir}/_functorch/_aot_autograd/runtime_wrappers.py", "line": 3473, "name": "backward"},
+           {"filename": f"{torch_dir}/autograd/function.py", "line": 333, "name": "apply_boxed"}]
+    grads = [sim.alloc(2 << 20, frames=bwd) for _ in range(2)]
+    for a in made:
+        sim.free(a)
+    del grads
+    path = tmp_path / ("compiled_fx.pickle" if with_fx else "compiled.pickle")
+    path.write_bytes(pickle.dumps(sim.snapshot()))
+    return path
+
+
+def test_a_compiled_step_has_a_forward_phase_and_modules_below_the_wrapper(tmp_path):
+    path = _compiled_snapshot(tmp_path)
+    r = tk_json("report", path, "--no-cache")["devices"][0]
+    phases = {p["phase"] for p in r["phases"]}
+    assert "forward" in phases and "backward" in phases, phases
+    rows = {m["module"]: m for m in r["modules"]["rows"]}
+    # the generated code's nodes, named from the source: each layer's attention and MLP projections
+    assert {"transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"} <= {
+        row["pattern"] for row in r["modules"]["layers"]}, r["modules"]
+    assert rows["transformer.h.0.attn.c_attn"]["peak_bytes"] == 4 << 20
+    assert rows["transformer.h.1.mlp.c_fc"]["allocated_bytes"] == 4 << 20
+    # the viewer's grouping by module reads the same function
+    import numpy as np
+
+    from tracekit.analysis.modules import allocation_module_names
+    from tracekit.analysis.replay import replay
+    from tracekit.io import load
+
+    trace = load(path, use_cache=False)
+    strings, ids = allocation_module_names(trace, replay(trace)[0])
+    assert "transformer.h.1.attn.c_attn" in set(strings[np.unique(ids)])
+
+
+def test_fx_frames_are_found_by_both_readers(tmp_path, monkeypatch):
+    from tracekit.analysis.modules import allocation_module_names
+    from tracekit.analysis.replay import replay
+    from tracekit.io import load
+
+    path = _compiled_snapshot(tmp_path)
+    got = []
+    for reader in ("auto", "python"):
+        monkeypatch.setenv("TRACEKIT_READER", reader)
+        trace = load(path, use_cache=False)
+        strings, ids = allocation_module_names(trace, replay(trace)[0])
+        got.append(sorted(strings[ids].tolist()))
+    assert got[0] == got[1] and "transformer.h.0.mlp.c_fc" in got[0]
+
+
+def test_generated_code_alone_is_a_forward_pass(tmp_path):
+    """torch.compile(step_fn): no nn.Module frame, only inductor's kernels (`call` in a torchinductor_ file)
+    under dynamo's wrapper (the stack cut there, as torch cuts long ones), then a compiled backward: the first
+    is the forward pass."""
+    import pickle
+
+    from .synth import Sim
+
+    torch_dir = "/opt/venv/lib/python3.11/site-packages/torch"
+    fwd = [{"filename": "/tmp/torchinductor_u/ab/cabcdef.py", "line": 310, "name": "call"},
+           {"filename": f"{torch_dir}/_inductor/output_code.py", "line": 584, "name": "__call__"},
+           {"filename": f"{torch_dir}/_dynamo/eval_frame.py", "line": 1446, "name": "_fn"}]
+    bwd = [{"filename": "/tmp/torchinductor_u/cd/ccdef.py", "line": 90, "name": "call"},
+           {"filename": f"{torch_dir}/_functorch/_aot_autograd/runtime_wrappers.py", "line": 3473, "name": "backward"}]
+    sim = Sim()
+    acts = [sim.alloc(8 << 20, frames=fwd) for _ in range(3)]
+    sim.alloc(1 << 20, frames=bwd)
+    for a in acts:
+        sim.free(a)
+    path = tmp_path / "compiled_fn.pickle"
+    path.write_bytes(pickle.dumps(sim.snapshot()))
+    r = tk_json("report", path, "--no-cache")["devices"][0]
+    by_phase = {p["phase"]: p for p in r["phases"]}
+    assert by_phase["forward"]["peak_bytes"] == 24 << 20 and "backward" in by_phase
+    assert r["categories_at_peak"].get("activation") == 24 << 20
