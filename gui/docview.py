@@ -252,8 +252,18 @@ class DocumentView(QWidget):
             for col, width in enumerate((85, 60, 85, 120, 600)):
                 self.table.setColumnWidth(col, width)
         else:
-            for col, width in enumerate((80, 120, 125, 125, 85, 260, 380, 260, 130)):
+            # your line and the library line share what the fixed columns leave of the table's width, so both
+            # show (Module and Address are a scroll away) instead of the library line being cut at the edge
+            fixed = (80, 110, 125, 125, 85)
+            room = max(self.table.viewport().width() - sum(fixed) - 4, 440)
+            for col, width in enumerate(fixed + (int(room * 0.42), room - int(room * 0.42), 260, 130)):
                 self.table.setColumnWidth(col, width)
+
+    def showEvent(self, event):
+        super().showEvent(event)
+        if not getattr(self, "_fitted", False):  # once the table has its real width
+            self._fitted = True
+            self._column_widths()
 
     def _regroup(self):
         """Show the allocations, or their groups by your line / library line / module."""
