@@ -308,3 +308,15 @@ def test_generated_code_alone_is_a_forward_pass(tmp_path):
     by_phase = {p["phase"]: p for p in r["phases"]}
     assert by_phase["forward"]["peak_bytes"] == 24 << 20 and "backward" in by_phase
     assert r["categories_at_peak"].get("activation") == 24 << 20
+
+
+# -- the 4-bit lever on an fp32-weight AMP run: the weights' real width, from the file's evidence ----------------
+def test_four_bit_lever_uses_fp32_weights_on_an_amp_run():
+    name = "qwen2_amp_adamw_b4_s256.pickle.gz"
+    truth = TRUTH[name]
+    assert truth["param_bytes"] == 4 * truth["params"]  # recorded with fp32 weights under bf16 autocast
+    r = tk_json("whatif", CUDA / name, "--budget", "80GiB", "--sizes", "4", "--no-cache")
+    assert r["levers_for"]["facts"]["bytes_per_parameter"] == truth["param_bytes"] / truth["params"]
+    lever = next(lv for lv in r["levers"] if lv["technique"] == "4-bit quantized weights")
+    params = tk_json("report", CUDA / name)["devices"][0]["categories_at_peak"]["parameter"]
+    assert lever["saves_bytes"] == int(params * (1 - 0.5 / 4)) and "fp32" in lever["assumes"]

@@ -346,6 +346,13 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
     if not block_act:
         block_act = int(at_peak.get("activation", 0))
     width = _bytes_per_parameter(model)
+    width_source = "the recorder" if width else None
+    if width is None:  # autocast's 16-bit copies of weights (categories.py) say the weights are stored in fp32
+        from .categories import REASONS, R
+
+        copies = np.isin(cats.reason, [R[REASONS[6]], R[REASONS[35]]]) if len(cats.reason) else []
+        if np.any(copies):
+            width, width_source = 4.0, "fp32: autocast makes 16-bit copies of the weights in this file"
     scores = _scores_at_peak(trace, rep, cats, live, attn, shape, batch, seq)
     opt = (rec.get("optimizer") or {}).get("class") or ""
     trainable = model.get("trainable_parameters")
@@ -364,6 +371,7 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
         "scores_at_peak_bytes": scores[0], "scores_source": scores[1],
         "checkpointing": checkpointing_in_use(trace),
         "optimizer": opt or None, "lora": lora, "bytes_per_parameter": width,
+        "bytes_per_parameter_source": width_source,
         "cpu": summary.get("label") == "cpu" or rec.get("backend") == "cpu",
         "expandable_segments": bool(settings.get("expandable_segments")),
         "expandable": None if settings.get("expandable_segments") else _expandable(trace, device),
@@ -559,7 +567,8 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
     if param > 0:
         width = facts.get("bytes_per_parameter")
         ratio = 1 - 0.5 / width if width else 0.75
-        assumes = (f"weights stored at {width:g} bytes per parameter today (the recorder), 4-bit after" if width
+        assumes = (f"weights stored at {width:g} bytes per parameter today "
+                   f"({facts.get('bytes_per_parameter_source') or 'the recorder'}), 4-bit after" if width
                    else "16-bit weights today (not in the file), 4-bit after")
         name = "4-bit quantized weights (frozen base, e.g. QLoRA)" if train else "8-bit or 4-bit quantized weights"
         add("4-bit quantized weights", name, "parameter", ratio * param, assumes,
