@@ -320,3 +320,13 @@ def test_four_bit_lever_uses_fp32_weights_on_an_amp_run():
     lever = next(lv for lv in r["levers"] if lv["technique"] == "4-bit quantized weights")
     params = tk_json("report", CUDA / name)["devices"][0]["categories_at_peak"]["parameter"]
     assert lever["saves_bytes"] == int(params * (1 - 0.5 / 4)) and "fp32" in lever["assumes"]
+
+
+def test_a_spike_names_the_library_line_the_report_names_at_the_peak():
+    r = tk_json("report", CUDA / "qwen2_amp_adamw_b4_s256.pickle.gz")
+    peak = next(f for f in r["findings"] if f["kind"] == "peak")
+    spike = next(f for f in r["findings"] if f["kind"] == "spike" and f["at_peak"])
+    lib = r["devices"][0]["library_sites_at_peak"][0]
+    assert spike["library_line"] == peak["library_line"] and "modeling_qwen2.py" in spike["library_line"]
+    assert lib["category"] == "temporary"  # the spike is made of temporaries: the same line leads both
+    assert f"largest library line: " in spike["summary"] and spike["library_line"] in spike["summary"]
