@@ -330,3 +330,15 @@ def test_a_spike_names_the_library_line_the_report_names_at_the_peak():
     assert spike["library_line"] == peak["library_line"] and "modeling_qwen2.py" in spike["library_line"]
     assert lib["category"] == "temporary"  # the spike is made of temporaries: the same line leads both
     assert f"largest library line: " in spike["summary"] and spike["library_line"] in spike["summary"]
+
+
+def test_predicted_vs_measured_does_not_predict_zero_activations_when_the_tokens_are_unknown():
+    path = ROOT / "tests" / "fixtures" / "recorded" / "qwen2_train_cpu.pickle.gz"  # HF config recorded, no input shape
+    e = tk_json("report", path)["devices"][0]["estimate"]
+    rows = {r["category"]: r for r in e["categories"]}
+    assert rows["activation"]["predicted"] is None and rows["activation"]["measured"] > 0
+    assert rows["parameter"]["predicted"] > 0  # the model states are predicted from the config
+    text = tk("report", path).stdout
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("activation") and "not predicted" in ln)
+    assert " 0 B" not in line.split("activation")[1][:12]
+    assert not any("activation at the peak vs predicted" in g["what"] for g in e["gap_at_peak"])

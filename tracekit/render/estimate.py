@@ -112,7 +112,10 @@ def comparison_lines(e: dict) -> list[str]:
            f"    {'':<16} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12} "
            f"{'predicted at peak':>18}"]
     for r in e["categories"]:
-        if r["predicted"] or r["measured"]:
+        if r["predicted"] is None and r["measured"]:  # not predicted (the file does not say the tokens)
+            out.append(f"    {r['category']:<16} {'?':>11} {fmt_bytes(r['measured']):>11} {'?':>11} "
+                       f"{fmt_bytes(r['at_peak']):>12} {'?':>18}  (not predicted)")
+        elif r["predicted"] or r["measured"]:
             ratio = r["difference"] / r["predicted"] if r["predicted"] else None
             share = f" ({ratio:+.1%})" if ratio and abs(ratio) < 10 else ""
             guess = r.get("inferred_share") or 0
