@@ -342,3 +342,38 @@ def test_predicted_vs_measured_does_not_predict_zero_activations_when_the_tokens
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("activation") and "not predicted" in ln)
     assert " 0 B" not in line.split("activation")[1][:12]
     assert not any("activation at the peak vs predicted" in g["what"] for g in e["gap_at_peak"])
+
+
+# -- the formula follows what transformers runs ---------------------------------------------------------------
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+
+
+def _est(*args):
+    return tk_json("estimate", "--batch", "1", "--precision", "bf16", *args)
+
+
+def test_gemma2_is_estimated_with_eager_attention_as_transformers_runs_it():
+    cfg = CONFIGS / "gemma-2-9b.json"
+    default, eager, sdpa = (_est("--config", cfg, "--seq", "4096", *a) for a in ((), ("--attention", "eager"),
+                                                                                 ("--attention", "sdpa")))
+    assert default["setup"]["attention"] == "eager" and default["per_gpu"] == eager["per_gpu"]
+    assert any("eager attention: transformers runs gemma2" in a for a in default["assumptions"])
+    # the eager score matrix: heads × seq² per layer and more; SDPA keeps none of it
+    assert default["per_gpu"]["total"] > sdpa["per_gpu"]["total"] + 16 * 4096 * 4096 * 42
+    llama = _est("--config", "llama-3-8b", "--seq", "4096")
+    assert llama["setup"]["attention"] == "sdpa"  # other models keep transformers' default, SDPA
+
+
+def test_phi2_counts_no_embedding_dropout_mask_with_embd_pdrop_0():
+    import json as _json
+
+    cfg = CONFIGS / "phi-2.json"
+    conf = _json.loads(cfg.read_text())
+    assert conf["embd_pdrop"] == 0.0 and conf["resid_pdrop"] > 0
+    lines = lambda r: " ".join(str(ln["formula"]) for ln in r["lines"])  # noqa: E731
+    default = _est("--config", cfg, "--seq", "2048")
+    assert "embedding dropout mask" not in lines(default) and "residual dropout mask" in lines(default)
+    forced = _est("--config", cfg, "--seq", "2048", "--dropout", "0.1")  # the user's dropout applies everywhere
+    assert "embedding dropout mask" in lines(forced)
+    act = lambda r: sum(ln["bytes"] for ln in r["lines"] if ln["category"] == "activation")  # noqa: E731
+    assert act(forced) - act(default) == 2048 * conf["hidden_size"]  # one 1-byte mask per token and channel
