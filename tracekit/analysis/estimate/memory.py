@@ -225,7 +225,8 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         if setup.lora_rank or setup.optimizer == "adafactor" and shape.factored is None or setup.seq:
             raise TracekitError("--lora-rank, --optimizer adafactor and --seq need the model's shape "
                                 "(--config or --hidden/--layers/...), not just --params")
-    eager = not setup.attention_given and setup.attention == "sdpa" and shape.model_type in EAGER_BY_DEFAULT
+    eager = (not setup.attention_given and setup.attention == "sdpa"
+             and getattr(shape, "model_type", "") in EAGER_BY_DEFAULT)
     if eager:  # what transformers runs when the user sets no attn_implementation
         from dataclasses import replace
 
