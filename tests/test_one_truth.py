@@ -377,3 +377,15 @@ def test_phi2_counts_no_embedding_dropout_mask_with_embd_pdrop_0():
     assert "embedding dropout mask" in lines(forced)
     act = lambda r: sum(ln["bytes"] for ln in r["lines"] if ln["category"] == "activation")  # noqa: E731
     assert act(forced) - act(default) == 2048 * conf["hidden_size"]  # one 1-byte mask per token and channel
+
+
+def test_whatif_on_a_file_that_does_not_say_its_batch_answers_in_multiples_of_it():
+    path = REAL / "snapshot_cpp_frames_adamw_full_step.pickle"  # torch-recorded: no batch size in the file
+    rel = tk_json("whatif", path, "--budget", "80GiB", "--no-cache")
+    given = tk_json("whatif", path, "--budget", "80GiB", "--sizes", "100", "--no-cache")
+    lo, hi = given["largest_batch_range"]
+    assert rel["largest_batch_multiple_range"] == [lo / 100, hi / 100] and lo < hi
+    text = tk("whatif", path, "--budget", "80GiB", "--no-cache").stdout
+    assert f"= {lo / 100:.2f}× to {hi / 100:.2f}× the recorded batch" in text
+    two = tk("whatif", path, path, "--budget", "80GiB")
+    assert two.returncode == 2 and "give --sizes" in two.stderr

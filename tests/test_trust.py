@@ -273,7 +273,7 @@ def test_whatif_generation_grows_the_kv_cache_and_keeps_the_workspace_fixed():
 
 
 @pytest.mark.parametrize("args,message", [(["--budget", "0B"], "above zero"), (["--budget", "-1GiB"], "not a size"),
-                                          (["--budget", "1GiB"], "give --sizes")])
+                                          ([GEN, "--budget", "1GiB"], "give --sizes")])  # two files need sizes
 def test_whatif_bad_input(args, message):
     code, _, err = cli("whatif", GEN, *args)
     assert code == 2 and message in err and "Traceback" not in err

@@ -254,9 +254,16 @@ def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
     phase, iteration, during = when(trace, rep.device, p)
     at = "before the first trace entry" if p < 0 else f"at trace entry {p}"
     largest = f"; largest site: {fmt_bytes(stacks[0]['bytes'])} from {stacks[0]['where']}" if stacks else ""
+    from .allocator.summary import headline_peak
+
+    head = headline_peak(trace, rep.device, rep)  # the allocator's counter first, as the report's headline
+    counted = (f"{fmt_bytes(head['bytes'])} allocated ({'exact, ' if head['exact'] else ''}as "
+               f"torch.cuda.max_memory_allocated counts it; tensors requested {fmt_bytes(rep.peak_allocated)})"
+               if head["measure"] == "blocks" else f"{fmt_bytes(rep.peak_allocated)} allocated")
     return {"kind": "peak", "device": rep.device, "bytes": rep.peak_allocated, "index": p,
+            "headline_bytes": head["bytes"],
             "time_us": time_of(trace, rep, p), "phase": phase, "iteration": iteration,
-            "summary": f"{trace.device_label(rep.device)} peaks at {fmt_bytes(rep.peak_allocated)} allocated {at}"
+            "summary": f"{trace.device_label(rep.device)} peaks at {counted} {at}"
                        f"{' ' + during if during else ''}{largest}",
             "frames": stacks[0]["frames"] if stacks else [], "where": stacks[0]["where"] if stacks else None,
             "top_stacks": stacks}

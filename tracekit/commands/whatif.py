@@ -14,8 +14,12 @@ from ._common import json_option, no_cache_option, open_trace, show, size_callba
 from ._estimate_options import model_options, overrides_from, setup_options, shape_from
 
 
-def point(path, by, size, no_cache):
-    """(Point, trace, report) from one recording: every device's moments, what it needed, and its size."""
+RELATIVE = 100  # a recording whose size is unknown counts as this many units: the answer in hundredths of it
+
+
+def point(path, by, size, no_cache, relative_ok=False):
+    """(Point, trace, report) from one recording: every device's moments, what it needed, and its size (with
+    `relative_ok`, a file that does not say its size counts as RELATIVE units: answers are multiples of it)."""
     from ..analysis.estimate.whatif import point_from_report
     from ..analysis.report import build_report
 
@@ -25,9 +29,12 @@ def point(path, by, size, no_cache):
     if size is None:
         shape = ((trace.recorder or {}).get("model") or {}).get("input_shape") or []
         k = 0 if by == "batch" else 1
-        if len(shape) <= k or not isinstance(shape[k], int):
+        if len(shape) > k and isinstance(shape[k], int):
+            size = shape[k]
+        elif relative_ok:
+            size = RELATIVE
+        else:
             raise TracekitError(f"{path}: the file does not say its {by} size; give --sizes (one per file)")
-        size = shape[k]
     report = build_report(trace)
     return point_from_report(path, report, size), trace, report
 
@@ -102,7 +109,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
             raise TracekitError(f"--sizes needs one positive size per file ({len(files)})")
     points, traces, reports = [], [], []
     for path, size in zip(files, size_list):
-        p, trace, report = point(path, by, size, no_cache)
+        p, trace, report = point(path, by, size, no_cache, relative_ok=len(files) == 1)
         points.append(p)
         traces.append(trace)
         reports.append(report)
@@ -124,7 +131,26 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     lever_input = {"at_peak": dev.get("categories_at_peak") or {}, "fragmentation": big.fragmentation,
                    "spikes": spikes, "dp": overrides.get("dp")}
     result = whatif(points, budget, by, facts, lever_input, setup, not_offered(facts))
+    if len(files) == 1 and size_list[0] is None and points[0].size == RELATIVE and not _says_size(traces[0], by):
+        relative(result, by)
     show("whatif", result, as_json)
+
+
+def _says_size(trace, by) -> bool:
+    shape = ((trace.recorder or {}).get("model") or {}).get("input_shape") or []
+    k = 0 if by == "batch" else 1
+    return len(shape) > k and isinstance(shape[k], int)
+
+
+def relative(result: dict, by: str) -> None:
+    """A recording that does not say its size: the answers as multiples of it (the recording = 1×)."""
+    to = lambda v: None if v is None else round(v / RELATIVE, 2)  # noqa: E731
+    rng = result.get(f"largest_{by}_range")
+    result["relative"] = {"unit": RELATIVE, "what": f"the recorded {by}",
+                          "why": f"the file does not say its {by} size (give --sizes for absolute numbers)"}
+    result[f"largest_{by}_multiple"] = to(result.get(f"largest_{by}"))
+    result[f"largest_{by}_multiple_range"] = None if rng is None else [to(rng[0]), to(rng[1])]
+    result[f"largest_{by}_multiple_estimate"] = to(result.get(f"largest_{by}_estimate"))
 
 
 def _default_setup():
