@@ -302,7 +302,8 @@ def checkpointing_in_use(trace: Trace) -> bool:
     return any(_CHECKPOINT.search(trace.strings[int(files[i])]) for i in used)
 
 
-def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None, batch=None, rules=None) -> dict:
+def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None, batch=None, rules=None,
+               expandable: bool = False) -> dict:
     """What the file says that the levers rest on (see the module's doc); `shape`/`setup` (estimate) only fill
     in what the file does not say. JSON-ready."""
     from .replay import replay
@@ -374,7 +375,9 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
         "bytes_per_parameter_source": width_source,
         "cpu": summary.get("label") == "cpu" or rec.get("backend") == "cpu",
         "expandable_segments": bool(settings.get("expandable_segments")),
-        "expandable": None if settings.get("expandable_segments") else _expandable(trace, device),
+        # what expandable segments would save: the allocator replay (two runs of the model: asked for by whatif,
+        # whose levers show it; the report's advice never offers it)
+        "expandable": None if settings.get("expandable_segments") or not expandable else _expandable(trace, device),
         "world_size": world if isinstance(world, int) and world > 1 else None,
         "workspace_bytes": int(workspace),
         "gradient_bytes": grads,

@@ -270,6 +270,9 @@ def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
 
 
 MIN_FRAGMENTATION_SHARE = 0.05  # of peak reserved, at the peak or at its worst
+# the fragmentation finding replays the requests with expandable segments (two runs of the allocator model, in
+# Python) for traces up to this long; longer ones point to `whatif --alloc-conf` instead
+EXPANDABLE_REPLAY_MAX_ENTRIES = 200_000
 
 
 def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
@@ -303,7 +306,7 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
         return None  # too little to be worth a finding (the device figures still show it)
     settings = trace.meta.get("allocator_settings") or {}
     remedy, expandable = "", None
-    if not settings.get("expandable_segments"):
+    if not settings.get("expandable_segments") and rep.n <= EXPANDABLE_REPLAY_MAX_ENTRIES:
         from .allocator.whatif import expandable_saving
 
         expandable = expandable_saving(trace, rep.device)
@@ -311,6 +314,9 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
             remedy = f" {expandable['text']}."
         elif expandable is not None:
             remedy = f" {expandable['text']}: expandable segments would not help here."
+    elif not settings.get("expandable_segments"):  # a long trace: the replay is whatif's, on request
+        remedy = (" For what PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would save, replay the requests: "
+                  "tracekit whatif FILE --alloc-conf expandable_segments:True.")
     why = "at an out-of-memory error" if worst in set(ooms.tolist()) else "when the allocator had to reserve more"
     worst_text = f"; {fmt_bytes(worst_bytes)} unused {why} (entry {worst})" if worst != p else ""
     return {"kind": "fragmentation", "device": rep.device, "bytes": int(at_peak), "index": p,

@@ -123,7 +123,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     big, trace, report = points[k], traces[k], reports[k]
     dev = next(d for d in report["devices"] if d["label"] == big.device)
     facts = file_facts(trace, dev["device"], dev, shape=shape, setup=setup,
-                       batch=big.size if by == "batch" and sizes else None)
+                       batch=big.size if by == "batch" and sizes else None, expandable=True)
     if overrides.get("mode") and (overrides["mode"] == "train") != (facts["workload"] == "training"):
         facts["workload_note"] = (f"--mode {overrides['mode']} was given, but the file shows a {facts['workload']} "
                                   f"run ({facts['workload_source']}): the file's evidence decides the levers")
