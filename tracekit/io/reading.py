@@ -112,6 +112,14 @@ def has_fx_frames(path, size) -> bool:
             if zipped and size > FX_SCAN_MAX_GZIP_BYTES:
                 return False
             raw.seek(0)
+            if not zipped and size:
+                import mmap
+
+                try:
+                    with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                        return m.find(FX_KEY) >= 0
+                except (OSError, ValueError, AttributeError):  # not a regular file: read it in pieces below
+                    raw.seek(0)
             stream = gzip.GzipFile(fileobj=raw, mode="rb") if zipped else raw
             tail = b""
             while True:
