@@ -186,6 +186,23 @@ class Document:
         lo, hi = float(x[0]), float(x[-1])
         return (lo, hi + 1.0) if not is_time else (lo, hi if hi > lo else lo + 1e-6)
 
+    def warmup(self, device) -> dict | None:
+        """torch.compile's warm-up on this device (tracekit.analysis.warmup), or None."""
+        if ("warmup", device) not in self._kept:
+            from tracekit.analysis.warmup import compile_warmup
+
+            self._kept["warmup", device] = compile_warmup(self.trace, device)
+        return self._kept["warmup", device]
+
+    def view_range(self, device) -> tuple[float, float]:
+        """The x range the timeline opens on: the whole trace, or the iterations after a compile warm-up
+        (which on a time axis would squeeze them into the right edge)."""
+        lo, hi = self.x_range(device)
+        w = self.warmup(device)
+        if w is None:
+            return lo, hi
+        return self.x_of(device, w["last_index"] + 1), hi
+
     def index_at(self, device, x) -> int:
         """The trace entry in effect at position x (-1 before the first)."""
         xs = self.xs(device)[0]

@@ -190,14 +190,19 @@ class DocumentView(QWidget):
         modules = info.get("modules")
         self.tabs.setTabText(1, f"Modules ({modules['modules']})" if modules else "Modules")
         self._update_count()
-        peak_at = f"entry {rep.peak_index:,}" if rep.peak_index >= 0 else "before the trace"
-        if rep.peak_index >= 0 and doc.has_time(device):
-            peak_at += f", {doc.x_of(device, rep.peak_index):.3f} s"
+        head = info.get("headline_peak") or {"bytes": rep.peak_allocated, "index": rep.peak_index}
+        peak_at = f"entry {head['index']:,}" if head["index"] >= 0 else "before the trace"
+        if head["index"] >= 0 and doc.has_time(device):
+            peak_at += f", {doc.x_of(device, head['index']):.3f} s"
+        if head.get("measure"):  # the report's words: the allocator's counter, requested bytes beside it
+            from tracekit.render.text import headline_words
+
+            peak_at = f"{headline_words(head)}; {peak_at}"
         reserved = f" · peak reserved <b>{fmt_bytes(rep.peak_reserved)}</b>" if rep.peak_reserved is not None else ""
         if info.get("demand_is_lower_bound"):  # the run died: what it needed is at least this (analysis/oom.py)
             reserved += (f" · <span style='color:#C00000'>out of memory: needed <b>≥ {fmt_bytes(info['demand_bytes'])}"
                          f"</b></span>")
-        self.summary.setText(f"<b>{doc.label(device)}</b> · peak allocated <b>{fmt_bytes(rep.peak_allocated)}</b> ({peak_at}){reserved}"
+        self.summary.setText(f"<b>{doc.label(device)}</b> · peak allocated <b>{fmt_bytes(head['bytes'])}</b> ({peak_at}){reserved}"
                              f" · {rep.n:,} entries · {len(rep.allocations):,} allocations{self._window_text()}")
         self.status.emit(self.status_text())
 
@@ -247,8 +252,18 @@ class DocumentView(QWidget):
             for col, width in enumerate((85, 60, 85, 120, 600)):
                 self.table.setColumnWidth(col, width)
         else:
-            for col, width in enumerate((80, 120, 125, 125, 85, 260, 380, 260, 130)):
+            # your line and the library line share what the fixed columns leave of the table's width, so both
+            # show (Module and Address are a scroll away) instead of the library line being cut at the edge
+            fixed = (80, 110, 125, 125, 85)
+            room = max(self.table.viewport().width() - sum(fixed) - 4, 440)
+            for col, width in enumerate(fixed + (int(room * 0.42), room - int(room * 0.42), 260, 130)):
                 self.table.setColumnWidth(col, width)
+
+    def showEvent(self, event):
+        super().showEvent(event)
+        if not getattr(self, "_fitted", False):  # once the table has its real width
+            self._fitted = True
+            self._column_widths()
 
     def _regroup(self):
         """Show the allocations, or their groups by your line / library line / module."""

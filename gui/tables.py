@@ -267,11 +267,15 @@ class GroupsModel(QAbstractTableModel):
         rep = allocations.doc.replays[allocations.device]
         live = al.live_at(rep.peak_index)[rows]
         self.at_peak = np.bincount(ids[rows][live], weights=sizes[live], minlength=n)
-        # main category of each group: the one with the most bytes
+        # main category of each group: as the report names a library line or site at the peak, the category with
+        # the most bytes live at the peak (categories from the report's own function, categorize); a group with
+        # nothing live then: the one with the most bytes over the trace
         labels = allocations.labels[rows].astype(np.int64)
         k = len(allocations.names)
-        per = np.bincount(ids[rows].astype(np.int64) * k + labels, weights=sizes, minlength=n * k).reshape(n, k)
-        self.main = per.argmax(axis=1)
+        key = ids[rows].astype(np.int64) * k + labels
+        per = np.bincount(key, weights=sizes, minlength=n * k).reshape(n, k)
+        at_peak = np.bincount(key[live], weights=sizes[live], minlength=n * k).reshape(n, k)
+        self.main = np.where(self.at_peak > 0, at_peak.argmax(axis=1), per.argmax(axis=1))
         # the largest allocation of each group (the inspector shows its stack)
         order = rows[np.lexsort((-al.size[rows], ids[rows]))]
         first = np.r_[True, ids[order][1:] != ids[order][:-1]] if len(order) else np.zeros(0, bool)

@@ -6,6 +6,8 @@ pixel, so a million-entry trace costs the same to draw as a small one.
 """
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -38,32 +40,33 @@ def _color(hex_color, alpha=255) -> QColor:
 
 
 class Legend(QWidget):
-    """A row of colour swatches above the plot (part of the exported PNG)."""
+    """Colour swatches above the plot (part of the exported PNG). One word-wrapped label: entries that do not fit
+    the width go on to a second line, whole, instead of being cut at the right edge ("paramete", "temporar")."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
         self.row = QHBoxLayout(self)
         self.row.setContentsMargins(8, 2, 8, 2)
-        self.row.setSpacing(10)
-        # never widen the window for the legend: it is cut at the right instead
+        self.label = QLabel()
+        self.label.setTextFormat(Qt.RichText)
+        self.label.setWordWrap(True)
+        self.row.addWidget(self.label, 1)
+        # never widen the window for the legend: it wraps instead
         self.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.texts: list[str] = []
 
     def set_entries(self, entries):
-        """entries: [(text, colour, style)] with style "fill", "line" or "band"."""
-        while self.row.count():
-            w = self.row.takeAt(0).widget()
-            if w:
-                w.deleteLater()
+        """entries: [(text, colour, style)] with style "fill", "line", "band" or "caption"."""
+        parts, self.texts = [], []
         for text, colour, style in entries:
+            shown = html.escape(text.strip()).replace(" ", "&nbsp;")  # an entry never breaks inside
+            self.texts.append(text.strip())
             if style == "caption":
-                label = QLabel(f'<span style="color:#555555">{text}</span>')
-                self.row.addWidget(label)
+                parts.append(f'<span style="color:#555555">{shown}</span>')
                 continue
             swatch = {"fill": "■", "line": "┅", "band": "■"}[style]
-            label = QLabel(f'<span style="color:{colour}; font-size:15px">{swatch}</span>&nbsp;{text}')
-            label.setTextFormat(Qt.RichText)
-            self.row.addWidget(label)
-        self.row.addStretch(1)
+            parts.append(f'<span style="color:{colour}; font-size:15px">{swatch}</span>&nbsp;{shown}')
+        self.label.setText("&nbsp;&nbsp; ".join(parts))  # the plain space after each entry is where lines break
 
 
 class TimelineWidget(QWidget):
@@ -265,6 +268,18 @@ class TimelineWidget(QWidget):
                 self.plot.addItem(label, ignoreBounds=True)
                 self._decor.append((self.plot, label))
                 self._iteration_labels.append(label)
+        warm = self.doc.warmup(self.device)
+        if warm is not None:  # the compile warm-up: marked, and left out of the opening view (reset_zoom)
+            x0, x1 = self.doc.x_of(self.device, warm["first_index"]), self.doc.x_of(self.device, warm["last_index"] + 1)
+            band = pg.LinearRegionItem(values=(x0, x1), movable=False, brush=pg.mkBrush(200, 200, 200, 60),
+                                       pen=pg.mkPen(None))
+            self.plot.addItem(band, ignoreBounds=True)
+            self._decor.append((self.plot, band))
+            label = pg.TextItem("compile warm-up", color="#555555", anchor=(1, 0))
+            label.setPos(x1, 0)
+            self.plot.addItem(label, ignoreBounds=True)
+            self._decor.append((self.plot, label))
+            legend_entries.append(("compile warm-up", "#C8C8C8", "band"))
         self.lane.setVisible(bool(spans))
 
     def _add_kv(self, legend_entries):
@@ -444,8 +459,9 @@ class TimelineWidget(QWidget):
     # ---- navigation -------------------------------------------------------------
 
     def reset_zoom(self):
+        """The iterations: the whole trace, less a torch.compile warm-up before them (a zoom-out away)."""
         if self.doc is not None:
-            self.vb.setXRange(*self.doc.x_range(self.device), padding=0.005)
+            self.vb.setXRange(*self.doc.view_range(self.device), padding=0.005)
 
     def zoom(self, factor):
         """factor < 1 zooms in around the centre (or the pinned cursor when it is in view)."""

@@ -27,14 +27,14 @@ def leak_loop():
 
 def test_within_budget_exits_0(leak_loop):
     path, peak = leak_loop
-    code, out, _ = run(path, "--max-peak", peak, "--max", f"activation={peak}")
+    code, out, _ = run(path, "--max-peak", f"{peak}B", "--max", f"activation={peak}B")
     assert code == 0, out
     assert "within budget" in out
 
 
 def test_over_budget_exits_1_and_lists_what(leak_loop):
     path, peak = leak_loop
-    code, out, _ = run(path, "--max-peak", peak - 1, "--max", "optimizer_state=1KiB", "--no-leaks")
+    code, out, _ = run(path, "--max-peak", f"{peak - 1}B", "--max", "optimizer_state=1KiB", "--no-leaks")
     assert code == 1
     lines = [line for line in out.splitlines() if line.startswith("  - ")]
     assert len(lines) == 3
@@ -101,7 +101,7 @@ def test_bad_files_exit_2(tmp_path):
 @pytest.mark.parametrize("value,message", [
     ("1e999", "larger than any memory"), ("1.5", "not a whole number of bytes"), ("-1", "not a size"),
     ("inf", "not a size"), ("nan", "not a size"), ("9" * 30, "larger than any memory"), ("1.5 XB", "not a size"),
-    ("", "not a size"), ("1e99999999999", "not a size"),
+    ("", "not a size"), ("80", "has no unit: give one of B, KiB, MiB, GiB"), ("1048576", "has no unit"), ("1e99999999999", "not a size"),
 ])
 def test_budgets_that_are_not_sizes_are_one_line_exit_2(leak_loop, value, message):
     for args in (["--max-peak", value], ["--max-reserved", value], ["--max", f"activation={value}"]):
@@ -127,9 +127,9 @@ def test_bom_json_and_fifo(tmp_path, leak_loop):
     snap = restricted_load(open(leak_loop[0], "rb"))
     bom = tmp_path / "bom.json"
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(snap).encode())
-    code, out, err = run(bom, "--max-peak", leak_loop[1])
+    code, out, err = run(bom, "--max-peak", f"{leak_loop[1]}B")
     assert code == 0, err
-    assert run(bom, "--max-peak", leak_loop[1] - 1)[0] == 1
+    assert run(bom, "--max-peak", f"{leak_loop[1] - 1}B")[0] == 1
     fifo = tmp_path / "pipe.json"
     import os
 

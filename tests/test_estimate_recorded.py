@@ -168,7 +168,7 @@ def test_whatif_fit_predicts_a_third_recording(batches, capsys):
     from tracekit.cli import main
 
     peak12 = replay(load(batches[12], use_cache=False))[0].peak_allocated
-    main(["whatif", batches[2], batches[6], "--budget", str(peak12), "--json", "--no-cache"])
+    main(["whatif", batches[2], batches[6], "--budget", f"{peak12}B", "--json", "--no-cache"])
     r = json.loads(capsys.readouterr().out)
     f = r["fit"]
     assert abs(f["fixed_bytes"] + 12 * f["per_unit_bytes"] - peak12) <= 0.02 * peak12

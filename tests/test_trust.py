@@ -178,7 +178,8 @@ def test_check_without_criteria_checks_and_says_the_defaults():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--max-peak", "0"], "above zero"), (["--max-reserved", "0B"], "above zero"), (["--max", "activation=0"], "above zero"),
+    (["--max-peak", "0"], "has no unit"), (["--max-reserved", "0B"], "above zero"), (["--max", "activation=0"], "has no unit"),
+    (["--max", "activation=0MiB"], "above zero"),
     (["--max-peak", "-2GiB"], "not a size"), (["--max-peek", "1GiB"], "No such option"),
 ])
 def test_usage_errors_exit_2(args, message):
@@ -271,8 +272,8 @@ def test_whatif_generation_grows_the_kv_cache_and_keeps_the_workspace_fixed():
     assert r["levers_for"]["facts"]["blocks"] == truth["config"]["num_hidden_layers"]
 
 
-@pytest.mark.parametrize("args,message", [(["--budget", "0"], "above zero"), (["--budget", "-1GiB"], "not a size"),
-                                          (["--budget", "1GiB"], "give --sizes")])
+@pytest.mark.parametrize("args,message", [(["--budget", "0B"], "above zero"), (["--budget", "-1GiB"], "not a size"),
+                                          ([GEN, "--budget", "1GiB"], "give --sizes")])  # two files need sizes
 def test_whatif_bad_input(args, message):
     code, _, err = cli("whatif", GEN, *args)
     assert code == 2 and message in err and "Traceback" not in err

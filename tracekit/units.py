@@ -41,11 +41,16 @@ def fmt_pair(a, b) -> tuple[str, str]:
 MAX_BYTES = 2**63 - 1  # what an int64 byte count holds (8 EiB)
 
 
-def parse_bytes(text: str) -> int:
+UNITS_HINT = "B, KiB, MiB, GiB, TiB (or kB, MB, GB, TB)"
+
+
+def parse_bytes(text: str, unit_required: bool = False) -> int:
     """Parse "2GiB", "512 MB", "1.5GB", "1e9" or "1048576" to bytes; ValueError with a clear message otherwise.
 
     A number without a unit is bytes and must be whole ("1.5" is refused: give a unit, 1.5GiB); with a
-    unit it is rounded to the nearest byte. Negative, non-finite and over-8-EiB values are refused."""
+    unit it is rounded to the nearest byte. Negative, non-finite and over-8-EiB values are refused.
+    `unit_required` (every byte option of the command line): a bare number is refused, naming the units,
+    since "--budget 80" means 80 GB to a person and 80 bytes to the parser ("80B" says bytes)."""
     shown = repr(str(text) if len(str(text)) <= 40 else str(text)[:40] + "...")
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]{1,6}))?\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(3).lower() not in _UNITS:
@@ -62,4 +67,7 @@ def parse_bytes(text: str) -> int:
         value = int(value.to_integral_value(decimal.ROUND_HALF_EVEN))
     if value > MAX_BYTES:
         raise ValueError(f"{shown} is larger than any memory (at most 8 EiB)")
+    if unit_required and not unit:
+        raise ValueError(f"{shown} has no unit: give one of {UNITS_HINT} (e.g. {str(text).strip()}GiB, "
+                         f"or {str(text).strip()}B for bytes)")
     return value

@@ -79,14 +79,21 @@ def over_budget(report, max_peak, max_reserved, budgets, no_leaks) -> list[dict]
                     "evidence": evidence})
 
     for d in report["devices"]:
-        peak = d["peak_allocated_bytes"] or 0
-        demand = d.get("demand_bytes") or peak
+        head = d.get("headline_peak") or {"bytes": d["peak_allocated_bytes"], "index": d.get("peak_event_index"),
+                                          "measure": "requested"}
         lower = bool(d.get("demand_is_lower_bound"))
+        # the report's headline (the allocator's counter where modelled), or after an OOM what the run needed
+        demand = (d.get("demand_bytes") or 0) if lower else (head["bytes"] or 0)
         if max_peak is not None and demand > max_peak:
-            what = "needed (the run died of out of memory: its demand, a lower bound)" if lower else "peak allocated"
+            blocks = head.get("measure") == "blocks"
+            what = ("needed (the run died of out of memory: its demand, a lower bound)" if lower
+                    else "peak allocated" + (" (max_memory_allocated)" if blocks else ""))
             add("peak", d, demand, max_peak, what,
-                {"rule": d.get("demand_why") if lower else "the most bytes allocated after any trace entry",
-                 "events": _entry(d.get("peak_event_index")),
+                {"rule": d.get("demand_why") if lower else
+                 ("the most bytes in the caching allocator's blocks after any trace entry (the allocator model's "
+                  "replay, as torch.cuda.max_memory_allocated counts them)" if blocks
+                  else "the most bytes allocated after any trace entry"),
+                 "events": _entry(d.get("peak_event_index") if lower else head.get("index")),
                  "frames": ((d.get("top_stacks_at_peak") or [{}])[0]).get("frames", [])[:8]}, lower)
             top = (d.get("top_stacks_at_peak") or [{}])[0]
             if top.get("where"):
@@ -141,7 +148,8 @@ def check(report, max_peak=None, max_reserved=None, budgets=None, no_leaks=False
                            "its segments, or the `snapshot` entry of a one-entry ring buffer such as torch 2.0's "
                            "default), so an OOM-observer dump cannot be told from any other snapshot")
     if max_peak is not None:
-        checked.append(f"peak allocated (the demand, after an out-of-memory error) <= {fmt_bytes(max_peak)}")
+        checked.append(f"peak allocated (as torch.cuda.max_memory_allocated counts it where the allocator is "
+                       f"modelled; the demand, after an out-of-memory error) <= {fmt_bytes(max_peak)}")
     else:
         not_checked.append("peak allocated (--max-peak SIZE)")
     if max_reserved is not None:

@@ -107,7 +107,11 @@ def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
         reasons = list(REASONS)
         method = np.full(len(labels), INFERRED, np.int8)
         tagged = tag_labels(trace, reps[d])
-        has_tag = tagged >= 0
+        # a cuBLAS workspace is a workspace whatever the tags say (earlier recorders tagged them activation
+        # or gradient): the frames name it, or, without C++ frames, its size and lifetime (issue 31)
+        lazy = lazy_workspaces(trace, reps[d], phs[d], labels, tagged)
+        labels[lazy], reason[lazy] = WORKSPACE, R[REASONS[LAZY_WORKSPACE]]
+        has_tag = (tagged >= 0) & ~((labels == WORKSPACE) & np.isin(reason, (R[REASONS[1]], R[REASONS[LAZY_WORKSPACE]])))
         labels[has_tag] = tagged[has_tag]
         method[has_tag] = TAG
         reason[has_tag] = len(reasons) + tagged[has_tag]
@@ -172,6 +176,8 @@ REASONS = (
     "made in a model call of the generation, used after it (model output: logits, hidden states)",
     "made by the generation loop between decoding steps and freed there",
     "made by the generation loop, kept across decoding steps (generated tokens, attention mask, positions)",
+    "cuBLAS workspace (by its size and lifetime: made at a pass's first matrix multiply on its thread, "
+    "never freed, more than the parameters of that size; the file has no C++ frames to name it)",
 )
 REASONS = REASONS + tuple(r for r in _dist.REASONS + _dist.EXTRA_REASONS if r not in REASONS)  # sharded training
 R = {text: i for i, text in enumerate(REASONS)}
@@ -321,6 +327,68 @@ def requested_sizes(trace: Trace, rep: DeviceReplay) -> np.ndarray:
     req = b.requested_size[blocks]
     good = (req > 0) & (req <= b.size[blocks]) & (b.size[blocks] == al.size[rows])
     out[rows[good]] = req[good]
+    return out
+
+
+LAZY_WORKSPACE = len(REASONS) - 1  # the reason of `lazy_workspaces`
+CUBLASLT_WORKSPACE = 1 << 20
+
+
+def _has_cpp_frames(trace: Trace) -> bool:
+    """Whether the file's stacks include C++ frames (torch's `_record_memory_history(stacks="all")`): then a
+    workspace is named by its frames (getNewWorkspace, getCUDABlasLtWorkspace)."""
+    strings, fr = trace.strings, trace.frames
+    names = np.unique(fr.filename) if len(fr) else []
+    return any(strings[int(i)].endswith((".cpp", ".h", ".cu", ".cuh")) for i in names)
+
+
+def lazy_workspaces(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases, labels, tagged) -> np.ndarray:
+    """Mask of the cuBLAS workspaces made during the trace, in a file whose stacks cannot name them (no C++
+    frames: our recorder's files, torch's with Python stacks only).
+
+    cuBLAS makes one workspace per handle (thread) and stream, lazily, at the first matrix multiply on it,
+    of a fixed size (CUBLAS_WORKSPACE_SIZES), and never frees it; cuBLASLt makes its own of 1 MiB right
+    after. So, per stream: the first allocation of a workspace size made in a forward pass (or a
+    generation's model call) and never freed; the first one made in backward (the autograd thread) and
+    never freed, when more such blocks outlive backward than there are parameters of that size (the rest
+    are that size's gradients); and a never-freed 1 MiB block made within 3 entries after either, from
+    the same stack. Parameters, optimizer state and KV cache are never taken."""
+    al = rep.allocations
+    out = np.zeros(len(al), bool)
+    if not len(al) or phases.source == "none" or not rep.n:
+        return out
+    a = al.alloc_index
+    kept = (a >= 0) & (al.free_index < 0)
+    big = kept & np.isin(al.size, CUBLAS_WORKSPACE_SIZES[:3])
+    blocked = np.isin(labels, (PARAMETER, OPTIMIZER_STATE, KV_CACHE)) | np.isin(tagged, (PARAMETER, OPTIMIZER_STATE))
+    big &= ~blocked
+    if not big.any() or _has_cpp_frames(trace):
+        return out
+    phase = np.where(a >= 0, phases.phase[np.maximum(a, 0)], -1)
+    stream = trace.events.stream[rep.events][np.maximum(a, 0)]
+    forward = np.isin(phase, (ph.FORWARD, ph.PREFILL, ph.DECODE))
+    backward = phase == ph.BACKWARD
+    is_param = (labels == PARAMETER) | (tagged == PARAMETER)
+    picked = []
+    for st in np.unique(stream[big]).tolist():
+        on = big & (stream == st)
+        rows = np.flatnonzero(on & forward)
+        if len(rows):
+            picked.append(int(rows[np.argmin(a[rows])]))
+        rows = np.flatnonzero(on & backward)
+        if len(rows):
+            first = int(rows[np.argmin(a[rows])])
+            s = al.size[first]
+            if int((on & backward & (al.size == s)).sum()) > int((is_param & (al.size == s)).sum()):
+                picked.append(first)
+    if not picked:
+        return out
+    out[picked] = True
+    lt = np.flatnonzero(kept & (al.size == CUBLASLT_WORKSPACE) & ~blocked)
+    for r in picked:
+        near = lt[(a[lt] > a[r]) & (a[lt] <= a[r] + 3) & (al.stack_id[lt] == al.stack_id[r])]
+        if len(near):
+            out[near[np.argmin(a[near])]] = True
     return out
 
 

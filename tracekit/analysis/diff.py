@@ -47,6 +47,9 @@ def diff(a: Trace, b: Trace, rules=None) -> dict:
             "device_a": da["device"], "device_b": db["device"], "label": _label(da, db),
             "noise_bytes": noise,
             **{k: ch(da.get(k), db.get(k)) for k in FIGURES},
+            # the report's headline (the allocator's counter where modelled, else requested bytes: issue 31)
+            "headline_peak_bytes": ch((da.get("headline_peak") or {}).get("bytes"),
+                                      (db.get("headline_peak") or {}).get("bytes")),
             # what each run needed: the peak, or after an out-of-memory error a lower bound above it (oom.py)
             "demand_bytes": ch(da.get("demand_bytes", da.get("peak_allocated_bytes")),
                                db.get("demand_bytes", db.get("peak_allocated_bytes"))),

@@ -302,7 +302,8 @@ def checkpointing_in_use(trace: Trace) -> bool:
     return any(_CHECKPOINT.search(trace.strings[int(files[i])]) for i in used)
 
 
-def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None, batch=None, rules=None) -> dict:
+def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None, batch=None, rules=None,
+               expandable: bool = False) -> dict:
     """What the file says that the levers rest on (see the module's doc); `shape`/`setup` (estimate) only fill
     in what the file does not say. JSON-ready."""
     from .replay import replay
@@ -346,6 +347,13 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
     if not block_act:
         block_act = int(at_peak.get("activation", 0))
     width = _bytes_per_parameter(model)
+    width_source = "the recorder" if width else None
+    if width is None:  # autocast's 16-bit copies of weights (categories.py) say the weights are stored in fp32
+        from .categories import REASONS, R
+
+        copies = np.isin(cats.reason, [R[REASONS[6]], R[REASONS[35]]]) if len(cats.reason) else []
+        if np.any(copies):
+            width, width_source = 4.0, "fp32: autocast makes 16-bit copies of the weights in this file"
     scores = _scores_at_peak(trace, rep, cats, live, attn, shape, batch, seq)
     opt = (rec.get("optimizer") or {}).get("class") or ""
     trainable = model.get("trainable_parameters")
@@ -364,14 +372,27 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
         "scores_at_peak_bytes": scores[0], "scores_source": scores[1],
         "checkpointing": checkpointing_in_use(trace),
         "optimizer": opt or None, "lora": lora, "bytes_per_parameter": width,
+        "bytes_per_parameter_source": width_source,
         "cpu": summary.get("label") == "cpu" or rec.get("backend") == "cpu",
         "expandable_segments": bool(settings.get("expandable_segments")),
+        # what expandable segments would save: the allocator replay (two runs of the model: asked for by whatif,
+        # whose levers show it; the report's advice never offers it)
+        "expandable": None if settings.get("expandable_segments") or not expandable else _expandable(trace, device),
         "world_size": world if isinstance(world, int) and world > 1 else None,
         "workspace_bytes": int(workspace),
         "gradient_bytes": grads,
         "fixed_precision": _precision(model),
         "distributed": summary.get("distributed"),  # what this rank of a sharded / DDP job holds (distributed.py)
     }
+
+
+def _expandable(trace: Trace, device: int):
+    """The allocator replay's saving from expandable segments (allocator/whatif.expandable_saving), or None."""
+    if (trace.recorder or {}).get("backend") == "cpu":
+        return None
+    from .allocator.whatif import expandable_saving
+
+    return expandable_saving(trace, device)
 
 
 def _most_live(rep, mask) -> int:
@@ -554,7 +575,8 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
     if param > 0:
         width = facts.get("bytes_per_parameter")
         ratio = 1 - 0.5 / width if width else 0.75
-        assumes = (f"weights stored at {width:g} bytes per parameter today (the recorder), 4-bit after" if width
+        assumes = (f"weights stored at {width:g} bytes per parameter today "
+                   f"({facts.get('bytes_per_parameter_source') or 'the recorder'}), 4-bit after" if width
                    else "16-bit weights today (not in the file), 4-bit after")
         name = "4-bit quantized weights (frozen base, e.g. QLoRA)" if train else "8-bit or 4-bit quantized weights"
         add("4-bit quantized weights", name, "parameter", ratio * param, assumes,
@@ -582,13 +604,19 @@ def levers(facts: dict, at_peak: dict, peak: int, fragmentation: int = 0, spikes
             f"halves with it; the batch is {batch if batch else 'at least 2 (not in the file)'}",
             f"Batch-proportional memory holds {fmt_bytes(growing)} at the peak.",
             "half of the batch-proportional categories at the peak, less the gradients held between micro-batches")
-    if fragmentation > 0 and not facts.get("cpu") and not facts.get("expandable_segments"):
+    # expandable segments: the allocator replay's answer (whatif --alloc-conf expandable_segments:True), never a
+    # share of the reserved-but-unused bytes (`fragmentation` is no longer read: one computation, issue 31)
+    exp = facts.get("expandable")
+    if exp and exp["saves_bytes"] > 0 and not facts.get("cpu") and not facts.get("expandable_segments"):
         out.append({"technique": "expandable_segments",
-                    "lever": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved-but-unused at the peak)",
-                    "category": "reserved", "saves_bytes": int(fragmentation), "reserved_only": True,
-                    "assumes": "segments that grow in place return most of the reserved-but-unused memory",
-                    "how": f"{fmt_bytes(fragmentation)} is reserved but not allocated at the peak.",
-                    "evidence": {"rule": "reserved - allocated at the peak", "workload": work},
+                    "lever": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved memory)",
+                    "category": "reserved", "saves_bytes": int(exp["saves_bytes"]), "reserved_only": True,
+                    "assumes": "the file's requests served again by the caching-allocator model with expandable "
+                               "segments, from the same start (tracekit whatif FILE --alloc-conf "
+                               "expandable_segments:True)",
+                    "how": f"{exp['text']}.",
+                    "evidence": {"rule": "allocator replay: peak reserved under the recorded settings - under "
+                                         "expandable_segments:True", "workload": work},
                     "note": "saves reserved, not allocated, memory"})
     out.sort(key=lambda r: -r["saves_bytes"])
     return out
@@ -735,4 +763,9 @@ def not_offered(facts: dict) -> list[str]:
         out.append("no flash-attention lever: the stacks show no attention kernel, eager or fused")
     if facts.get("lora"):
         out.append("no LoRA lever: most parameters are frozen already")
+    exp = facts.get("expandable")
+    if facts.get("expandable_segments"):
+        out.append("no expandable-segments lever: the file was recorded with expandable_segments:True")
+    elif exp is not None and exp["saves_bytes"] <= 0:
+        out.append(f"no expandable-segments lever: {exp['text'][0].lower()}{exp['text'][1:]}")
     return out

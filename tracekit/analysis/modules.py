@@ -71,14 +71,34 @@ def allocation_module_ids(trace: Trace, rep: DeviceReplay):
     zeros ("none")."""
     sites = allocation_sites(trace, rep)
     if (sites.module > 0).any():
-        return sites.module, sites.forward, "recorder", None, trace.strings
+        return _no_workspaces(trace, rep, sites.module), sites.forward, "recorder", None, trace.strings
     from .libraries import allocation_libraries
     from .modtree import allocation_modules
 
     am = allocation_modules(trace, rep.device)
     if not (am.module > 0).any():
         return am.module, np.zeros(len(am.module), bool), "none", None, am.names
-    return am.module, allocation_libraries(trace, rep.device).backward, "stacks", am.classes, am.names
+    return (_no_workspaces(trace, rep, am.module), allocation_libraries(trace, rep.device).backward, "stacks",
+            am.classes, am.names)
+
+
+def _no_workspaces(trace: Trace, rep: DeviceReplay, module: np.ndarray) -> np.ndarray:
+    """`module` with the cuBLAS workspaces (category `workspace`, categories.py) in no module: cuBLAS makes one
+    per thread at the first matrix multiply, which names whatever module ran it (a rotary embedding, the first
+    linear), but it serves every module after it."""
+    ws = workspace_mask(trace, rep)
+    if not ws.any() or len(ws) != len(module):
+        return module
+    out = np.array(module, copy=True)
+    out[ws] = 0
+    return out
+
+
+def workspace_mask(trace: Trace, rep: DeviceReplay) -> np.ndarray:
+    """The allocations that are cuBLAS workspaces (left out of the module table: no module holds them)."""
+    from .categories import WORKSPACE, categorize
+
+    return categorize(trace)[rep.device].labels == WORKSPACE
 
 
 def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | None:
@@ -88,7 +108,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     module_ids, backward, source, classes, names = allocation_module_ids(trace, rep)
     if not len(al) or not (module_ids > 0).any():
         return None
-    made = al.alloc_index >= 0  # made in the trace; module 0: outside any
+    made = (al.alloc_index >= 0) & ~workspace_mask(trace, rep)  # made in the trace; module 0: outside any
     uniq, inv = unique_ids(module_ids[made].astype(np.int64) * 2 + backward[made], return_inverse=True)
     group = np.full(len(al), -1, np.int32 if len(uniq) < 2**31 else np.int64)
     group[made] = inv

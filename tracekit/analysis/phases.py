@@ -59,6 +59,11 @@ _RE_BACKWARD_CPP = re.compile(r"torch::autograd::(Engine|PythonEngine|python::Py
                               r"|torch::autograd::CppNode|SavedVariable::unpack|call_function\(")
 _RE_AOT_BACKWARD = re.compile(rf"_aot_autograd{_SEP}|_functorch{_SEP}")
 _RE_MODULE = re.compile(rf"torch{_SEP}nn{_SEP}modules{_SEP}module\.py$")
+# torch.compile's generated code (the FX graph's `<eval_with_key>` / fx_generated_ file, inductor's kernels'
+# `call`, dynamo's graph functions and graph-break resumes) runs the model's forward (issue 31); in a compiled
+# backward or optimizer step their own evidence wins
+_RE_COMPILED_FILE = re.compile(rf"<eval_with_key>|fx_generated_\w*\.py$|torchinductor_[^/\\]*{_SEP}")
+_RE_COMPILED_NAME = re.compile(r"^(__compiled_fn|torch_dynamo_resume_in_|__resume_at_)")
 _PARAM_INIT_NAMES = {"_apply", "load_state_dict", "_load_from_state_dict", "reset_parameters", "to_empty",
                      "cuda", "load", "from_pretrained", "_load_state_dict_into_model", "init_weights"}
 _RE_CHECKPOINT = re.compile(rf"torch{_SEP}utils{_SEP}checkpoint\.py$")
@@ -95,7 +100,8 @@ def frame_flags(filename: str, name: str, line: int | None = None) -> int:
             or (name in ("backward", "_backward_impl") and _RE_AOT_BACKWARD.search(filename)):
         bits |= F_BACKWARD
     if (_RE_MODULE.search(filename) and name in ("_call_impl", "_wrapped_call_impl", "inner")) \
-            or (name == "forward" and filename.endswith(".py")):
+            or (name == "forward" and filename.endswith(".py")) \
+            or _RE_COMPILED_FILE.search(filename) or _RE_COMPILED_NAME.search(name):
         bits |= F_MODULE
     if name in _PARAM_INIT_NAMES:
         bits |= F_PARAM_INIT

@@ -63,10 +63,16 @@ def _summary(trace, rep, p, reserved_at_peak, ev) -> dict:
     phase, iteration, during = when(trace, rep.device, p)
     stats = next((d.get("allocator_stats") for d in (trace.recorder or {}).get("devices") or []
                   if isinstance(d, dict) and d.get("index") == rep.device and d.get("type") == "cuda"), None)
+    from .allocator.summary import headline_peak
+
+    head = headline_peak(trace, rep.device, rep)  # what the text, check and the viewer lead with (issue 31)
+    hp, hi, hd = when(trace, rep.device, head["index"]) if head["index"] != p else (phase, iteration, during)
+    head.update(time_us=time_of(trace, rep, head["index"]), phase=hp, iteration=hi, during=hd or None)
     return {
         "device": rep.device,
         "label": trace.device_label(rep.device),
         "entries": rep.n,
+        "headline_peak": head,
         "peak_allocated_bytes": rep.peak_allocated,
         "peak_event_index": p,
         "peak_time_us": time_of(trace, rep, p),
@@ -250,15 +256,25 @@ def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
     phase, iteration, during = when(trace, rep.device, p)
     at = "before the first trace entry" if p < 0 else f"at trace entry {p}"
     largest = f"; largest site: {fmt_bytes(stacks[0]['bytes'])} from {stacks[0]['where']}" if stacks else ""
+    from .allocator.summary import headline_peak
+
+    head = headline_peak(trace, rep.device, rep)  # the allocator's counter first, as the report's headline
+    counted = (f"{fmt_bytes(head['bytes'])} allocated ({'exact, ' if head['exact'] else ''}as "
+               f"torch.cuda.max_memory_allocated counts it; tensors requested {fmt_bytes(rep.peak_allocated)})"
+               if head["measure"] == "blocks" else f"{fmt_bytes(rep.peak_allocated)} allocated")
     return {"kind": "peak", "device": rep.device, "bytes": rep.peak_allocated, "index": p,
+            "headline_bytes": head["bytes"],
             "time_us": time_of(trace, rep, p), "phase": phase, "iteration": iteration,
-            "summary": f"{trace.device_label(rep.device)} peaks at {fmt_bytes(rep.peak_allocated)} allocated {at}"
+            "summary": f"{trace.device_label(rep.device)} peaks at {counted} {at}"
                        f"{' ' + during if during else ''}{largest}",
             "frames": stacks[0]["frames"] if stacks else [], "where": stacks[0]["where"] if stacks else None,
             "top_stacks": stacks}
 
 
 MIN_FRAGMENTATION_SHARE = 0.05  # of peak reserved, at the peak or at its worst
+# the fragmentation finding replays the requests with expandable segments (two runs of the allocator model, in
+# Python) for traces up to this long; longer ones point to `whatif --alloc-conf` instead
+EXPANDABLE_REPLAY_MAX_ENTRIES = 200_000
 
 
 def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
@@ -291,17 +307,27 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
     if max(at_peak, worst_bytes) < MIN_FRAGMENTATION_SHARE * (rep.peak_reserved or 0):
         return None  # too little to be worth a finding (the device figures still show it)
     settings = trace.meta.get("allocator_settings") or {}
-    remedy = ""
-    if (share >= 0.2 and at_peak >= 256 * 2**20 or len(ooms)) and not settings.get("expandable_segments"):
-        remedy = (" Setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets segments grow in place "
-                  "and usually returns most of this.")
+    remedy, expandable = "", None
+    if not settings.get("expandable_segments") and rep.n <= EXPANDABLE_REPLAY_MAX_ENTRIES:
+        from .allocator.whatif import expandable_saving
+
+        expandable = expandable_saving(trace, rep.device)
+        if expandable is not None and expandable["saves_bytes"] > 0:
+            remedy = f" {expandable['text']}."
+        elif expandable is not None:
+            remedy = f" {expandable['text']}: expandable segments would not help here."
+    elif not settings.get("expandable_segments"):  # a long trace: the replay is whatif's, on request
+        remedy = (" For what PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would save, replay the requests: "
+                  "tracekit whatif FILE --alloc-conf expandable_segments:True.")
     why = "at an out-of-memory error" if worst in set(ooms.tolist()) else "when the allocator had to reserve more"
     worst_text = f"; {fmt_bytes(worst_bytes)} unused {why} (entry {worst})" if worst != p else ""
     return {"kind": "fragmentation", "device": rep.device, "bytes": int(at_peak), "index": p,
             "worst_index": worst, "worst_bytes": worst_bytes, "share_at_peak": round(share, 4),
             "summary": (f"{fmt_bytes(at_peak)} reserved but not allocated at the peak ({share:.0%} of reserved)"
                         f"{worst_text}.{remedy}"),
+            "expandable_segments_saves_bytes": None if expandable is None else expandable["saves_bytes"],
             "frames": []}
+
 
 
 def oom_findings(trace: Trace, rep: DeviceReplay, rules=None) -> list[dict]:

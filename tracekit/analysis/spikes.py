@@ -100,8 +100,14 @@ def _finding(trace, rep, mask, curve, i, groups):
     summary = (f"{fmt_bytes(spike)} of short-lived allocations on top of {fmt_bytes(base)} at entry {i}"
                f"{' ' + when_text if when_text else ''}{' (this is the peak)' if at_peak else ''}; "
                f"largest: {fmt_bytes(groups[0]['bytes'])} from {groups[0]['where']}" if groups else "")
+    from .libraries import library_sites, library_where
+
+    libs = library_sites(trace, rep.device, live, limit=1)  # the third-party line, as the report's peak has it
+    library_line = library_where(libs[0]) if libs else None
+    if libs and summary:
+        summary += f"; largest library line: {fmt_bytes(libs[0]['bytes'])} {libs[0]['category']} from {library_line}"
     return {
-        "kind": "spike", "device": rep.device, "bytes": spike, "index": int(i),
+        "kind": "spike", "device": rep.device, "bytes": spike, "index": int(i), "library_line": library_line,
         "start_index": int(al.alloc_index[live].min()), "end_index": int(al.free_index[live].max()),
         "baseline_bytes": int(base), "allocated_bytes": rep.allocated_at(i), "phase": phase,
         "iteration": int(p.iteration[i]) if p.source != "none" else None, "at_peak": bool(at_peak),

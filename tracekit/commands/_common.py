@@ -10,6 +10,29 @@ rules_option = click.option("--rules", type=click.Path(exists=True, dir_okay=Fal
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 
 
+def size_value(param, value, positive: bool = True):
+    """A byte option's value ("80GiB") as bytes: None stays None; a bare number, a bad size or (with
+    `positive`) zero is one line naming the option and exit 2 (a TracekitError, not click's usage text)."""
+    from ..errors import TracekitError
+    from ..units import parse_bytes
+
+    if value is None:
+        return None
+    name = param.opts[0] if param is not None and getattr(param, "opts", None) else "size"
+    try:
+        got = parse_bytes(value, unit_required=True)
+    except ValueError as e:
+        raise TracekitError(f"{name}: {e}") from None
+    if positive and got <= 0:
+        raise TracekitError(f"{name}: {value!r} is not a budget: give a size above zero")
+    return got
+
+
+def size_callback(ctx, param, value):
+    """The click callback of every byte option (--budget, --max-peak, --memory-limit, ...)."""
+    return size_value(param, value)
+
+
 def _parsed(name):
     """A click callback that parses with tracekit.analysis.window's `name` (imported when used)."""
     def convert(ctx, param, value):

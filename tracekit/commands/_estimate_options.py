@@ -69,9 +69,9 @@ KNOBS = [
     _knob("--grad-accum", type=int, default=1, show_default=True),
     _knob("--checkpointing", type=click.Choice(["none", "selective", "full"]), default="none",
           show_default=True),
-    _knob("--attention", type=click.Choice(["eager", "sdpa", "flash"]), default="sdpa", show_default=True,
-          help="transformers' attn_implementation: eager materializes the score matrix; sdpa (its default) "
-          "and flash (flash_attention_2) do not."),
+    _knob("--attention", type=click.Choice(["eager", "sdpa", "flash"]),
+          help="transformers' attn_implementation: eager materializes the score matrix; sdpa and flash "
+          "(flash_attention_2) do not (default: transformers' for the model: sdpa, eager for Gemma-2)."),
     _knob("--dropout", type=float, help="Dropout probability (default: the config's, else 0)."),
     _knob("--loss-only", is_flag=True, help="The training loop keeps only the loss, not the model's output "
           "(Hugging Face's Trainer): its logits are freed before backward."),

@@ -28,7 +28,7 @@ def _size(ctx, param, value):
     if value is None:
         return None
     try:
-        got = parse_bytes(value)
+        got = parse_bytes(value, unit_required=True)
     except ValueError as e:
         raise BudgetError(f"{param.opts[0]}: {e}") from None
     if got <= 0:
@@ -43,7 +43,7 @@ def _budgets(ctx, param, values):
         if not sep or not name.strip():
             raise BudgetError(f"--max: {v!r} is not CATEGORY=SIZE (e.g. activation=1GiB)")
         try:
-            out[name.strip()] = parse_bytes(size)
+            out[name.strip()] = parse_bytes(size, unit_required=True)
         except ValueError as e:
             raise BudgetError(f"--max {name.strip()}: {e}") from None
         if out[name.strip()] <= 0:

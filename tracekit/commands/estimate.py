@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from ..errors import TracekitError
-from ._common import json_option, show
+from ._common import json_option, show, size_callback
 from ._estimate_options import model_options, setup_from, setup_options, shape_from
 
 
@@ -26,7 +26,7 @@ from ._estimate_options import model_options, setup_from, setup_options, shape_f
 @click.option("--largest", type=click.Choice(["batch", "seq"]),
               help="With --simulate: the largest micro-batch (or sequence) that fits --budget or --gpu, by "
                    "bisection over simulated runs.")
-@click.option("--budget", metavar="SIZE", callback=lambda c, p, v: _size(v),
+@click.option("--budget", metavar="SIZE", callback=size_callback,
               help="Memory to fit in (80GiB, 24GB...): default the --gpu's memory.")
 @click.option("--save-trace", metavar="PATH", help="With --simulate: write the simulated stream (.pickle/.json).")
 @json_option
@@ -73,11 +73,3 @@ def command(as_json, deepspeed_table, nodes, list_presets, simulate, compare_pat
         click.echo(reporter("estimate", "text").render(est, ds) + formula_extras_text(extras))
 
 
-def _size(value):
-    if value is None:
-        return None
-    from ..units import parse_bytes
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None

@@ -10,24 +10,16 @@ from dataclasses import replace
 import click
 
 from ..errors import TracekitError
-from ._common import json_option, no_cache_option, open_trace, show
+from ._common import json_option, no_cache_option, open_trace, show, size_callback
 from ._estimate_options import model_options, overrides_from, setup_options, shape_from
 
 
-def _budget(ctx, param, value):
-    from ..units import parse_bytes
-
-    try:
-        got = parse_bytes(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    if got <= 0:
-        raise click.BadParameter(f"{value!r} is not a budget: give a size above zero")
-    return got
+RELATIVE = 100  # a recording whose size is unknown counts as this many units: the answer in hundredths of it
 
 
-def point(path, by, size, no_cache):
-    """(Point, trace, report) from one recording: every device's moments, what it needed, and its size."""
+def point(path, by, size, no_cache, relative_ok=False):
+    """(Point, trace, report) from one recording: every device's moments, what it needed, and its size (with
+    `relative_ok`, a file that does not say its size counts as RELATIVE units: answers are multiples of it)."""
     from ..analysis.estimate.whatif import point_from_report
     from ..analysis.report import build_report
 
@@ -37,9 +29,12 @@ def point(path, by, size, no_cache):
     if size is None:
         shape = ((trace.recorder or {}).get("model") or {}).get("input_shape") or []
         k = 0 if by == "batch" else 1
-        if len(shape) <= k or not isinstance(shape[k], int):
+        if len(shape) > k and isinstance(shape[k], int):
+            size = shape[k]
+        elif relative_ok:
+            size = RELATIVE
+        else:
             raise TracekitError(f"{path}: the file does not say its {by} size; give --sizes (one per file)")
-        size = shape[k]
     report = build_report(trace)
     return point_from_report(path, report, size), trace, report
 
@@ -50,28 +45,26 @@ def _knobs(f):
 
 def alloc_options(f):
     """--alloc-conf and what goes with it (tracekit/commands/_alloc_whatif.py)."""
-    f = click.option("--memory-limit", callback=_size_or_none, metavar="SIZE",
+    f = click.option("--memory-limit", callback=size_callback, metavar="SIZE",
                      help="With --alloc-conf: a per-process memory cap (set_per_process_memory_fraction) "
                           "in bytes; default: the file's.")(f)
-    f = click.option("--device-memory", callback=_size_or_none, metavar="SIZE",
+    f = click.option("--device-memory", callback=size_callback, metavar="SIZE",
                      help="With --alloc-conf: what CUDA lets the process reserve; default: from the file "
                           "(at an OOM: reserved + free then; else the device's total).")(f)
-    f = click.option("--start", "alloc_start", type=click.Choice(["rebuilt", "recorded"]), default="rebuilt",
+    f = click.option("--start", "alloc_start", type=click.Choice(["recorded", "rebuilt"]), default="recorded",
                      show_default=True,
-                     help="With --alloc-conf: start from an empty allocator that first allocates what was held "
-                          "when the trace began (rebuilt), or from the allocator's state then (recorded).")(f)
+                     help="With --alloc-conf: start from the allocator's state when the trace began, rebuilt from "
+                          "the final segments as the report does (recorded: the run under the recorded settings "
+                          "reproduces the recorded peak), or from an empty allocator that first allocates what was "
+                          "held then (rebuilt).")(f)
     return click.option("--alloc-conf", metavar="SETTINGS",
                         help='Replay the requests under these caching-allocator settings, in '
                              'PYTORCH_CUDA_ALLOC_CONF syntax: "expandable_segments:True,max_split_size_mb:128".')(f)
 
 
-def _size_or_none(ctx, param, value):
-    return None if value is None else _budget(ctx, param, value)
-
-
 @click.command("whatif")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=True, path_type=str))
-@click.option("--budget", callback=lambda c, p, v: _size_or_none(c, p, v), help="Memory per GPU to fit in: 80GiB, 24GB, ...")
+@click.option("--budget", callback=size_callback, help="Memory per GPU to fit in: 80GiB, 24GB, ...")
 @click.option("--by", type=click.Choice(["batch", "seq"]), default="batch", show_default=True,
               help="What differs between the recordings (and what to grow).")
 @click.option("--sizes", help="The micro-batch (or seq) of each file, e.g. 8,16 (default: what the recorder stored).")
@@ -116,7 +109,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
             raise TracekitError(f"--sizes needs one positive size per file ({len(files)})")
     points, traces, reports = [], [], []
     for path, size in zip(files, size_list):
-        p, trace, report = point(path, by, size, no_cache)
+        p, trace, report = point(path, by, size, no_cache, relative_ok=len(files) == 1)
         points.append(p)
         traces.append(trace)
         reports.append(report)
@@ -130,7 +123,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     big, trace, report = points[k], traces[k], reports[k]
     dev = next(d for d in report["devices"] if d["label"] == big.device)
     facts = file_facts(trace, dev["device"], dev, shape=shape, setup=setup,
-                       batch=big.size if by == "batch" and sizes else None)
+                       batch=big.size if by == "batch" and sizes else None, expandable=True)
     if overrides.get("mode") and (overrides["mode"] == "train") != (facts["workload"] == "training"):
         facts["workload_note"] = (f"--mode {overrides['mode']} was given, but the file shows a {facts['workload']} "
                                   f"run ({facts['workload_source']}): the file's evidence decides the levers")
@@ -138,7 +131,26 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     lever_input = {"at_peak": dev.get("categories_at_peak") or {}, "fragmentation": big.fragmentation,
                    "spikes": spikes, "dp": overrides.get("dp")}
     result = whatif(points, budget, by, facts, lever_input, setup, not_offered(facts))
+    if len(files) == 1 and size_list[0] is None and points[0].size == RELATIVE and not _says_size(traces[0], by):
+        relative(result, by)
     show("whatif", result, as_json)
+
+
+def _says_size(trace, by) -> bool:
+    shape = ((trace.recorder or {}).get("model") or {}).get("input_shape") or []
+    k = 0 if by == "batch" else 1
+    return len(shape) > k and isinstance(shape[k], int)
+
+
+def relative(result: dict, by: str) -> None:
+    """A recording that does not say its size: the answers as multiples of it (the recording = 1×)."""
+    to = lambda v: None if v is None else round(v / RELATIVE, 2)  # noqa: E731
+    rng = result.get(f"largest_{by}_range")
+    result["relative"] = {"unit": RELATIVE, "what": f"the recorded {by}",
+                          "why": f"the file does not say its {by} size (give --sizes for absolute numbers)"}
+    result[f"largest_{by}_multiple"] = to(result.get(f"largest_{by}"))
+    result[f"largest_{by}_multiple_range"] = None if rng is None else [to(rng[0]), to(rng[1])]
+    result[f"largest_{by}_multiple_estimate"] = to(result.get(f"largest_{by}_estimate"))
 
 
 def _default_setup():

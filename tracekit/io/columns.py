@@ -1,6 +1,8 @@
 """Builders that intern strings, frames and stacks while a loader fills columns."""
 from __future__ import annotations
 
+import contextvars
+import re
 from operator import itemgetter
 
 import numpy as np
@@ -15,6 +17,38 @@ MAX_SIZE = 2**50  # one allocation, segment or block: 1 PiB
 MAX_TOTAL = 2**62  # all allocations of a device together
 MAX_TIME = 2**62  # |time_us|
 MAX_DEVICE = 128  # torch numbers devices with an int8 (c10::DeviceIndex)
+
+
+# Set while a file whose frames carry torch.compile's FX metadata is converted (io/reading.has_fx_frames).
+FX_FRAMES = contextvars.ContextVar("tracekit_fx_frames", default=False)
+_FX_LINE = re.compile(r'^\s*File "(.*)", line (\d+), in (.+?)\s*$', re.M)
+
+
+def fx_key(frames) -> tuple:
+    """The stack key of a frame list in which frames of torch.compile's generated code carry their graph
+    node's source (`fx_original_trace`, a formatted traceback, outermost first): each such frame is replaced by
+    the source frames it stands for, innermost first as in a snapshot, so phases, modules and lines see the
+    model's own code (`modeling_gpt2.py:... in forward`, each module's forward) instead of the generated
+    code. An outer frame the trace repeats (the compiled function's own frame, whose line is that of the
+    call into the graph) is dropped there, so the chain of forward calls is not counted twice."""
+    out = []
+    drop = set()
+    for f in frames:
+        trace = f.get("fx_original_trace") if isinstance(f, dict) else None
+        if not trace or not isinstance(trace, str):
+            k = _frame_key(f) if isinstance(f, dict) and len(f) >= 3 else _loose_frame(f)
+            if (k[0], k[2]) in drop:
+                drop.discard((k[0], k[2]))
+                continue
+            out.append(k)
+            continue
+        src = [(m.group(1), _clamp_int32(m.group(2)), m.group(3)) for m in _FX_LINE.finditer(trace)]
+        if not src:
+            out.append(_loose_frame(f))
+            continue
+        out.extend(reversed(src))
+        drop.add((src[0][0], src[0][2]))
+    return tuple(out)
 
 
 class Interner:
@@ -45,7 +79,7 @@ class Interner:
         if not isinstance(frames, (list, tuple)):
             raise FramesError(f"'frames' is a {type(frames).__name__} ({text(frames)}), not a list of frames")
         try:
-            key = tuple(map(_frame_key, frames))
+            key = fx_key(frames) if FX_FRAMES.get() else tuple(map(_frame_key, frames))
             sid = self._stack_ids.get(key)
         except (KeyError, TypeError):
             key = tuple(_loose_frame(f) for f in frames)
@@ -57,6 +91,8 @@ class Interner:
 
     def stack_ids(self, frame_lists) -> list:
         """stack_id of each list of frames: the same as [stack_id(f) for f in ...], faster."""
+        if FX_FRAMES.get():
+            return [self.stack_id(f) for f in frame_lists]
         ids, new, key_of, by_id = self._stack_ids, self._new_stack, _frame_key, self._by_id
         out = []
         append = out.append

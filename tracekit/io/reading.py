@@ -18,6 +18,7 @@ from ..model import NO_TIME, Trace
 from .cache import folder as _folder
 from .cache import traces as _cache
 from . import stream as _stream
+from .columns import FX_FRAMES
 from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget,
                      memory_limit, over_memory_message, text)
 from .profiler import is_kineto, is_memory_timeline, kineto_to_trace, memory_timeline_to_trace
@@ -69,12 +70,17 @@ def load(path, progress=None, use_cache=True, window=None) -> Trace:
 
 def _read_and_convert(path, st, progress) -> Trace:
     _stream.return_large_frees()  # a cold open of a large file: keep the peak down from here on
-    trace = _streamed(path, st, progress)
+    fx = has_fx_frames(path, st.st_size)  # torch.compile's frames carry their graph's source: the Python path
+    trace = None if fx else _streamed(path, st, progress)  # keeps them (columns.expand_fx_frames)
     if trace is not None:
         return trace
     obj, kind = read_document(path, progress, size=st.st_size)
     try:
-        trace = to_trace(obj, path, progress)
+        token = FX_FRAMES.set(fx)
+        try:
+            trace = to_trace(obj, path, progress)
+        finally:
+            FX_FRAMES.reset(token)
         trace.meta.update(container=kind, file_bytes=st.st_size, reader=_stream.PYTHON)
         return trace
     except (Cancelled, LoadError, MemoryError):
@@ -87,6 +93,44 @@ def _read_and_convert(path, st, progress) -> Trace:
         raise LoadError(path, _not_a_trace(obj, kind, e)) from None
     finally:
         del obj
+
+
+FX_KEY = b"fx_original_trace"
+FX_SCAN_MAX_BYTES = 1 << 30  # files larger than this are not searched for compiled frames
+FX_SCAN_MAX_GZIP_BYTES = 64 << 20  # nor gzip'd files larger than this (decompressing twice costs)
+
+
+def has_fx_frames(path, size) -> bool:
+    """Whether the file's frames carry torch.compile's FX metadata (`fx_original_trace`: the source lines of
+    the graph node a generated frame ran, added by `torch.cuda.memory._snapshot(augment_with_fx_traces=True)`).
+    A byte search of the file (decompressed in pieces when gzip'd); False for files over FX_SCAN_MAX_BYTES."""
+    if size > FX_SCAN_MAX_BYTES:
+        return False
+    try:
+        with _open(path) as raw:
+            zipped = raw.read(2) == GZIP_MAGIC
+            if zipped and size > FX_SCAN_MAX_GZIP_BYTES:
+                return False
+            raw.seek(0)
+            if not zipped and size:
+                import mmap
+
+                try:
+                    with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                        return m.find(FX_KEY) >= 0
+                except (OSError, ValueError, AttributeError):  # not a regular file: read it in pieces below
+                    raw.seek(0)
+            stream = gzip.GzipFile(fileobj=raw, mode="rb") if zipped else raw
+            tail = b""
+            while True:
+                piece = stream.read(16 << 20)
+                if not piece:
+                    return False
+                if FX_KEY in tail + piece[:len(FX_KEY)] or FX_KEY in piece:
+                    return True
+                tail = piece[-len(FX_KEY):]
+    except (OSError, EOFError, ValueError, gzip.BadGzipFile):
+        return False
 
 
 # A window of a file this big (uncompressed, about 2M entries) is read alone when the file is not in the

@@ -64,7 +64,14 @@ def diff_text(result: dict) -> str:
            f"Changes are B - A; those under {result['noise_share']:.0%} of the larger peak are left out.", ""]
     for d in result["devices"]:
         out.append(f"Device {d['label']}  (noise: changes under {fmt_bytes(d['noise_bytes'])})")
-        figures = [("peak allocated", "peak_allocated_bytes"), ("peak reserved", "peak_reserved_bytes"),
+        head = d.get("headline_peak_bytes") or {}
+        req = d["peak_allocated_bytes"]
+        first = [("peak allocated", "peak_allocated_bytes")]
+        if head.get("a") is not None and head.get("b") is not None:  # the allocator's counter, requested beside it
+            first = [("peak allocated", "headline_peak_bytes")] + (
+                [("requested by tensors", "peak_allocated_bytes")] if (head["a"], head["b"]) != (req["a"], req["b"])
+                else [])
+        figures = first + [("peak reserved", "peak_reserved_bytes"),
                    ("before the trace", "allocated_before_trace_bytes"),
                    ("final allocated", "final_allocated_bytes")]
         figures = [(n, d[k]) for n, k in figures if d[k]["a"] is not None and d[k]["b"] is not None]

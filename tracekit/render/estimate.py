@@ -116,7 +116,10 @@ def comparison_lines(e: dict) -> list[str]:
            f"    {'':<{wc}} {'predicted':>11} {'measured':>11} {'difference':>11} {'at the peak':>12} "
            f"{'predicted at peak':>18}"]
     for r in e["categories"]:
-        if r["predicted"] or r["measured"]:
+        if r["predicted"] is None and r["measured"]:  # not predicted (the file does not say the tokens)
+            out.append(f"    {r['category']:<16} {'?':>11} {fmt_bytes(r['measured']):>11} {'?':>11} "
+                       f"{fmt_bytes(r['at_peak']):>12} {'?':>18}  (not predicted)")
+        elif r["predicted"] or r["measured"]:
             ratio = r["difference"] / r["predicted"] if r["predicted"] else None
             share = f" ({ratio:+.1%})" if ratio and abs(ratio) < 10 else ""
             guess = r.get("inferred_share") or 0
@@ -150,6 +153,8 @@ def _a(word: str) -> str:
 
 
 def whatif_text(r: dict) -> str:
+    if r.get("relative"):
+        return _relative_text(r)
     from ..units import fmt_pair
 
     f = r["fit"]
@@ -207,6 +212,41 @@ def whatif_text(r: dict) -> str:
         out.append(f"  - {n}")
     out += [f"  - {a}" for a in r["levers_assumptions"]]
     return "\n".join(out) + "\n"
+
+
+def _relative_text(r: dict) -> str:
+    """whatif_text for a recording that does not say its size: sizes as multiples of the recorded one."""
+    rel, f = r["relative"], r["fit"]
+    by, unit = f["by"], r["relative"]["unit"]
+    mult = lambda v: "?" if v is None else f"{v / unit:.2f}×"  # noqa: E731
+    text = whatif_text({**r, "relative": None})
+    text = text.replace(f"  {by} {unit:>6}  peak", f"  {by}      ?  peak")
+    text = text.replace(f"({by} {unit})", f"(its {by}: not in the file)")
+    text = text.replace(f"for {by} {unit} on", f"for {rel['what']} on").replace(f"at {by} {unit} ", f"at {rel['what']} ")
+    lo, hi = f.get("per_unit_range") or [f["per_unit_bytes"]] * 2
+    slope_old = (f"{fmt_bytes(f['per_unit_bytes'])} × {by}" if lo == hi else
+                 f"{fmt_bytes(f['per_unit_bytes'])} × {by} (between {fmt_bytes(lo)} and {fmt_bytes(hi)} per {by})")
+    slope_new = (f"{fmt_bytes(f['per_unit_bytes'] * unit)} × (multiple of {rel['what']})" + (
+        "" if lo == hi else f" (between {fmt_bytes(lo * unit)} and {fmt_bytes(hi * unit)} per {rel['what']})"))
+    text = text.replace(slope_old, slope_new)
+    rng, est = r.get(f"largest_{by}_range"), r.get(f"largest_{by}_estimate")
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("  - an extrapolation from one recording (its"):
+            mid = f["per_unit_bytes"]
+            line = (f"  - an extrapolation from one recording ({rel['what']}: not in the file): {fmt_bytes(mid * unit)} "
+                    f"per {rel['what']} by the categories' split, {fmt_bytes(hi * unit)} if the bytes of unknown kind "
+                    f"grow too (only what surely grows, activations, inputs and KV cache: {fmt_bytes(lo * unit)}), so "
+                    "the answer is an interval; record a second size to measure it")
+        if line.startswith("Budget ") and rng:
+            budget = fmt_bytes(r["budget"])
+            if rng[1] is None:
+                line = f"Budget {budget}: {mult(rng[0])} {rel['what']} or more fits"
+            else:
+                line = (f"Budget {budget}: the largest {by} that fits = {mult(rng[0])} to {mult(rng[1])} {rel['what']} "
+                        f"({mult(est)} by the categories' split; {rel['why']})")
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 class EstimateText(Reporter):

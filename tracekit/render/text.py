@@ -19,6 +19,28 @@ def _when(index, time_us, t0) -> str:
     return f"at entry {index}"
 
 
+def _during(phase, iteration, generation_text=None) -> str:
+    if generation_text:
+        return f", {generation_text}"
+    if not phase:
+        return ""
+    out = {"between": ", between steps", "optimizer": ", in the optimizer step"}.get(phase, f", in the {phase} pass")
+    return out + (f" of iteration {iteration}" if iteration is not None else "")
+
+
+def headline_words(head: dict) -> str:
+    """What the headline peak is, in words: "exact, as torch.cuda.max_memory_allocated() counts it (blocks);
+    tensors requested 1.1 GiB (3.4 MiB less)" (the same words in the report and the viewer)."""
+    if head.get("measure") != "blocks":
+        return "requested by tensors (no caching allocator modelled here)"
+    more = (head.get("upper_bound_bytes") or head["bytes"]) - head["bytes"]
+    sure = "exact" if head.get("exact") else (f"not exact: up to {fmt_bytes(more)} more" if more > 0 else "not exact")
+    gap = head["bytes"] - head["requested_bytes"]
+    gap_text = f" ({fmt_bytes(abs(gap))} {'less' if gap > 0 else 'more'})" if gap else ""
+    return (f"{sure}, as {head['counter']} counts it (blocks); tensors requested "
+            f"{fmt_bytes(head['requested_bytes'])}{gap_text}")
+
+
 def report_text(report: dict, t0_by_device=None) -> str:
     t0_by_device = t0_by_device or {}
     out = [f"{report['file']}  ({report['format']})", ""]
@@ -31,9 +53,15 @@ def report_text(report: dict, t0_by_device=None) -> str:
             during += f" of iteration {d['peak_iteration']}"
         if d.get("peak_during") and d.get("generation"):
             during = f", {d['peak_during']}"
+        head = d.get("headline_peak")
+        if head:  # the allocator's counter first, the bytes tensors requested beside it (issue 31)
+            during = _during(head.get("phase"), head.get("iteration"), head.get("during") if d.get("generation") else None)
+            peak_row = (f"{fmt_bytes(head['bytes']):>10}  {headline_words(head)}; "
+                        f"{_when(head['index'], head.get('time_us'), t0)}{during}")
+        else:
+            peak_row = f"{fmt_bytes(d['peak_allocated_bytes']):>10}  {_when(d['peak_event_index'], d['peak_time_us'], t0)}{during}"
         pairs = [
-            ("peak allocated", f"{fmt_bytes(d['peak_allocated_bytes']):>10}  "
-                               f"{_when(d['peak_event_index'], d['peak_time_us'], t0)}{during}"),
+            ("peak allocated", peak_row),
 
             ("peak reserved", f"{fmt_bytes(d['peak_reserved_bytes']):>10}"),
             ("before the trace", f"{fmt_bytes(d['allocated_before_trace_bytes']):>10}  allocated when recording began"),
@@ -45,9 +73,10 @@ def report_text(report: dict, t0_by_device=None) -> str:
             share = d["fragmentation_at_peak_bytes"] / r if r else 0
             pairs.append(("unused at peak", f"{fmt_bytes(d['fragmentation_at_peak_bytes']):>10}  "
                                             f"reserved but not allocated ({share:.0%})"))
-        if d["label"] != "cpu" and d.get("peak_allocated_block_bytes") is not None:  # no caching allocator on the CPU
-            pairs.insert(1, ("in blocks", f"{fmt_bytes(d['peak_allocated_block_bytes']):>10}  peak as the caching "
-                                          f"allocator counts it (requests rounded to its blocks)"))
+        if (d["label"] != "cpu" and d.get("peak_allocated_block_bytes") is not None
+                and (head or {}).get("measure") != "blocks"):  # no caching allocator on the CPU
+            pairs.insert(1, ("in blocks", f"{fmt_bytes(d['peak_allocated_block_bytes']):>10}  an estimate of the peak "
+                                          f"as the caching allocator counts it (requests rounded to its blocks)"))
         stats = d.get("allocator_stats") or {}
         if stats.get("max_memory_allocated") is not None:
             pairs.append(("allocator says", f"{fmt_bytes(stats['max_memory_allocated']):>10}  "

@@ -63,20 +63,9 @@ def allocator_summary(trace: Trace, device: int) -> dict:
     if why is not None:
         return {"modelled": False, "exact": False, "why": why}
     r = allocator_replays(trace)[device]
-    sl = trace.events.device_slice(device)
-    acts = trace.events.action[sl]
+    acts = trace.events.action[trace.events.device_slice(device)]
     n_alloc = int((acts == ALLOC).sum())
-    reasons = []
-    if r.unplaced_events:
-        reasons.append(f"{r.unplaced_events} trace entries the model could not follow")
-    if r.open_bytes:
-        reasons.append(f"{r.open_bytes} bytes of blocks allocated before the trace have no known size")
-    if r.final_mismatch > 0:
-        reasons.append(f"{r.final_mismatch} final blocks differ from the replayed state")
-    if r.initial.problems:
-        reasons += [f"{v} x {k}" for k, v in sorted(r.initial.problems.items())]
-    if not (acts == ALLOC).any() and not ((acts == FREE_REQUESTED) | (acts == FREE_COMPLETED)).any():
-        reasons.append("the file has no allocation history: the figures are its final state's")
+    reasons = not_exact_because(trace, device, r)
     out = {
         "modelled": True,
         "exact": not reasons,
@@ -109,3 +98,41 @@ def allocator_summary(trace: Trace, device: int) -> dict:
     if r.notes:
         out["notes"] = list(r.notes)
     return out
+
+
+def not_exact_because(trace: Trace, device: int, r) -> list:
+    """What keeps the replay `r` of this device from being exact (empty: exact to the byte)."""
+    acts = trace.events.action[trace.events.device_slice(device)]
+    reasons = []
+    if r.unplaced_events:
+        reasons.append(f"{r.unplaced_events} trace entries the model could not follow")
+    if r.open_bytes:
+        reasons.append(f"{r.open_bytes} bytes of blocks allocated before the trace have no known size")
+    if r.final_mismatch > 0:
+        reasons.append(f"{r.final_mismatch} final blocks differ from the replayed state")
+    if r.initial.problems:
+        reasons += [f"{v} x {k}" for k, v in sorted(r.initial.problems.items())]
+    if not (acts == ALLOC).any() and not ((acts == FREE_REQUESTED) | (acts == FREE_COMPLETED)).any():
+        reasons.append("the file has no allocation history: the figures are its final state's")
+    return reasons
+
+
+COUNTER = "torch.cuda.max_memory_allocated()"
+
+
+def headline_peak(trace: Trace, device: int, rep) -> dict:
+    """The peak every front end leads with (report text and JSON, `check --max-peak`, the viewer): the caching
+    allocator's own counter (`max_memory_allocated`: the most bytes in blocks handed out) where the allocator
+    model replays the device, with the bytes the tensors requested (`rep`, the trace's replay) beside it;
+    elsewhere (CPU, profiler traces, windows) the requested bytes. {"bytes", "index", "measure": "blocks" |
+    "requested", "counter", "exact", "why", "upper_bound_bytes", "requested_bytes", "requested_index"}."""
+    requested = {"requested_bytes": int(rep.peak_allocated), "requested_index": int(rep.peak_index)}
+    r = allocator_replays(trace).get(device)
+    if r is None:
+        why = why_not_modelled(trace, device) or _replays(trace).get(device) or "not modelled"
+        return {"bytes": int(rep.peak_allocated), "index": int(rep.peak_index), "measure": "requested",
+                "counter": None, "exact": None, "why": why, "upper_bound_bytes": None, **requested}
+    reasons = not_exact_because(trace, device, r)
+    return {"bytes": int(r.peak_allocated), "index": int(r.peak_index), "measure": "blocks", "counter": COUNTER,
+            "exact": not reasons, "why": "; ".join(reasons) or None,
+            "upper_bound_bytes": int(r.peak_allocated + r.open_bytes + r.unplaced_slack), **requested}

@@ -63,14 +63,15 @@ def fragmentation(trace: Trace, device: int, index: int | None = None) -> Fragme
                          r.initial_allocated, r.initial_reserved, r.peak_index, i, segments_at(trace, device, i))
 
 
-def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str = "rebuilt") -> dict:
+def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str | None = None) -> dict:
     """The model's allocated and reserved bytes per entry under `alloc_conf` and under the recorded settings
     (same start), with the what-if summary (tracekit.analysis.allocator.whatif.compare's device entry)."""
     from .config import parse_alloc_conf
     from .exact import settings_of, total_memory
     from .summary import allocator_replays
-    from .whatif import device_limits, simulate
+    from .whatif import DEFAULT_START, device_limits, simulate
 
+    start = start or DEFAULT_START  # the same start as `whatif --alloc-conf`
     config = parse_alloc_conf(alloc_conf)
     if "window" in trace.meta:
         from ...errors import TracekitError

@@ -6,11 +6,19 @@ configuration of your choosing; the allocator's own decisions (which block, when
 ask CUDA for a segment, when to give cached memory back and retry) are the model's.
 
 Where the trace begins with memory already held (a recording started after warm-up),
-the run starts either from that state as it was (`start="recorded"`: its segments stay,
-as when the setting is changed while a program runs) or from an empty allocator that
+the run starts either from that state as it was (`start="recorded"`, the default: the
+state is rebuilt from the final segments as the report's replay rebuilds it, its segments
+stay, as when the setting is changed while a program runs; the run under the recorded
+settings then reproduces the recorded reserved peak) or from an empty allocator that
 first allocates the blocks held then, in address order (`start="rebuilt"`: as if the
-program had run under the setting from its start; the default). Both runs, under the
-recorded settings and under yours, start the same way, so they compare like for like.
+program had run under the setting from its start; the blocks then lie elsewhere than in
+the file, so the baseline may differ from the recorded peak: the output says by how much).
+Both runs, under the recorded settings and under yours, start the same way, so they
+compare like for like.
+
+`expandable_replay` is the one answer to "what would expandable segments save": the report's
+fragmentation finding and the levers (`whatif --budget`, the advice) read it, and it is the
+device row `whatif --alloc-conf expandable_segments:True` prints.
 """
 from __future__ import annotations
 
@@ -22,9 +30,12 @@ from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC,
                       SEGMENT_UNMAP, Trace)
 from .config import NO_LIMIT, AllocatorConfig
 from .core import Allocator, Device, OutOfMemory
+from ..memo import per_trace
 from .state import PENDING, initial_state, load
 
-STARTS = ("rebuilt", "recorded")
+STARTS = ("recorded", "rebuilt")
+DEFAULT_START = "recorded"  # the report's own start: the baseline reproduces the recorded peaks
+EXPANDABLE = "expandable_segments:True"
 
 
 @dataclass
@@ -264,7 +275,7 @@ def device_limits(trace: Trace, device: int, exact=None) -> dict:
     `device_memory_bytes` (what cudaMalloc could get: at an out-of-memory entry, reserved then plus the
     free memory CUDA reported; else the device's total memory when recorded) and `memory_limit_bytes`
     (a per-process memory fraction's cap), each with where it came from."""
-    from ..report import allocator_limit
+    from ..oom import allocator_limit
 
     out = {"device_memory_bytes": None, "device_memory_source": "unknown: no limit assumed",
            "memory_limit_bytes": allocator_limit(trace, device), "memory_limit_source": None}
@@ -285,59 +296,118 @@ def device_limits(trace: Trace, device: int, exact=None) -> dict:
     return out
 
 
-def compare(trace: Trace, config: AllocatorConfig, start: str = "rebuilt", device_memory=None,
+def compare(trace: Trace, config: AllocatorConfig, start: str = DEFAULT_START, device_memory=None,
             memory_limit=None) -> dict:
     """The what-if on allocator settings, per device, as JSON-ready builtins: the recorded figures, the model
     under the recorded settings (the baseline) and under `config`, from the same start."""
+    from .exact import settings_of
+
+    recorded, notes = settings_of(trace)
+    devices = [compare_device(trace, d, config, start, device_memory, memory_limit) for d in trace.devices]
+    return {"file": trace.path, "alloc_conf": config.text, "recorded_settings": recorded.describe(),
+            "whatif_settings": config.describe(), "start": start, "devices": devices}
+
+
+def compare_device(trace: Trace, d: int, config: AllocatorConfig, start: str = DEFAULT_START, device_memory=None,
+                   memory_limit=None) -> dict:
+    """One device's row of `compare` (see there)."""
     from .exact import settings_of, total_memory
     from .summary import _replays, allocator_replays, why_not_modelled
 
     recorded, notes = settings_of(trace)
-    devices = []
-    for d in trace.devices:
-        why = why_not_modelled(trace, d)
-        if why is None and "window" in trace.meta:
-            why = "a window of the trace: a what-if replays the whole recording"
-        if why is None and d not in allocator_replays(trace):
-            why = _replays(trace).get(d) or "not modelled"
-        if why is not None:
-            devices.append({"device": d, "label": trace.device_label(d), "modelled": False, "why": why})
-            continue
-        exact = allocator_replays(trace)[d]
-        lim = device_limits(trace, d, exact)
-        if device_memory is not None:
-            lim["device_memory_bytes"], lim["device_memory_source"] = device_memory, "--device-memory"
-        if memory_limit is not None:
-            lim["memory_limit_bytes"], lim["memory_limit_source"] = memory_limit, "--memory-limit"
-        kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
-                  memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, d))
-        base = simulate(trace, d, recorded, **kw)
-        what = simulate(trace, d, config, **kw)
-        dev_notes = list(notes)
-        if config.garbage_collection_threshold and lim["memory_limit_bytes"] is None:
-            dev_notes.append("garbage_collection_threshold acts only under a per-process memory fraction "
-                             "(torch.cuda.set_per_process_memory_fraction); none is known for this file, so it "
-                             "changes nothing here: give --memory-limit")
-        if exact.initial_allocated or exact.initial_reserved:
-            how = ("from that state" if start == "recorded"
-                   else "from an empty allocator that first allocates what was held then")
-            dev_notes.append(f"the trace begins with {exact.initial_allocated} bytes allocated and "
-                             f"{exact.initial_reserved} reserved; both runs start {how} (--start)")
-        oom = None
-        if base.failed_request is not None or what.failed_request is not None:
-            f = what.failed_request or base.failed_request
-            oom = {"index": f["index"], "request_bytes": f["request_bytes"], "recorded": "failed",
-                   "baseline_fits": (base.failed_request or {}).get("fits"),
-                   "whatif_fits": (what.failed_request or {}).get("fits")}
-            if oom["baseline_fits"]:
-                dev_notes.append("the model under the recorded settings does not reproduce this out-of-memory "
-                                 "error from this start, so its answer for the other settings is not reliable")
-        devices.append({
-            "device": d, "label": trace.device_label(d), "modelled": True, **lim,
-            "recorded": {"peak_reserved_bytes": exact.peak_reserved, "peak_allocated_bytes": exact.peak_allocated,
-                         "exact": exact.exact},
-            "baseline": _run_dict(base), "whatif": _run_dict(what),
-            "saved_reserved_bytes": base.peak_reserved - what.peak_reserved,
-            "oom": oom, "notes": dev_notes})
-    return {"file": trace.path, "alloc_conf": config.text, "recorded_settings": recorded.describe(),
-            "whatif_settings": config.describe(), "start": start, "devices": devices}
+    why = why_not_modelled(trace, d)
+    if why is None and "window" in trace.meta:
+        why = "a window of the trace: a what-if replays the whole recording"
+    if why is None and d not in allocator_replays(trace):
+        why = _replays(trace).get(d) or "not modelled"
+    if why is not None:
+        return {"device": d, "label": trace.device_label(d), "modelled": False, "why": why}
+    exact = allocator_replays(trace)[d]
+    lim = device_limits(trace, d, exact)
+    if device_memory is not None:
+        lim["device_memory_bytes"], lim["device_memory_source"] = device_memory, "--device-memory"
+    if memory_limit is not None:
+        lim["memory_limit_bytes"], lim["memory_limit_source"] = memory_limit, "--memory-limit"
+    kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
+              memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, d))
+    base = simulate(trace, d, recorded, **kw)
+    what = simulate(trace, d, config, **kw)
+    dev_notes = list(notes)
+    if config.garbage_collection_threshold and lim["memory_limit_bytes"] is None:
+        dev_notes.append("garbage_collection_threshold acts only under a per-process memory fraction "
+                         "(torch.cuda.set_per_process_memory_fraction); none is known for this file, so it "
+                         "changes nothing here: give --memory-limit")
+    if exact.initial_allocated or exact.initial_reserved:
+        how = ("from that state, rebuilt from the final segments as the report's replay rebuilds it"
+               if start == "recorded" else "from an empty allocator that first allocates what was held then")
+        dev_notes.append(f"the trace begins with {exact.initial_allocated} bytes allocated and "
+                         f"{exact.initial_reserved} reserved; both runs start {how} (--start)")
+    off = base.peak_reserved - exact.peak_reserved
+    baseline_check = {"recorded_peak_reserved_bytes": exact.peak_reserved,
+                      "baseline_peak_reserved_bytes": base.peak_reserved, "difference_bytes": off,
+                      "reproduced": off == 0, "why": None}
+    if off:
+        if start == "rebuilt" and (exact.initial_allocated or exact.initial_reserved):
+            why_off = (f"--start rebuilt lays out the {exact.initial_allocated} bytes held when the trace began "
+                       f"from an empty allocator, not where the file has them; --start recorded reproduces the "
+                       f"recorded state")
+        elif not exact.exact:
+            why_off = f"the replay of the file is not exact ({exact_why(exact)})"
+        else:
+            why_off = "the model under the recorded settings decides differently from the file (see the notes)"
+        baseline_check["why"] = why_off
+        share = off / exact.peak_reserved if exact.peak_reserved else 0.0
+        dev_notes.append(f"the baseline's reserved peak is {off:+,} bytes ({share:+.2%}) from the recorded one: "
+                         f"{why_off}")
+    oom = None
+    if base.failed_request is not None or what.failed_request is not None:
+        f = what.failed_request or base.failed_request
+        oom = {"index": f["index"], "request_bytes": f["request_bytes"], "recorded": "failed",
+               "baseline_fits": (base.failed_request or {}).get("fits"),
+               "whatif_fits": (what.failed_request or {}).get("fits")}
+        if oom["baseline_fits"]:
+            dev_notes.append("the model under the recorded settings does not reproduce this out-of-memory "
+                             "error from this start, so its answer for the other settings is not reliable")
+    return {
+        "device": d, "label": trace.device_label(d), "modelled": True, **lim,
+        "recorded": {"peak_reserved_bytes": exact.peak_reserved, "peak_allocated_bytes": exact.peak_allocated,
+                     "exact": exact.exact},
+        "baseline": _run_dict(base), "whatif": _run_dict(what),
+        "baseline_check": baseline_check,
+        "saved_reserved_bytes": base.peak_reserved - what.peak_reserved,
+        "oom": oom, "notes": dev_notes}
+
+
+def exact_why(exact) -> str:
+    if exact.unplaced_events:
+        return f"{exact.unplaced_events} allocations not placed"
+    return "the file leaves the size of some blocks held before the trace open"
+
+
+@per_trace
+def expandable_replay(trace: Trace, device: int) -> dict:
+    """What `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` would do on this device: the device row of
+    `whatif FILE --alloc-conf expandable_segments:True` (same settings, same start), computed once per trace.
+    {"modelled": False, "why": ...} where the allocator model does not apply."""
+    from .config import parse_alloc_conf
+
+    return compare_device(trace, device, parse_alloc_conf(EXPANDABLE), DEFAULT_START)
+
+
+def expandable_saving(trace: Trace, device: int) -> dict | None:
+    """What expandable segments would save on the device, from the allocator replay (the device row of
+    `whatif --alloc-conf expandable_segments:True`, allocator/whatif.expandable_replay): {saves_bytes,
+    baseline_bytes, whatif_bytes, text}; None where the allocator model does not apply. The report's
+    fragmentation finding and the expandable-segments lever (levers.py) both read this."""
+    from ...units import fmt_bytes
+
+    r = expandable_replay(trace, device)
+    if not r.get("modelled"):
+        return None
+    base, what = r["baseline"]["peak_reserved_bytes"], r["whatif"]["peak_reserved_bytes"]
+    saved = base - what
+    change = f"{fmt_bytes(saved)} less" if saved > 0 else ("the same" if saved == 0 else f"{fmt_bytes(-saved)} more")
+    text = (f"Replayed with PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}, the allocator model reserves {fmt_bytes(what)} at "
+            f"its peak against {fmt_bytes(base)} under the recorded settings: {change} "
+            f"(tracekit whatif FILE --alloc-conf {EXPANDABLE})")
+    return {"saves_bytes": int(saved), "baseline_bytes": int(base), "whatif_bytes": int(what), "text": text}

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...model import Trace
 from .memory import Setup, estimate
-from .shapes import ParamCount, from_hf_config
+from .shapes import ModelShape, ParamCount, from_hf_config
 
 OPTIMIZER_CLASSES = (("8bit", "adam8bit"), ("adafactor", "adafactor"), ("adamw", "adamw"), ("adam", "adam"),
                      ("sgd", "sgd"))
@@ -117,6 +117,9 @@ def add_estimates(trace: Trace, devices: list, spec=None, rules=None):
             d["estimate"] = result
 
 
+UNPREDICTED_WITHOUT_TOKENS = ("activation", "input", "kv_cache")
+
+
 def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None, rules=None) -> dict | None:
     """Predicted vs measured for one device (`summary`: its report dict). None when nothing says what the model is."""
     rshape, setup, notes = recorded_setup(trace)
@@ -140,10 +143,18 @@ def compare(trace: Trace, device: int, summary: dict, shape=None, overrides=None
     rows = [{"category": c, "predicted": held.get(c, 0), "measured": measured.get(c, 0),
              "predicted_at_peak": at_predicted_peak.get(c, 0), "at_peak": at_peak.get(c, 0),
              "difference": measured.get(c, 0) - held.get(c, 0), "inferred_share": how.get(c)} for c in cats]
+    if isinstance(shape, ModelShape) and not setup.seq:
+        # the config is known, the tokens are not (the recorder saw no input shape): what grows with the batch and
+        # the sequence is not predicted, rather than predicted as 0 B (issue 31)
+        for r in rows:
+            if r["category"] in UNPREDICTED_WITHOUT_TOKENS:
+                r["predicted"] = r["predicted_at_peak"] = r["difference"] = None
+        notes = notes + ["activations, inputs and the KV cache are not predicted: the file does not say the batch "
+                         "and the sequence length (give --batch and --seq with --estimate-config to predict them)"]
     peak = summary["peak_allocated_bytes"]
     gap = [{"what": f"{r['category']} at the peak vs predicted at the peak ({est.peak_moment['name']})",
             "bytes": r["at_peak"] - r["predicted_at_peak"]}
-           for r in rows if r["at_peak"] != r["predicted_at_peak"]]
+           for r in rows if r["predicted_at_peak"] is not None and r["at_peak"] != r["predicted_at_peak"]]
     cpu = (trace.recorder or {}).get("backend") == "cpu" or summary.get("label") == "cpu"
     reserved_unused = None if cpu else summary.get("fragmentation_at_peak_bytes")
     rounding = None if cpu else _rounding_at_peak(trace, device, summary["peak_event_index"])

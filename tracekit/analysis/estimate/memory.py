@@ -29,6 +29,8 @@ STATES = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "adam8b
 QUANT = ("none", "8bit", "4bit")
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("eager", "sdpa", "flash")
+# model types transformers runs with eager attention when no attn_implementation is given
+EAGER_BY_DEFAULT = ("gemma2",)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BNB_8BIT_BLOCK = 2048  # bitsandbytes 8-bit optimizers: one fp32 absmax per block of state
 BNB_8BIT_MIN = 4096  # smaller tensors keep 32-bit state
@@ -60,7 +62,7 @@ class Setup:
     seq: int = 0
     grad_accum: int = 1
     checkpointing: str = "none"
-    attention: str = "sdpa"  # transformers' default attn_implementation
+    attention: str = ""  # "": transformers' default attn_implementation for the model (sdpa; eager for Gemma-2)
     dropout: float | None = None  # None: the model's
     zero: int = 0
     dp: int = 1
@@ -76,8 +78,12 @@ class Setup:
     loss_only: bool = False  # the loop keeps only the loss, not the model's output (Hugging Face's Trainer)
     cublas_workspace: int = HOPPER_WORKSPACE  # per cuBLAS handle; OTHER_WORKSPACE below Hopper
     precision_given: bool = field(default=True, compare=False)
+    attention_given: bool = field(default=True, compare=False)
 
     def __post_init__(self):
+        if not self.attention:
+            object.__setattr__(self, "attention", "sdpa")
+            object.__setattr__(self, "attention_given", False)
         if not self.precision:
             object.__setattr__(self, "precision", "fp16" if self.quant != "none" else "fp32")
             object.__setattr__(self, "precision_given", False)
@@ -226,9 +232,19 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         if setup.lora_rank or setup.optimizer == "adafactor" and shape.factored is None or setup.seq:
             raise TracekitError("--lora-rank, --optimizer adafactor and --seq need the model's shape "
                                 "(--config or --hidden/--layers/...), not just --params")
+    eager = (not setup.attention_given and setup.attention == "sdpa"
+             and getattr(shape, "model_type", "") in EAGER_BY_DEFAULT)
+    if eager:  # what transformers runs when the user sets no attn_implementation
+        from dataclasses import replace
+
+        setup = replace(setup, attention="eager", attention_given=False)
     trainable = _trainable(shape, setup)
     est = Estimate(shape, setup, shape.params(), trainable)
     est.assumptions += list(shape.notes)
+    if eager:
+        est.assumptions.append(f"eager attention: transformers runs {shape.model_type} with attn_implementation="
+                               f"'eager' unless told otherwise (its attention logit soft-capping); --attention sdpa "
+                               f"for the fused kernel")
     if not setup.precision_given and setup.quant != "none":
         est.assumptions.append(f"--quant {setup.quant} without --precision: the parts bitsandbytes leaves "
                                "unquantized in fp16, as transformers loads them (its torch_dtype default with "
@@ -710,7 +726,8 @@ def _activations(est: Estimate):
     if not frozen:
         tail.append(("the output layer's input" + (" (its 16-bit cast)" if s.precision == "amp" else ""),
                      c * shape.emb))
-    if dropout and shape.model_type in EMBED_DROPOUT:
+    embed = dropout if s.dropout is not None or shape.embed_dropout is None else shape.embed_dropout
+    if embed and shape.model_type in EMBED_DROPOUT:
         tail.append(("embedding dropout mask (1 B)", h))
     tail = [(w, b) for w, b in tail if b]
     est.add("activation", tokens * sum(b for _, b in tail),

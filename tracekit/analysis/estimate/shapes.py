@@ -51,6 +51,7 @@ class ModelShape:
     positions: int = 0  # learned position embeddings (rows, OPT's offset included); 0 for rotary/ALiBi
     rotary: float = 1.0  # fraction of head_dim rotated (partial rotary: GPT-NeoX, Phi, GPT-J); 0: none
     dropout: float = 0.0
+    embed_dropout: float | None = None  # the embeddings' own dropout where the config names it apart (None: dropout)
     fused_qkv: bool = False  # one matrix for q, k, v: matters to Adafactor's state and to what attention keeps
     fused_gate_up: bool = False  # Phi-3
     parallel_residual: bool = False  # attention and MLP read the same normalized input(s)
@@ -573,7 +574,8 @@ def _other(c: _Cfg, mt: str, s: dict):
     elif mt == "phi":
         s.update(qkv_bias=True, out_bias=True, mlp_bias=True, head_bias=True, parallel_residual=True, norms=1,
                  rotary=float(c.rope("partial_rotary_factor", 0.5)),
-                 dropout=_dropout(c, "resid_pdrop", "embd_pdrop", "attention_dropout"))
+                 dropout=_dropout(c, "resid_pdrop", "embd_pdrop", "attention_dropout"),
+                 embed_dropout=_dropout(c, "embd_pdrop"))  # Phi-2: embd_pdrop 0, resid_pdrop 0.1
         if c.flag("qk_layernorm"):
             s.update(qk_norm="head", qk_norm_bias=True)
     elif mt == "persimmon":

@@ -83,12 +83,12 @@ def point_from_report(path: str, report: dict, size: int) -> Point:
     devices = [d for d in report["devices"] if d.get("peak_allocated_bytes") is not None]
     if not devices:
         raise TracekitError(f"{path}: no device memory recorded")
-    main = max(devices, key=lambda d: (d.get("demand_bytes") or d["peak_allocated_bytes"]))
+    main = max(devices, key=lambda d: _demand(d))
     moments = []
     for d in devices:
         label = d["label"]
-        peak = d["peak_allocated_bytes"]
-        demand = d.get("demand_bytes") or peak
+        peak = _peak(d)
+        demand = _demand(d)
         workspace = sum(r["bytes"] for r in d.get("reasons_at_peak") or []
                         if r["category"] == "other" and "workspace" in r["reason"].lower())
         moments.append(Moment(f"{label} peak" + (" (needed, a lower bound)" if demand > peak else ""), demand,
@@ -108,11 +108,21 @@ def point_from_report(path: str, report: dict, size: int) -> Point:
                              "request": f.get("request_bytes"), "limit": f.get("limit_bytes")})
     reserved = main.get("peak_reserved_bytes") if main["label"] != "cpu" else None
     frag = main.get("fragmentation_at_peak_bytes") if main["label"] != "cpu" else 0
-    return Point(path, int(size), int(main["peak_allocated_bytes"]), reserved,
+    return Point(path, int(size), int(_peak(main)), reserved,
                  dict(main.get("categories_at_peak") or {}), max(int(frag or 0), 0),
-                 demand=int(main.get("demand_bytes") or main["peak_allocated_bytes"]),
+                 demand=int(_demand(main)),
                  lower_bound=bool(main.get("demand_is_lower_bound")), failures=failures, moments=moments,
                  device=main["label"])
+
+
+def _peak(d: dict) -> int:
+    """A device's peak as the report's headline states it (the allocator's counter where modelled, issue 31)."""
+    return (d.get("headline_peak") or {}).get("bytes") or d["peak_allocated_bytes"]
+
+
+def _demand(d: dict) -> int:
+    """What the device needed: its headline peak, or after an out-of-memory error the demand (a lower bound)."""
+    return (d.get("demand_bytes") or _peak(d)) if d.get("demand_is_lower_bound") else _peak(d)
 
 
 def _slopes(m: Moment, size: int) -> tuple[float, float, float]:
@@ -208,7 +218,9 @@ def answer(points: list[Point], f: dict, budget: int) -> dict:
     """{"largest", "range": [low, high], "estimate", "constraints": [...], "grows": bool}: the largest size
     within `budget`, as an interval, made consistent with what the files show."""
     cons = []
-    k_sets = [1, 2]  # the categories' split (temporaries grow), then with the bytes of unknown kind growing too
+    # the interval follows the fit's own slope range (per_unit_range: only what surely grows, ..., with the bytes
+    # of unknown kind growing too), each with and without the reserved-but-unused bytes kept (issue 31)
+    k_sets = [0, 1, 2]
     reserve = max((p.fragmentation for p in points), default=0)
     tries = []
     for k in k_sets:
