@@ -5,8 +5,11 @@ inside `class Qwen2MLP`'s `forward`, and that the line of its caller
 (`modeling_qwen2.py:297`) calls `self.mlp(...)`. The file is found where the
 frame says it is, else in this machine's installed copy of the same package
 (the same path under its folder on `sys.path`). It is read as text (at most
-MAX_SOURCE_BYTES) and parsed with `ast`; nothing is imported or executed.
-Anything that cannot be read or parsed gives None.
+MAX_SOURCE_BYTES: a larger file is not read) and parsed with `ast`; nothing is
+imported or executed. Each real file is parsed once however many spellings of
+its path the frames use (`a/../b.py`, `./b.py`, a link): the parse is kept by
+the file's identity (device, inode, size, time). Anything that cannot be read
+or parsed gives None.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-MAX_SOURCE_BYTES = 8 << 20
+MAX_SOURCE_BYTES = 2 << 20  # the largest module of torch is 1.4 MB; a 2 MiB file parses in about 2 s
 
 
 @dataclass
@@ -75,18 +78,33 @@ def outline(path: str) -> Outline | None:
     """The functions and module calls of a Python source file, by `ast` (None: unreadable or not Python)."""
     try:
         st = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):
         return None
-    return _outline(path, st.st_size, st.st_mtime_ns)
+    return _outline(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
 
-@functools.lru_cache(maxsize=512)
-def _outline(path: str, size: int, mtime: int) -> Outline | None:
+_OUTLINES: dict = {}  # (device, inode, size, mtime) -> Outline | None
+_KEEP = 512
+
+
+def _outline(path: str, identity: tuple) -> Outline | None:
+    if identity in _OUTLINES:
+        return _OUTLINES[identity]
+    got = _parse(path, identity[2])
+    if len(_OUTLINES) >= _KEEP:
+        _OUTLINES.pop(next(iter(_OUTLINES)))
+    _OUTLINES[identity] = got
+    return got
+
+
+def _parse(path: str, size: int) -> Outline | None:
     try:
         if size > MAX_SOURCE_BYTES:
             return None
         with open(path, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace")
+            text = f.read(MAX_SOURCE_BYTES + 1).decode("utf-8", errors="replace")
+        if len(text) > MAX_SOURCE_BYTES:
+            return None
         tree = ast.parse(text, filename=path)
     except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
         return None
