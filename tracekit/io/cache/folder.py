@@ -14,7 +14,7 @@ import time
 import zlib
 
 VERSION = 7  # bump whenever Trace, meta or the entry layout changes (5: origins, 6: memory-mapped columns,
-# 7: a CRC-32 over each whole column and each stored result)
+# 7: a checksum over each whole column, a CRC-32 over each stored result)
 SUFFIX = ".tkc"
 SAMPLE = 64 * 1024  # bytes read at each end of a file for its fingerprint
 RACY_S = 2.0  # a file whose times are this close to now is hashed every time (a clock tick may hide an edit)
