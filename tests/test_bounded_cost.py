@@ -565,3 +565,19 @@ def test_a_long_bad_setting_is_shown_cut():
         with pytest.raises(ConfigError) as e:
             parse_alloc_conf(text)
         assert len(str(e.value)) < 400 and "120,00" in str(e.value), str(e.value)[:400]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--layers", "100000"], "--layers is 100,000"),
+    (["--vocab", str(10**12)], "--vocab is 1,000,000,000,000"),
+    (["--kv-heads", "0"], "--kv-heads is 0"),
+    (["--ffn", str(10**15)], "--ffn is 1,000,000,000,000,000"),
+])
+def test_shape_flags_have_the_config_bounds(no_debug, flags, says):
+    base = {"--hidden": "4096", "--layers": "32", "--heads": "32", "--vocab": "32000"}
+    base.update(dict(zip(flags[::2], flags[1::2])))
+    code, out, err = run_cli("estimate", *[x for kv in base.items() for x in kv], "--batch", "1", "--seq", "128")
+    assert (code, err.count("\n")) == (2, 1) and says in err, err
+    base.update({"--layers": "32", "--vocab": "32000", "--kv-heads": "8"})
+    base.pop("--ffn", None)
+    assert run_cli("estimate", *[x for kv in base.items() for x in kv], "--batch", "1", "--seq", "128")[0] == 0

@@ -91,10 +91,12 @@ SIZE_LIMITS = {
 MAX_TENSOR = 1 << 40  # elements of one weight (hidden x vocab, hidden x intermediate): 1 Ti (the largest real: 2^32)
 
 
-def check_config(cfg, name: str) -> dict:
+def check_config(cfg, name: str, labels=None) -> dict:
     """`cfg` if it is a JSON object whose sizes are whole numbers in range (the top level and any object in
-    it, such as text_config); else TracekitError, one line naming the key."""
+    it, such as text_config); else TracekitError, one line naming the key (`labels`: the name to say for a
+    key, e.g. {"num_hidden_layers": "--layers"} for the command's shape flags)."""
     name = _cut(name)
+    say = (labels or {}).get
     if not isinstance(cfg, dict):
         raise TracekitError(f"{name}: a config must be a JSON object, not a {type(cfg).__name__}")
     for where, d in [("", cfg)] + [(f"{k}.", v) for k, v in cfg.items() if isinstance(v, dict)]:
@@ -106,22 +108,22 @@ def check_config(cfg, name: str) -> dict:
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-                raise TracekitError(f"{name}: {where}{key} must be a whole number (got {_cut(repr(v), 40)})")
+                raise TracekitError(f"{name}: {where}{say(key, key)} must be a whole number (got {_cut(repr(v), 40)})")
             if v < 0:
-                raise TracekitError(f"{name}: {where}{key} cannot be negative (got {int(v)})")
+                raise TracekitError(f"{name}: {where}{say(key, key)} cannot be negative (got {int(v)})")
             if v > top:
-                raise TracekitError(f"{name}: {where}{key} is {int(v):,}, past any model this estimator can count "
+                raise TracekitError(f"{name}: {where}{say(key, key)} is {int(v):,}, past any model this estimator can count "
                                     f"(at most {top:,})")
         kv = d.get("num_key_value_heads")
         if isinstance(kv, (int, float)) and not isinstance(kv, bool) and kv <= 0:
-            raise TracekitError(f"{name}: {where}num_key_value_heads is {kv}: a model has at least one key/value "
-                                "head (leave the key out for as many as the attention heads)")
+            raise TracekitError(f"{name}: {where}{say('num_key_value_heads', 'num_key_value_heads')} is {kv}: a model has "
+                                "at least one key/value head (leave it out for as many as the attention heads)")
         hidden = _first(d, "hidden_size", "n_embd", "d_model", "n_embed")
         for key in ("vocab_size", "padded_vocab_size", "intermediate_size", "ffn_dim", "n_inner",
                     "moe_intermediate_size"):
             v = d.get(key)
             if hidden and isinstance(v, (int, float)) and not isinstance(v, bool) and hidden * v > MAX_TENSOR:
-                raise TracekitError(f"{name}: {where}hidden size {int(hidden):,} x {key} {int(v):,} is one weight of "
+                raise TracekitError(f"{name}: {where}hidden size {int(hidden):,} x {say(key, key)} {int(v):,} is one weight of "
                                     f"{int(hidden * v):,} elements, past any model this estimator can count")
     return cfg
 
