@@ -581,3 +581,11 @@ def test_shape_flags_have_the_config_bounds(no_debug, flags, says):
     base.update({"--layers": "32", "--vocab": "32000", "--kv-heads": "8"})
     base.pop("--ffn", None)
     assert run_cli("estimate", *[x for kv in base.items() for x in kv], "--batch", "1", "--seq", "128")[0] == 0
+
+
+@pytest.mark.parametrize("args", [["report", "FILE", "--last"], ["report", "FILE", "--from"], ["estimate", "--params"],
+                                  ["check", "FILE", "--max-peak"], ["whatif", "FILE", "--alloc-conf"]])
+def test_a_120_kb_bad_value_is_not_echoed_whole(no_debug, args):
+    value = "9x" * 60_000
+    code, out, err = run_cli(*[str(SAMPLES / "oom_cuda.pickle") if a == "FILE" else a for a in args], value)
+    assert code == 2 and len(err) < 1200, (code, len(err), err[:300])
