@@ -589,3 +589,29 @@ def test_a_120_kb_bad_value_is_not_echoed_whole(no_debug, args):
     value = "9x" * 60_000
     code, out, err = run_cli(*[str(SAMPLES / "oom_cuda.pickle") if a == "FILE" else a for a in args], value)
     assert code == 2 and len(err) < 1200, (code, len(err), err[:300])
+
+
+def test_one_analysis_parses_a_bounded_amount_of_source(tmp_path, monkeypatch):
+    """Frames may name every library file on the machine: one module tree parses at most MAX_PARSED_BYTES
+    of them (each file at most once), the rest are as if absent."""
+    from tracekit.analysis.modtree import stack_modules
+
+    text = adv.model_source(classes=4, body=10)
+    files = []
+    for i in range(40):
+        f = tmp_path / f"m{i}.py"
+        f.write_text(text + "#" * 200_000 + "\n")  # 200 KB each: 8 MB in all
+        files.append(str(f))
+    monkeypatch.setattr(sources, "MAX_PARSED_BYTES", 1_000_000)
+    sources._OUTLINES.clear()
+    parsed = []
+    real = sources._parse
+    monkeypatch.setattr(sources, "_parse", lambda path, size: parsed.append(size) or real(path, size))
+    stacks = [[adv.frame(f, 5, "forward"), adv.frame("/home/u/train.py", 5, "step")] for f in files]
+    p = tmp_path / "many.pickle"
+    p.write_bytes(pickle.dumps(adv.snapshot_with_stacks(stacks), protocol=4))
+    sm = stack_modules(tracekit.load(p, use_cache=False))
+    assert len(parsed) == 1_000_000 // os.path.getsize(files[0]) == 4  # then the budget is spent
+    named = [n for n in sm.nodes if n.cls]
+    assert len(named) == 4 and all(n.name == "M0" for n in named)  # line 5 is in M0.forward
+    assert sources._left[0] is None  # the budget ends with the analysis

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..io.sources import budget as sources_budget
 from ..io.sources import locate, outline
 from ..model import Trace, unique_ids
 from .frames import LIB, OP, USER, frame_kinds, package_of
@@ -137,8 +138,9 @@ def stack_modules(trace: Trace) -> StackModules:
             chain.append((node, line))
             caller_line = line
         chains[s + 1] = tuple(chain)
-    for r in roots.values():
-        _resolve(nodes, r)
+    with sources_budget():  # the library sources one trace's module tree may read
+        for r in roots.values():
+            _resolve(nodes, r)
     return StackModules(chains, nodes)
 
 
