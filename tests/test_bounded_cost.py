@@ -406,7 +406,7 @@ WHOLE = ["1_000", "\u0661\u0660\u0660", "\uff13\uff10", "99999999999999999999", 
          "18446744073709551616", "-30", "+30", "30abc", "0x30", "0030", "abc", "20", "19", "21", "-0", "1e3", "4", "3",
          "0", "1", "256", "-18446744073709551615", "0" * 50 + "64", "9" * 5000]
 FRACTIONS = ["1e-320", "2.2250738585072014e-308", "2.225073858507201e-308", "1e-308", "0.5", ".5", "5.", "0x0.8p0",
-             "0x1p-1", "0x1p-1070", "0x1.1p-1070", "nan", "NaN", "inf", "-inf", "INFINITY", "0.5x", "0.5e", "e5", "-0.5",
+             "0x1p-1", "0x1p-1070", "0x1.1p-1070", "0x1p99999", "0x1p-99999", "nan", "NaN", "inf", "-inf", "INFINITY", "0.5x", "0.5e", "e5", "-0.5",
              "1", "0.9999999999999999", "0.99999999999999995", "0", "1e-400", "x", "0x", "0x.8", "+0.25", "1e309"]
 CASES = [f"{k}:{v}" for k in ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions")
          for v in WHOLE] + [f"garbage_collection_threshold:{v}" for v in FRACTIONS + WHOLE] + \
@@ -416,6 +416,8 @@ CASES = [f"{k}:{v}" for k in ("max_split_size_mb", "max_non_split_rounding_mb", 
 # torch 2.13's answers (test_alloc_conf_agrees_with_the_installed_torch checks them against the installed torch
 # when it is importable): the settings it refuses
 TORCH_REFUSES = {  # made by asking torch 2.13.0+cpu's parser about each of CASES
+    'garbage_collection_threshold:0x1p99999',
+    'garbage_collection_threshold:0x1p-99999',
     'max_split_size_mb:1_000',
     'max_split_size_mb:\u0661\u0660\u0660',
     'max_split_size_mb:\uff13\uff10',

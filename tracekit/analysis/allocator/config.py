@@ -11,7 +11,7 @@ ignored; none: refused; past 2**64-1: refused; a minus sign wraps modulo 2**64),
 so `1_000` reads 1 and Arabic-Indic or full-width digits are refused; a fraction is
 std::stod's (decimal or hexadecimal, the longest prefix; a result that overflows or
 is subnormal is refused, as glibc's ERANGE makes stod throw). Analysis never imports
-torch: tests/test_bad_input.py checks this table against the installed torch's own
+torch: tests/test_bounded_cost.py checks this table against the installed torch's own
 parser when it is importable.
 """
 from __future__ import annotations
@@ -215,7 +215,10 @@ def _stod(key, raw) -> float:
     """std::stod(raw) (strtod's longest prefix, then ERANGE); ConfigError where it throws."""
     m = _HEX.match(raw)
     if m:
-        v = float.fromhex(m.group())
+        try:
+            v = float.fromhex(m.group())
+        except OverflowError:  # 0x1p99999: strtod gives HUGE_VAL and ERANGE
+            v = math.inf
     else:
         m = _INF_NAN.match(raw)
         if m:
