@@ -130,15 +130,15 @@ def _tampered(entry):
     yield "negative sizes", *with_(ev_size=-good["ev_size"])
     yield "unsorted devices", *with_(ev_device=np.arange(n, 0, -1).astype(np.int32))
     yield "other key", *head_with(key="0" * 40)
-    yield "head not JSON", b"TKCACHE6" + (2).to_bytes(8, "little") + zlib.crc32(b"\xff{").to_bytes(4, "little") + b"\xff{"
-    yield "head a list", b"TKCACHE6" + (3).to_bytes(8, "little") + zlib.crc32(b"[1]").to_bytes(4, "little") + b"[1]"
+    yield "head not JSON", b"TKCACHE7" + (2).to_bytes(8, "little") + zlib.crc32(b"\xff{").to_bytes(4, "little") + b"\xff{"
+    yield "head a list", b"TKCACHE7" + (3).to_bytes(8, "little") + zlib.crc32(b"[1]").to_bytes(4, "little") + b"[1]"
     yield "strings not strings", *head_with(strings=["", 5])
     yield "devices disagree", *head_with(devices=[0, 7])
     yield "unknown meta tag", *head_with(meta={"~": "object", "v": 1})
     yield "meta not a dict", *head_with(meta=[1, 2])
     yield "object column", "object"
     yield "sizes changed, CRC not", {**good, "ev_size": good["ev_size"] // 2}, head, \
-        {k: cache._sample(memoryview(np.ascontiguousarray(v)).cast("B")) for k, v in good.items()}
+        {k: cache.column_sum(memoryview(np.ascontiguousarray(v)).cast("B")) for k, v in good.items()}
     yield "previous version's .npz", "npz"
 
 
@@ -429,6 +429,7 @@ def test_the_stored_report_is_what_is_served(tmp_path, cache_dir):
     (stored,) = cache_dir.glob("*-*.json")
     doc = json.loads(stored.read_text())
     doc["value"]["findings"] = ["marker"]
+    doc["crc"] = cachefiles.value_crc(doc["value"])  # an edit with its CRC: served as stored
     stored.write_text(json.dumps(doc))
     q = tmp_path / "b.pickle"
     os.rename(p, q)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
@@ -262,3 +263,117 @@ def test_fuzz_exit_codes_in_a_subprocess(tmp_path):
 @pytest.mark.parametrize("i", range(3))
 def test_mutations_are_deterministic(i):
     assert make_case(i) == make_case(i)
+
+
+# -- structure-aware: valid snapshots whose values are odd ---------------------------------------------
+# Each case is a small, valid snapshot (tests/synth.py's Sim) with one to three values replaced where the
+# format puts them: sizes, addresses, times, devices, line numbers, names, frames, whole lists. Every case
+# must end in exit 0 or 2 (one line, never "this is a bug") in under ODD_SECONDS. A case that once failed is
+# kept, small, under tests/fixtures/fuzz/ and replayed by test_kept_crashers.
+
+ODD_CASES = int(os.environ.get("TRACEKIT_FUZZ_ODD_CASES", "60"))
+ODD_SECONDS = 10
+KEPT = Path(__file__).parent / "fixtures" / "fuzz"
+ODD_VALUES = [2**64, 2**63, -(2**63) - 1, 10**30, -1, -(2**40), float("nan"), float("inf"), -0.0, 1e300, "12", "x" * 50_000,
+              None, True, [], {}, [1, 2], {"a": 1}, b"\x00", 3.5, 0]
+
+
+def _odd_base(rng):
+    from .adversarial import frame, snapshot_with_stacks
+
+    stacks = []
+    for i in range(rng.randint(3, 12)):
+        depth = rng.choice([1, 3, 8])
+        stacks.append([frame(f"/home/u/m{i % 3}.py", 10 + k, "forward") for k in range(depth)]
+                      + [frame("??", 0, "at::_ops::mm::call"), frame("/home/u/train.py", 5, "step")])
+    return snapshot_with_stacks(stacks)
+
+
+def _odd_places(snap):
+    """(container, key) of every value a mutation may replace."""
+    out = [(snap, "segments"), (snap, "device_traces")]
+    for seg in snap["segments"]:
+        out += [(seg, k) for k in seg]
+        for b in seg["blocks"]:
+            out += [(b, k) for k in b]
+            for f in b["frames"]:
+                out += [(f, k) for k in f]
+    for trace in snap["device_traces"]:
+        for e in trace:
+            out += [(e, k) for k in e]
+            for f in e.get("frames", []):
+                out += [(f, k) for k in f]
+            out.append((e.get("frames", []), None))
+    return out
+
+
+def make_odd_case(i):
+    from .adversarial import deep_forwards, device_without_entries, frame
+
+    rng = random.Random(SEED * 7919 + i)
+    shape = rng.random()
+    if shape < 0.08:
+        snap = deep_forwards(depth=rng.choice([300, 1200, 3000]))
+    else:
+        snap = _odd_base(rng)
+    if rng.random() < 0.15:
+        snap = device_without_entries(snap)
+    places = _odd_places(snap)
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        parent, key = rng.choice(places)
+        op = rng.random()
+        if key is None:  # a frame list
+            if op < 0.5:
+                parent.extend([frame("/home/u/m.py", rng.choice([2**31, -7, 10**12]), "forward")] * rng.randint(1, 400))
+            else:
+                parent.insert(0, frame("x" * rng.choice([5000, 60_000]), 1, "y" * rng.choice([5000, 60_000])))
+        elif op < 0.7:
+            parent[key] = copy.deepcopy(rng.choice(ODD_VALUES))
+        elif op < 0.8 and isinstance(parent, dict):
+            del parent[key]
+        elif op < 0.9:
+            parent[key] = _deep(rng.choice([50, 400]))  # past TRACEKIT_MAX_DEPTH, within what pickle writes
+        else:
+            parent[key] = "Backward0::apply" * rng.choice([10, 5000]) if isinstance(parent.get(key), str) \
+                else rng.choice([2**62, -(2**62)])
+    return f"odd{i}", pickle.dumps(snap, protocol=4)
+
+
+def _check_one(path, where):
+    t0 = time.monotonic()
+    code, out, err = run_cli("report", str(path), "--json", "--no-cache")
+    took = time.monotonic() - t0
+    assert took < ODD_SECONDS, f"{where} took {took:.1f} s"
+    assert "Traceback" not in err, f"{where}: {err}"
+    lines = [ln for ln in _final(err).splitlines() if not ln.startswith("tracekit: warning: ")]
+    assert code in (0, 2), f"{where}: exit {code}\n{err}"
+    if code == 2:
+        assert len(lines) == 1 and lines[0].startswith("tracekit: "), f"{where}: {err!r}"
+        assert "this is a bug" not in err, f"{where}: {err}"
+    else:
+        json.loads(out)
+    return code
+
+
+def test_fuzz_odd_values(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRACEKIT_DEBUG", raising=False)
+    codes = {0: 0, 2: 0}
+    for i in range(ODD_CASES):
+        label, data = make_odd_case(i)
+        p = tmp_path / f"{label}.pickle"
+        p.write_bytes(data)
+        codes[_check_one(p, f"{label} (reproduce: TRACEKIT_FUZZ_SEED={SEED}, odd case {i})")] += 1
+        p.unlink()
+    print(f"\n{ODD_CASES} odd-value snapshots: exit 0: {codes[0]}, exit 2: {codes[2]}")
+    assert codes[0] > ODD_CASES // 4, "too few odd cases still open: the fuzz is not exploring"
+
+
+@pytest.mark.parametrize("path", sorted(KEPT.glob("*.pickle*")), ids=lambda p: p.name)
+def test_kept_crashers(path, monkeypatch):
+    """Files that once ended in "this is a bug" (or took minutes): now exit 0 or 2, in time."""
+    monkeypatch.delenv("TRACEKIT_DEBUG", raising=False)
+    _check_one(path, path.name)
+
+
+def test_odd_cases_are_deterministic():
+    assert make_odd_case(5) == make_odd_case(5)

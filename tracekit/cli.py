@@ -94,6 +94,9 @@ def guard(callback):
     return run
 
 
+MAX_MESSAGE = 300  # characters of a usage error's message (it quotes the value given)
+
+
 def main(argv=None):
     """Entry point: user errors become one line on stderr and exit code 2."""
     for stream in (sys.stdout, sys.stderr):  # file names that are not UTF-8 print as their own bytes
@@ -106,6 +109,9 @@ def main(argv=None):
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:
+        if isinstance(e.message, str) and len(e.message) > MAX_MESSAGE:  # a value of 120 KB is not echoed whole
+            m = e.message  # its start (what was given) and its end (what is wrong with it)
+            e.message = f"{m[:MAX_MESSAGE // 2]}...[{len(m) - MAX_MESSAGE:,} characters cut]...{m[-MAX_MESSAGE // 2:]}"
         e.show()
         sys.exit(e.exit_code)
     except click.exceptions.Abort:

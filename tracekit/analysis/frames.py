@@ -143,10 +143,10 @@ _REVEALS = [
     (re.compile(r"(nccl|NCCL|c10d::|ProcessGroup)"), "NCCL / c10d communication buffer"),
     (re.compile(r"autotune|Autotuner|benchmarker"), "Triton autotuning buffer"),
     (re.compile(r"(_fused_adamw?|fused_sgd|_foreach_\w+|multi_tensor_apply)"), "optimizer kernel {0}"),
-    (re.compile(r"(\w+Backward\d*)(::apply|_apply_functional)"), "autograd engine: {0}"),
+    (re.compile(r"((?<!\w)\w+Backward\d*)(::apply|_apply_functional)"), "autograd engine: {0}"),
     (re.compile(r"torch::autograd::(Engine|PythonEngine)::"), "autograd engine"),
     (re.compile(r"at::_ops::(\w+)::call"), "aten::{0}"),
-    (re.compile(r"THPVariable_(\w+)\("), "torch.{0}"),
+    (re.compile(r"THPVariable_(\w{1,256})\("), "torch.{0}"),
 ]
 
 
@@ -202,7 +202,7 @@ def frame_kinds(trace) -> np.ndarray:
 # -- the three frames of a stack: the user's line, the library line, PyTorch's op -------------------
 
 _ATEN_OP = re.compile(r"at::_ops::(\w+?)::(call|redispatch)\b")
-_AUTOGRAD_NODE = re.compile(r"(\w+Backward\d*)(::apply|_apply_functional)|(AccumulateGrad)")
+_AUTOGRAD_NODE = re.compile(r"((?<!\w)\w+Backward\d*)(::apply|_apply_functional)|(AccumulateGrad)")
 _TORCH_PKGS = ("torch", "torchvision", "torchaudio", "functorch")
 
 

@@ -418,7 +418,10 @@ def _module_layers(trace: Trace, rep) -> np.ndarray | None:
     idx = rep.allocations.alloc_index
     ok = idx >= 0
     out = np.zeros(len(idx), bool)
-    names = mods[sl][np.where(ok, idx, 0)]
+    ev = mods[sl]
+    if not len(ev):  # a device with segments but no trace entries: nothing was made inside a module
+        return out
+    names = ev[np.where(ok, idx, 0)]
     layer = {i: bool(_LAYER.search(trace.strings[int(i)])) for i in np.unique(names).tolist() if i}
     out[ok] = [layer.get(int(n), False) for n in names[ok].tolist()]
     return out

@@ -54,8 +54,8 @@ _RE_OPTIM = re.compile(rf"torch{_SEP}optim{_SEP}(?!lr_scheduler)")
 _RE_OPTIM_KERNEL = re.compile(r"_fused_adamw?_|_fused_sgd_|fused_adam|multi_tensor_apply|_foreach_(?!zero_)")
 _RE_AUTOGRAD = re.compile(rf"torch{_SEP}(autograd{_SEP}|_tensor\.py$)")
 _BACKWARD_NAMES = {"backward", "_engine_run_backward", "grad", "_make_grads", "run_backward"}
-_RE_BACKWARD_CPP = re.compile(r"torch::autograd::(Engine|PythonEngine|python::PythonEngine)::|\w+Backward\d*::apply"
-                              r"|\w+Backward\d*_apply_functional|validate_outputs|torch::autograd::PyNode::apply"
+_RE_BACKWARD_CPP = re.compile(r"torch::autograd::(Engine|PythonEngine|python::PythonEngine)::|(?<!\w)\w+Backward\d*::apply"
+                              r"|(?<!\w)\w+Backward\d*_apply_functional|validate_outputs|torch::autograd::PyNode::apply"
                               r"|torch::autograd::CppNode|SavedVariable::unpack|call_function\(")
 _RE_AOT_BACKWARD = re.compile(rf"_aot_autograd{_SEP}|_functorch{_SEP}")
 _RE_MODULE = re.compile(rf"torch{_SEP}nn{_SEP}modules{_SEP}module\.py$")
@@ -77,6 +77,17 @@ _RE_FACTORY = re.compile(
     r"_to_copy|lift_fresh_copy|from_file)(_like)?\w*::call|THPVariable_(randn|rand|randint|zeros|ones|full|tensor|"
     r"as_tensor|from_numpy|arange|to|cuda)\(|torch::utils::tensor_new|internal_new_from_data|THPVariable_to\b")
 _RE_KV_CACHE = re.compile(rf"(transformers|vllm|peft){_SEP}.*cache(_utils)?\.py$")
+
+
+def _kv_cache_file(filename: str) -> bool:
+    """_RE_KV_CACHE.search(filename), in linear time: `.*` cannot pass a newline and `$` is the end, so only
+    the last line can match, and there the first library folder settles it."""
+    f = filename[:-1] if filename.endswith("\n") else filename
+    if not f.endswith(("cache.py", "cache_utils.py")):
+        return False
+    return _RE_KV_CACHE.search(f, f.rfind("\n") + 1) is not None
+
+
 _RE_GRAD_MODE = re.compile(rf"torch{_SEP}(autograd{_SEP}grad_mode|utils{_SEP}_contextlib)\.py$")
 _RE_METADATA = re.compile(r"tracekit:iter=(-?\d+)(?::phase=(\w+))?")
 _RE_GENERATION_FILE = re.compile(rf"{_SEP}generation{_SEP}[^/\\]*\.py$|{_SEP}(vllm|sglang){_SEP}")
@@ -121,7 +132,7 @@ def frame_flags(filename: str, name: str, line: int | None = None) -> int:
         bits |= F_COMM
     if _RE_AUTOTUNE.search(filename) or _RE_AUTOTUNE.search(name):
         bits |= F_AUTOTUNE
-    if _RE_KV_CACHE.search(filename):
+    if _kv_cache_file(filename):
         bits |= F_KV_CACHE
     if _RE_GRAD_MODE.search(filename):
         bits |= F_NO_GRAD
@@ -132,7 +143,7 @@ def frame_flags(filename: str, name: str, line: int | None = None) -> int:
     return bits
 
 
-_RE_OP = re.compile(r"at::_ops::\w+::call|THPVariable_\w+\(")
+_RE_OP = re.compile(r"at::_ops::\w+::call|THPVariable_\w{1,256}\(")
 
 
 def _op_kind(name: str) -> int:

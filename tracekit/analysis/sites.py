@@ -26,7 +26,7 @@ from .memo import per_trace
 from .phases import phases
 from .replay import DeviceReplay
 
-_NODE = re.compile(r"(\w+Backward\d*)(::apply|_apply_functional)|(AccumulateGrad)")
+_NODE = re.compile(r"((?<!\w)\w+Backward\d*)(::apply|_apply_functional)|(AccumulateGrad)")
 
 
 @dataclass

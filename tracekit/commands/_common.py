@@ -85,6 +85,11 @@ def open_trace(path, no_cache=False, window=None):
         trace = load(path, progress=progress, use_cache=not no_cache, window=window)
     finally:
         progress.close()
+    from ..io.limits import names_cut_line
+
+    line = names_cut_line(trace)
+    if line:
+        click.echo(line, err=True)
     if window:
         from ..analysis.window import select
 

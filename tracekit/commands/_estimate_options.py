@@ -113,6 +113,7 @@ def shape_from(kw):
 
     flags = {k: kw.get(k) for k in SHAPE_FLAGS}
     extra = {"activation": kw.get("activation_fn"), "norm": kw.get("norm"), "tied": kw.get("tied")}
+    _check_flags(flags)
     if kw.get("config"):
         if kw.get("params"):
             raise TracekitError("give --config or --params, not both")
@@ -126,6 +127,19 @@ def shape_from(kw):
         return ModelShape(**{k: v for k, v in flags.items() if v is not None},
                           **{k: v for k, v in extra.items() if v is not None})
     return None
+
+
+_FLAG_KEYS = {"hidden": "hidden_size", "ffn": "intermediate_size", "layers": "num_hidden_layers",
+              "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size",
+              "head_dim": "head_dim"}
+
+
+def _check_flags(flags):
+    """The shape flags within the bounds a config's sizes have (presets.check_config), said as flags."""
+    from ..analysis.estimate.presets import check_config
+
+    given = {_FLAG_KEYS[k]: v for k, v in flags.items() if v is not None}
+    check_config(given, "estimate", {key: "--" + k.replace("_", "-") for k, key in _FLAG_KEYS.items()})
 
 
 FIELDS = {"double_quant": "quant_double"}  # knob -> Setup field, where they differ

@@ -39,12 +39,16 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
 
     spec = report_spec(estimate_knobs)
     report, trace = file_report(files[0], open_trace, _analyse, not no_cache, window, rules, spec, want_trace=not as_json)
+    if trace is None and isinstance(report.get("names_cut"), int):  # served from the cache: open_trace did not say
+        from ..io.limits import names_cut_line
+
+        click.echo(names_cut_line(report["names_cut"]), err=True)
     if as_json:
         show("report", report, as_json=True)
     else:
         if trace.meta.get("window"):
             click.echo(window_line(trace))
-        show("report", {k: v for k, v in report.items() if k != "window"}, trace=trace)
+        show("report", {k: v for k, v in report.items() if k not in ("window", "names_cut")}, trace=trace)
 
 
 def _analyse(trace, **options):

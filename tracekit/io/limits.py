@@ -11,7 +11,11 @@ bounded by:
   than the free memory). On Linux this is an address-space limit
   (RLIMIT_AS) held only while the file is read, so a pickle that asks for a
   16 GB memo fails at once, small;
-- nesting: metadata nested deeper than $TRACEKIT_MAX_DEPTH (default 100) is refused.
+- nesting: metadata nested deeper than $TRACEKIT_MAX_DEPTH (default 100) is refused;
+- names: a frame's name or file name longer than MAX_NAME characters is cut to
+  that length when the file is read (`cut_long_names`), so that no analysis of a
+  name costs more than a bounded amount; the trace says how many were cut
+  (meta["names_cut"]) and the commands print one warning line.
 
 Per-file work is linear in the decoded size: shared frame lists are interned
 once by identity (see columns.Interner), so no separate work limit is needed.
@@ -27,6 +31,7 @@ from contextlib import contextmanager
 from ..errors import TracekitError
 
 MiB = 2**20
+MAX_NAME = 4096  # characters of a frame's name or file name (the longest real C++ names are about 2000)
 
 
 class LimitExceeded(Exception):
@@ -256,3 +261,38 @@ def shown(v) -> str:
 
 def _mib(n) -> str:
     return f"{n / MiB:,.0f} MiB" if n >= MiB else f"{n:,} bytes"
+
+
+def cut_long_names(trace) -> int:
+    """Cut each frame name and file name longer than MAX_NAME characters to MAX_NAME (the first ones, then
+    "..."), in place; meta["names_cut"] = how many strings were cut. Returns that number."""
+    items = trace.strings.items
+    long = [i for i, s in enumerate(items) if len(s) > MAX_NAME]
+    if not long:
+        return 0
+    import numpy as np
+
+    used = np.zeros(len(items), bool)
+    for col in (trace.frames.filename, trace.frames.name):
+        ids = col[(col >= 0) & (col < len(items))]
+        used[ids] = True
+    cut = [i for i in long if used[i]]
+    if not cut:
+        return 0
+    for i in cut:
+        items[i] = items[i][:MAX_NAME] + "..."
+    trace.strings.index = {}
+    for i, s in enumerate(items):  # the first id of a text, as interning gave it
+        trace.strings.index.setdefault(s, i)
+    trace.meta["names_cut"] = len(cut)
+    return len(cut)
+
+
+def names_cut_line(n) -> str | None:
+    """The warning line for `n` long names cut (a count, or a trace whose meta says it; None when none were)."""
+    if not isinstance(n, int):
+        n = n.meta.get("names_cut")
+    if not n:
+        return None
+    return (f"tracekit: warning: {n} frame name{'s' if n != 1 else ''} or file name{'s' if n != 1 else ''} "
+            f"longer than {MAX_NAME} characters {'were' if n != 1 else 'was'} cut to {MAX_NAME}")

@@ -19,8 +19,8 @@ from .cache import folder as _folder
 from .cache import traces as _cache
 from . import stream as _stream
 from .columns import FX_FRAMES
-from .limits import (CappedReader, LimitExceeded, check_settings, decompressed_cap, max_expansion, memory_budget,
-                     memory_limit, over_memory_message, text)
+from .limits import (CappedReader, LimitExceeded, check_settings, cut_long_names, decompressed_cap, max_expansion,
+                     memory_budget, memory_limit, over_memory_message, text)
 from .profiler import is_kineto, is_memory_timeline, kineto_to_trace, memory_timeline_to_trace
 from .progress import ProgressReader
 from .snapshot import SnapshotError, is_snapshot, snapshot_to_trace
@@ -59,8 +59,10 @@ def load(path, progress=None, use_cache=True, window=None) -> Trace:
             big = st.st_size * (10 if zipped else 1) >= WINDOW_READ_BYTES
             trace = _windowed(path, st, progress, window) if window and (big or not key) else None
             if trace is not None:
+                cut_long_names(trace)
                 return trace  # a part of the file: not cached
             trace = _read_and_convert(path, st, progress)
+            cut_long_names(trace)
     except MemoryError:
         raise LoadError(path, over_memory_message(budget, why)) from None
     if key:

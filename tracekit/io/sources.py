@@ -5,18 +5,24 @@ inside `class Qwen2MLP`'s `forward`, and that the line of its caller
 (`modeling_qwen2.py:297`) calls `self.mlp(...)`. The file is found where the
 frame says it is, else in this machine's installed copy of the same package
 (the same path under its folder on `sys.path`). It is read as text (at most
-MAX_SOURCE_BYTES) and parsed with `ast`; nothing is imported or executed.
+MAX_SOURCE_BYTES: a larger file is not read) and parsed with `ast`; nothing is
+imported or executed. Each real file is parsed once however many spellings of
+its path the frames use (`a/../b.py`, `./b.py`, a link): the parse is kept by
+the file's identity (device, inode, size, time). One analysis parses at most
+MAX_PARSED_BYTES of files it has not parsed before (`budget()`; a model's own
+files take well under 1 MiB): a file past that is not read, as if absent.
 Anything that cannot be read or parsed gives None.
 """
 from __future__ import annotations
 
 import ast
 import functools
+from contextlib import contextmanager
 import os
 import sys
 from dataclasses import dataclass, field
 
-MAX_SOURCE_BYTES = 8 << 20
+MAX_SOURCE_BYTES = 1 << 20  # the largest model code is far below (transformers: ~300 KB); 1 MiB of statements: ~3.5 s
 
 
 @dataclass
@@ -75,18 +81,50 @@ def outline(path: str) -> Outline | None:
     """The functions and module calls of a Python source file, by `ast` (None: unreadable or not Python)."""
     try:
         st = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):
         return None
-    return _outline(path, st.st_size, st.st_mtime_ns)
+    return _outline(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
 
-@functools.lru_cache(maxsize=512)
-def _outline(path: str, size: int, mtime: int) -> Outline | None:
+_OUTLINES: dict = {}  # (device, inode, size, mtime) -> Outline | None
+_KEEP = 512
+MAX_PARSED_BYTES = 4 << 20  # new source bytes one analysis may parse (about 4 s of real code, 16 s of the worst)
+_left = [None]  # bytes the analysis under way may still parse (None: no budget)
+
+
+@contextmanager
+def budget(nbytes: int | None = None):
+    """Within this block, parse at most `nbytes` (default MAX_PARSED_BYTES) of files not parsed before (then
+    outline gives None)."""
+    old, _left[0] = _left[0], MAX_PARSED_BYTES if nbytes is None else nbytes
+    try:
+        yield
+    finally:
+        _left[0] = old
+
+
+def _outline(path: str, identity: tuple) -> Outline | None:
+    if identity in _OUTLINES:
+        return _OUTLINES[identity]
+    if _left[0] is not None:
+        if identity[2] > _left[0]:
+            return None  # over this analysis's budget: not kept, so that another analysis may parse it
+        _left[0] -= identity[2]
+    got = _parse(path, identity[2])
+    if len(_OUTLINES) >= _KEEP:
+        _OUTLINES.pop(next(iter(_OUTLINES)))
+    _OUTLINES[identity] = got
+    return got
+
+
+def _parse(path: str, size: int) -> Outline | None:
     try:
         if size > MAX_SOURCE_BYTES:
             return None
         with open(path, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace")
+            text = f.read(MAX_SOURCE_BYTES + 1).decode("utf-8", errors="replace")
+        if len(text) > MAX_SOURCE_BYTES:
+            return None
         tree = ast.parse(text, filename=path)
     except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
         return None

@@ -2,11 +2,23 @@
 
 The constants and rules follow c10/cuda/CUDACachingAllocator.cpp and the allocator
 config parser (CUDAAllocatorConfig, later c10/core/AllocatorConfig) of torch 2.0 to
-2.11; docs/allocator.md says which facts come from where.
+2.13; docs/allocator.md says which facts come from where.
+
+Values are read as torch reads them (c10/core/AllocatorConfig.h, ConfigTokenizer):
+white space (C isspace) is dropped by the tokenizer; a whole number is std::stoull's
+(an optional sign, then the longest run of ASCII digits 0-9, the rest of the token
+ignored; none: refused; past 2**64-1: refused; a minus sign wraps modulo 2**64),
+so `1_000` reads 1 and Arabic-Indic or full-width digits are refused; a fraction is
+std::stod's (decimal or hexadecimal, the longest prefix; a result that overflows or
+is subnormal is refused, as glibc's ERANGE makes stod throw). Analysis never imports
+torch: tests/test_bounded_cost.py checks this table against the installed torch's own
+parser when it is importable.
 """
 from __future__ import annotations
 
 import math
+import re
+import sys
 from dataclasses import dataclass, field, replace
 
 from ...errors import TracekitError
@@ -111,7 +123,7 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
     while i < len(tokens):
         key = tokens[i]
         if key in (",", ":", "[", "]"):
-            raise ConfigError(f"--alloc-conf {text!r}: expected a setting name, found {key!r}")
+            raise ConfigError(f"--alloc-conf {_show(text)}: expected a setting name, found {key!r}")
         if key == "max_split_size_mb" or key == "max_non_split_rounding_mb":
             mb = _int(key, value(key))
             if mb < LARGE_BUFFER // MB:
@@ -120,13 +132,9 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
             out[field_name] = min(mb, NO_LIMIT // MB) * MB
         elif key == "garbage_collection_threshold":
             raw = value(key)
-            try:
-                v = float(raw)
-            except ValueError:
-                raise ConfigError(f"--alloc-conf: garbage_collection_threshold must be a number in (0, 1), "
-                                  f"not {raw!r}") from None
-            if not (0.0 < v < 1.0) or math.isnan(v):
-                raise ConfigError(f"--alloc-conf: garbage_collection_threshold must be in (0, 1) (got {raw})")
+            v = _stod(key, raw)
+            if not (0.0 < v < 1.0):
+                raise ConfigError(f"--alloc-conf: garbage_collection_threshold must be in (0, 1) (got {_show(raw)})")
             out["garbage_collection_threshold"] = v
         elif key == "roundup_power2_divisions":
             divs, i = _divisions(tokens, i)
@@ -135,7 +143,7 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
                      "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_use_background_threads"):
             v = value(key)
             if v not in ("True", "False"):
-                raise ConfigError(f"--alloc-conf: {key} takes True or False (got {v!r})")
+                raise ConfigError(f"--alloc-conf: {key} takes True or False (got {_show(v)})")
             if key == "expandable_segments":
                 out["expandable_segments"] = v == "True"
             elif key.startswith("release_lock"):
@@ -147,17 +155,17 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
         elif key == "backend":
             v = value(key)
             if v not in ("native", "cudaMallocAsync"):
-                raise ConfigError(f"--alloc-conf: backend is native or cudaMallocAsync (got {v!r})")
+                raise ConfigError(f"--alloc-conf: backend is native or cudaMallocAsync (got {_show(v)})")
             if v == "cudaMallocAsync":
                 raise ConfigError("--alloc-conf: backend:cudaMallocAsync hands memory to CUDA's own pool, "
                                   "whose decisions tracekit does not model")
             out["backend"] = v
         else:
-            raise ConfigError(f"--alloc-conf: unknown setting {key!r} (known: {', '.join(KNOWN_KEYS)})")
+            raise ConfigError(f"--alloc-conf: unknown setting {_show(key)} (known: {', '.join(KNOWN_KEYS)})")
         i += 1
         if i < len(tokens):
             if tokens[i] != ",":
-                raise ConfigError(f"--alloc-conf {text!r}: expected ',' after {key}, found {tokens[i]!r}")
+                raise ConfigError(f"--alloc-conf {_show(text)}: expected ',' after {key}, found {_show(tokens[i])}")
             i += 1
     return replace(base, text=text, **out)
 
@@ -170,21 +178,80 @@ def _lex(text: str) -> list[str]:
                 tokens.append("".join(buf))
                 buf = []
             tokens.append(ch)
-        elif ch != " ":
+        elif ch not in _C_SPACE:
             buf.append(ch)
     if buf:
         tokens.append("".join(buf))
     return tokens
 
 
+_C_SPACE = " \t\n\v\f\r"  # what C's isspace drops in torch's tokenizer
+_STOULL = re.compile(r"[+-]?([0-9]+)")  # ASCII digits only: [0-9], not \d
+_HEX = re.compile(r"[+-]?0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?")
+_DEC = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_INF_NAN = re.compile(r"[+-]?(?:inf(?:inity)?|nan(?:\([0-9A-Za-z_]*\))?)", re.IGNORECASE)
+SIZE_MAX = 2**64 - 1
+
+
+def _show(text, n=80) -> str:
+    """A token or setting for a message: quoted, at most `n` characters of it."""
+    text = str(text)
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text):,} characters)"
+
+
 def _int(key, raw) -> int:
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ConfigError(f"--alloc-conf: {key} must be a whole number (got {raw!r})") from None
-    if v < 0:
-        raise ConfigError(f"--alloc-conf: {key} must not be negative (got {v})")
+    """std::stoull(raw) as torch's tokenizer calls it (see the module's note); ConfigError where it throws."""
+    m = _STOULL.match(raw)
+    if not m:
+        raise ConfigError(f"--alloc-conf: {key} must be a whole number in ASCII digits 0-9 (got {_show(raw)})")
+    digits = m.group(1).lstrip("0")
+    if len(digits) > 20 or int(digits or "0") > SIZE_MAX:
+        raise ConfigError(f"--alloc-conf: {key} is out of range (more than 2**64-1; got {_show(raw)})")
+    v = int(digits or "0")
+    return (-v) % 2**64 if raw.startswith("-") else v
+
+
+def _stod(key, raw) -> float:
+    """std::stod(raw) (strtod's longest prefix, then ERANGE); ConfigError where it throws."""
+    m = _HEX.match(raw)
+    if m:
+        try:
+            v = float.fromhex(m.group())
+        except OverflowError:  # 0x1p99999: strtod gives HUGE_VAL and ERANGE
+            v = math.inf
+    else:
+        m = _INF_NAN.match(raw)
+        if m:
+            return float("nan") if "nan" in m.group().lower() else float("inf")  # refused by the range check
+        m = _DEC.match(raw)
+        if not m:
+            raise ConfigError(f"--alloc-conf: {key} must be a number in (0, 1) (got {_show(raw)})")
+        v = float(m.group())
+    if math.isinf(v) or (v != 0 and abs(v) < sys.float_info.min and not _exact(m.group(), v)):
+        raise ConfigError(f"--alloc-conf: {key} is out of the range of a normal double (got {_show(raw)})")
     return v
+
+
+def _exact(text: str, v: float) -> bool:
+    """Whether the number `text` is exactly `v` (glibc's strtod sets ERANGE for a subnormal result only when
+    it is rounded); a text too long to check is taken as rounded."""
+    from fractions import Fraction
+
+    body = text.lstrip("+-")
+    if len(body) > 1000:
+        return False
+    if body[:2].lower() == "0x":
+        mant, _, exp = body[2:].lower().partition("p")
+        whole, _, frac = mant.partition(".")
+        if abs(int(exp or "0")) > 5000:
+            return False
+        exact = Fraction(int(whole + frac or "0", 16), 16 ** len(frac)) * Fraction(2) ** int(exp or "0")
+    else:
+        mant, _, exp = body.lower().partition("e")
+        if abs(int(exp or "0")) > 5000:
+            return False
+        exact = Fraction(mant) * Fraction(10) ** int(exp or "0")
+    return Fraction(abs(v)) == exact
 
 
 def _pow2_or_zero(key, v, zero_ok=True):
@@ -219,7 +286,7 @@ def _divisions(tokens, i):
         else:
             mb = _int(key, start)
             if mb < 1 or mb & (mb - 1):
-                raise ConfigError(f"--alloc-conf: {key} interval starts must be powers of 2 in MiB (got {start})")
+                raise ConfigError(f"--alloc-conf: {key} interval starts must be powers of 2 in MiB (got {_show(start)})")
             index = min(mb.bit_length() - 1, INTERVALS - 1)
             if first:
                 for k in range(index):

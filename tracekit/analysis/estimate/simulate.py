@@ -105,7 +105,7 @@ class SimulatedPeak:
 
 # -- lines ----------------------------------------------------------------------------------------------------
 
-_NODE = re.compile(r"(\w+Backward\d*)(?:::apply|_apply_functional)|(AccumulateGrad)")
+_NODE = re.compile(r"((?<!\w)\w+Backward\d*)(?:::apply|_apply_functional)|(AccumulateGrad)")
 _OP = re.compile(r"at::_ops::(\w+?)(?:_(?:Tensor|Scalar|int|dim_IntList|default|memory_format|self))?::call")
 
 

@@ -11,10 +11,12 @@ import stat as _stat
 import sys
 import tempfile
 import time
+import zlib
 
-VERSION = 6  # bump whenever Trace, meta or the entry layout changes (5: origins, 6: memory-mapped columns)
+VERSION = 7  # bump whenever Trace, meta or the entry layout changes (5: origins, 6: memory-mapped columns,
+# 7: a checksum over each whole column, a CRC-32 over each stored result)
 SUFFIX = ".tkc"
-SAMPLE = 64 * 1024  # bytes read at each end of a file for its fingerprint (and of a cached column)
+SAMPLE = 64 * 1024  # bytes read at each end of a file for its fingerprint
 RACY_S = 2.0  # a file whose times are this close to now is hashed every time (a clock tick may hide an edit)
 
 
@@ -140,14 +142,23 @@ def _result_file(key, name) -> str:
     return os.path.join(cache_dir(), f"{key}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.json")
 
 
+def value_crc(value) -> int:
+    """The CRC-32 a stored result carries: of its value as JSON (as json.dumps writes it; a damaged byte
+    anywhere in the value changes what is read back, hence this)."""
+    return zlib.crc32(json.dumps(value).encode())
+
+
 def result(key, name):
-    """A result stored with `store_result(key, name, value)` while the trace's entry exists, else None."""
+    """A result stored with `store_result(key, name, value)` while the trace's entry exists, else None
+    (also when its CRC-32 does not match: the file is deleted and the result computed and stored again)."""
     fn = _result_file(key, name)
     try:
         with open_regular(fn) as f:
             doc = json.loads(f.read().decode())
         if not (isinstance(doc, dict) and doc.get("name") == name and "value" in doc and os.path.isfile(_file(key))):
             raise Odd("not ours")
+        if type(doc.get("crc")) is not int or value_crc(doc["value"]) != doc["crc"]:
+            raise Odd("damaged")
     except FileNotFoundError:
         return None
     except Exception:
@@ -162,7 +173,8 @@ def store_result(key, name, value) -> None:
     in `name`); it goes when the trace's entry goes. Failures are ignored."""
     try:
         if os.path.isfile(_file(key)):
-            _atomic(_result_file(key, name), json.dumps({"name": name, "value": value}).encode())
+            doc = {"name": name, "crc": value_crc(value), "value": value}
+            _atomic(_result_file(key, name), json.dumps(doc).encode())
     except (OSError, TypeError, ValueError):
         pass
 

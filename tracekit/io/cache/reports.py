@@ -50,6 +50,8 @@ def file_report(path, open_trace, analyse, use_cache=True, window=None, rules=No
     report = analyse(trace, rules=rules, estimate=estimate)
     cut = trace.meta.get("window")
     out = {**report, "window": cut} if cut else report
+    if trace.meta.get("names_cut"):  # the report served from the cache says so too (the warning line)
+        out = {**out, "names_cut": trace.meta["names_cut"]}
     if key and _key(path) == key:  # the file did not change while it was read
         try:
             folder.store_result(key, name, json.loads(json.dumps(out)))
