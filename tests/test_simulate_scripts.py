@@ -164,5 +164,26 @@ def test_a_failing_script_fails_its_own_way(tmp_path):
     ex = tmp_path / "exit.py"
     ex.write_text("import sys, torch\ntorch.ones(2, device='cuda')\nsys.exit(3)\n")
     simulate("--", "python", str(ex), cwd=str(tmp_path), expect=3)
+    res, _ = simulate("--", "python", "-c", "import json, torch; print('RESULT ' + json.dumps("
+                      "{'available': torch.cuda.is_available(), 'count': torch.cuda.device_count()}))", cwd=str(tmp_path))
+    assert res == {"available": True, "count": 1}
     _, r = simulate("--", "notpython", "x.py", cwd=str(tmp_path), expect=2)
     assert r.stderr.count("\n") <= 2 and "Traceback" not in r.stderr
+
+
+def test_estimate_simulate_runs_a_mixtral_under_amp(tmp_path):
+    """estimate --simulate is one user of the same machinery: an MoE under bf16 autocast runs (grouped_mm takes fp32
+    weights on CUDA; its meta kernel asks for bf16), no fallback to the formulas."""
+    cfg = json.load(open(os.path.join(HERE, "fixtures", "configs", "mixtral-8x7b.json")))
+    cfg.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "mixtral_tiny.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-m", "tracekit", "estimate", "--config", str(path), "--batch", "2", "--seq", "64",
+                        "--precision", "amp", "--simulate", "--json"], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["simulated"] is not None and "simulation_error" not in out
+    sim = out["simulated"]
+    assert sim["peak_allocated_bytes"] > 0 and sim["categories_at_peak"]["optimizer_state"] == \
+        pytest.approx(8 * out["param_count"]["params"], rel=0.01)

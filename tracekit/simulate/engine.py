@@ -771,6 +771,7 @@ def _tracker_class():
                 rkwargs = tree_map(self._real, kwargs)
             except KeyError:
                 if func in LIKE or func in TRUE_IF or func in FALSE_IF:
+                    self._args = args
                     self._value_free_shadow(func, out)
                     return
                 if func is TOPK:
@@ -799,13 +800,24 @@ def _tracker_class():
             takes as given (isfinite: true, isnan: false)."""
             if not isinstance(out, torch.Tensor):
                 return
+            if out.numel() > MAX_SHADOW:
+                return
+            shape = tuple(out.shape)
             with _disable_current_modes():
                 if func in TRUE_IF:
-                    r = torch.ones(tuple(out.shape), dtype=torch.bool)
+                    r = torch.ones(shape, dtype=torch.bool)
                 elif func in FALSE_IF:
-                    r = torch.zeros(tuple(out.shape), dtype=torch.bool)
+                    r = torch.zeros(shape, dtype=torch.bool)
+                elif func in (aten.ones_like.default, aten.new_ones.default):
+                    r = torch.ones(shape, dtype=out.dtype)
+                elif func in (aten.zeros_like.default, aten.new_zeros.default):
+                    r = torch.zeros(shape, dtype=out.dtype)
+                elif func is aten.full_like.default and len(self._args) > 1 and not isinstance(self._args[1], torch.Tensor):
+                    r = torch.full(shape, self._args[1], dtype=out.dtype)
+                elif func is aten.new_full.default and len(self._args) > 2 and not isinstance(self._args[2], torch.Tensor):
+                    r = torch.full(shape, self._args[2], dtype=out.dtype)
                 else:
-                    return  # LIKE ops with unknown fill come from their own args (full_like's value is an arg)
+                    return
             self.shadow[out] = r
 
         def _routing_shadow(self, args, out):
