@@ -141,6 +141,19 @@ def test_moe_and_lora_run():
     assert res["state_bytes"] == 8 * res["trainable"]
 
 
+def test_weights_from_disk_become_device_tensors(tmp_path):
+    make = ("import torch, transformers, sys\n"
+            "cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+            "num_attention_heads=4, num_key_value_heads=2, vocab_size=500)\n"
+            "m = transformers.Qwen2ForCausalLM(cfg); m.save_pretrained(sys.argv[1] + '/tiny')\n"
+            "torch.save(m.state_dict(), sys.argv[1] + '/sd.pt')\n")
+    subprocess.run([sys.executable, "-c", make, str(tmp_path)], check=True, capture_output=True, timeout=300)
+    res, _ = simulate("--", "python", "load_weights.py", str(tmp_path))
+    assert res["dev"] == "cuda:0" and res["sd_cuda"] is True
+    # every tensor read becomes one block of the same bytes on the card
+    assert res["torch_load"] == res["sd_blocks"] and res["safetensors"] == res["st_blocks"] > 0
+
+
 def test_hf_trainer_runs_on_the_card():
     res, _ = simulate("--", "python", "trainer_hf.py")
     assert res["device"] == "cuda:0" and res["steps"] == 2 and res["max_allocated"] > 0
@@ -186,4 +199,4 @@ def test_estimate_simulate_runs_a_mixtral_under_amp(tmp_path):
     assert out["simulated"] is not None and "simulation_error" not in out
     sim = out["simulated"]
     assert sim["peak_allocated_bytes"] > 0 and sim["categories_at_peak"]["optimizer_state"] == \
-        pytest.approx(8 * out["param_count"]["params"], rel=0.01)
+        pytest.approx(8 * out["param_count"]["params"], rel=0.03)  # AdamW: two fp32 moments, in blocks

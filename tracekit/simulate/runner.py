@@ -223,6 +223,26 @@ def _patch_bnb(mod):
         cls.__new__ = refuse
 
 
+def _patch_safetensors(session):
+    """safetensors' load_file(device="cuda") reads on the host (outside the fake tensors), then moves each tensor as
+    the device says: fake tensors of the same shapes on the simulated card (its own CUDA path cannot run here)."""
+    def patch(mod):
+        load_file = mod.load_file
+
+        def load(filename, device="cpu"):
+            import torch
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes(), unset_fake_temporarily():
+                out = load_file(filename, device="cpu")
+            where = session.cuda_index(device if not isinstance(device, int) else torch.device("cuda", device))
+            if where is None:
+                return {k: v.clone() for k, v in out.items()}
+            return {k: v.to(f"cuda:{where}") for k, v in out.items()}
+        mod.load_file = load
+    return patch
+
+
 def _patch_stopping(session):
     def patch(mod):
         import torch
@@ -365,7 +385,8 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
         session.current_device = rank % ndev
     hook = _PostImport({"transformers.utils.import_utils": _patch_import_utils,
                         "transformers.generation.stopping_criteria": _patch_stopping(session),
-                        "bitsandbytes.nn.modules": _patch_bnb})
+                        "bitsandbytes.nn.modules": _patch_bnb,
+                        "safetensors.torch": _patch_safetensors(session)})
     for name, fn in hook.patches.items():  # already imported (the built-in step): patch now
         if name in sys.modules:
             fn(sys.modules[name])
