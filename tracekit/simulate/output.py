@@ -14,8 +14,11 @@ import os
 FORMAT = "tracekit-simulated-2"
 
 
-def categories(session) -> dict:
-    """sid -> category."""
+def categories(session, infer=True) -> dict:
+    """sid -> category: what the simulator knows (its tags: parameters, gradients, optimizer state; cuBLAS workspaces),
+    and with `infer` the labels of the built-in training step (forward storages alive when backward begins are
+    activations, autocast's weight copies parameters, the batch moved in an input). A script's run leaves those to
+    tracekit's analysis, as for any recording (FSDP's unsharded units, DDP's buckets... by their frames)."""
     cat = {}
     for kind, sid, name in session.tags:
         if sid is None or kind == "step":
@@ -33,6 +36,8 @@ def categories(session) -> dict:
             continue
         if info.get("workspace"):
             cat[sid] = "workspace"
+            continue
+        if not infer:
             continue
         md = info.get("metadata", "") or ""
         dev = session.devices.get(info["device"])
@@ -52,15 +57,15 @@ def categories(session) -> dict:
     return cat
 
 
-def snapshot(session, settings=None, extra=None) -> dict:
+def snapshot(session, settings=None, extra=None, infer=False) -> dict:
     """The tracekit-format snapshot dict of the whole run (every device)."""
     import torch
-    cat = categories(session)
+    cat = categories(session, infer)
     by_entry = {}  # (device, entry index) -> category
     for sid, info in session.info.items():
         if "merged_into" in info:
             continue
-        c = cat.get(sid, "temporary")
+        c = cat.get(sid, "temporary" if infer else "")
         by_entry[info["device"], info["entry"]] = c
         fe = info.get("free_entry")
         if fe is not None:
@@ -75,7 +80,9 @@ def snapshot(session, settings=None, extra=None) -> dict:
         for k, e in enumerate(d.entries):
             e = dict(e)
             if e["action"] in ("alloc", "free_requested", "free_completed"):
-                e["category"] = by_entry.get((i, k), "other")
+                c = by_entry.get((i, k), "other" if infer else "")
+                if c:
+                    e["category"] = c
             out.append(e)
         traces.append(out)
         segments += d.segments()

@@ -101,7 +101,7 @@ def simulate(w: Workload, progress=None) -> dict:
             del run
             gc.collect()
             sdpa = dict(session.composites.used)
-            snap = snapshot(session, extra={
+            snap = snapshot(session, infer=True, extra={
                 "workload": {"batch": w.batch, "seq": w.seq, "precision": w.precision, "optimizer": w.optimizer,
                              "checkpointing": w.checkpointing, "sm": list(w.sm), "warmup": w.warmup, "steps": w.steps},
                 "model_class": type(model).__name__, "params": params, "trainable_params": trainable,
