@@ -85,6 +85,9 @@ def make_api(session):
         def query(self):
             return True
 
+        def is_capturing(self):
+            return False
+
         def synchronize(self):
             S.device(self.device_index).process_events([])
 
@@ -414,6 +417,9 @@ def installed(session, autocast=None):
     put(torch._C, "_cuda_getMemoryMetadata", api["_get_memory_metadata"])
     put(torch._C, "_cuda_getDeviceCount", lambda: session.ndevices)
     put(torch._C, "_cuda_getCurrentRawStream", lambda device=None: session.stream_of(session.current_device))
+    for name in ("_get_accelerator", "_accelerator_getAccelerator"):
+        if hasattr(torch._C, name):
+            put(torch._C, name, lambda *a, **k: torch.device("cuda"))
     put(torch.backends.cuda, "is_built", lambda: True)
     put(torch.backends.cudnn, "is_available", lambda: True)
     put(torch.backends.cudnn, "version", lambda: 91002)
@@ -421,6 +427,32 @@ def installed(session, autocast=None):
         import torch.cuda.amp.common as amp_common
         put(amp_common, "amp_definitely_not_available", lambda: False)
     except Exception:
+        pass
+
+    # torch.accelerator (what FSDP2's default mesh, and device-generic code, ask): the simulated card
+    try:
+        import torch.accelerator as acc
+        import torch.accelerator.memory as accm
+        accel = {"is_available": lambda *a, **k: True,
+                 "current_accelerator": lambda *a, **k: torch.device("cuda", session.current_device),
+                 "device_count": api["device_count"], "current_device_index": api["current_device"],
+                 "current_device_idx": api["current_device"], "set_device_index": api["set_device"],
+                 "set_device_idx": api["set_device"], "synchronize": api["synchronize"],
+                 "current_stream": api["current_stream"], "set_stream": api["set_stream"],
+                 "get_device_capability": lambda d=None: {"major": session.card.sm[0], "minor": session.card.sm[1]},
+                 "device_index": api["device"]}
+        for name, fn in accel.items():
+            if hasattr(acc, name):
+                put(acc, name, fn)
+        for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                     "reset_peak_memory_stats", "memory_stats", "empty_cache"):
+            for mod in (acc, accm):
+                if hasattr(mod, name):
+                    put(mod, name, api[name])
+        if hasattr(accm, "get_memory_info"):
+            put(accm, "get_memory_info", api["mem_get_info"])
+            put(acc, "get_memory_info", api["mem_get_info"])
+    except ImportError:
         pass
 
     # torch.autocast("cuda"): CUDA's state for code that asks, CPU autocast's key where the CUDA policy sits

@@ -391,6 +391,7 @@ class Session:
         self.marks = None
         self.compiled = 0
         self.fake_mode = None
+        self.untracked = 0  # > 0 while ops make metadata only (DTensor's sharding propagation on global shapes)
         self.resized = {}  # id(storage) -> device, for storages freed by resize_(0)
         self.finalized = set()  # id(storage) with a finalizer
         self.cpu_run = False  # --gpu none: host storages are what is simulated (device 0 stands for the host)
@@ -861,6 +862,18 @@ def _tracker_class():
                 self._check_indices(func, args)
             if func is HISTC:
                 return self._histc(args, kwargs)
+            if s.untracked or s.fake_mode is not None and \
+                    torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) not in (None, s.fake_mode):
+                # another fake-tensor mode runs this (DTensor's sharding propagation on full-size metadata, a
+                # compiler tracing): its tensors are no one's memory, on the GPU either
+                return func(*args, **kwargs)
+            forced = None
+            dev = kwargs.get("device")
+            if isinstance(dev, torch.device) and dev.type == "cuda":
+                # a `cuda` that reached the op itself (a device remembered earlier, used inside another torch call
+                # where the function-level rules do not run): the op runs on the fake tensors' own device
+                forced = s.current_device if dev.index is None else dev.index
+                kwargs = dict(kwargs, device=torch.device("cpu"))
             flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             try:
                 out = func(*args, **kwargs)
@@ -876,7 +889,7 @@ def _tracker_class():
                 if func is not GROUPED_MM or not isinstance(e, RuntimeError):
                     raise
                 out = self._grouped_mm(args, kwargs)
-            target = s.target
+            target = s.target if forced is None else forced
             if s.cpu_run:
                 target = 0
             elif target is None:

@@ -243,6 +243,46 @@ def _patch_safetensors(session):
     return patch
 
 
+def _patch_dtensor(session):
+    """DTensor (FSDP2's parameters) says the device of its local shard outside torch's internals, as a fake tensor does
+    (its wrapper's own device is fixed when made, inside the machinery, as `cpu`): torch.optim takes its foreach path."""
+    def patch(mod):
+        import torch
+        cls = getattr(mod, "DTensor", None)
+        if cls is None:
+            return
+        base = torch.Tensor.device
+
+        def device(self):
+            if not session.depth and not session.cpu_run:
+                d = session.where_of(self._local_tensor)
+                if d is not None:
+                    return torch.device("cuda", d)
+            return base.__get__(self)
+        cls.device = property(device)
+        cls.is_cuda = property(lambda self: device(self).type == "cuda")
+    return patch
+
+
+def _patch_sharding_prop(session):
+    """DTensor's sharding propagation runs each op on fake global-shape tensors in a fake mode of its own on the GPU; here
+    it finds ours: what it makes is metadata, not memory."""
+    def patch(mod):
+        cls = getattr(mod, "ShardingPropagator", None)
+        fn = getattr(cls, "_propagate_tensor_meta_non_cached", None)
+        if fn is None:
+            return
+
+        def wrapped(self, *a, **k):
+            session.untracked += 1
+            try:
+                return fn(self, *a, **k)
+            finally:
+                session.untracked -= 1
+        cls._propagate_tensor_meta_non_cached = wrapped
+    return patch
+
+
 def _patch_stopping(session):
     def patch(mod):
         import torch
@@ -386,7 +426,9 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
     hook = _PostImport({"transformers.utils.import_utils": _patch_import_utils,
                         "transformers.generation.stopping_criteria": _patch_stopping(session),
                         "bitsandbytes.nn.modules": _patch_bnb,
-                        "safetensors.torch": _patch_safetensors(session)})
+                        "safetensors.torch": _patch_safetensors(session),
+                        "torch.distributed.tensor._api": _patch_dtensor(session),
+                        "torch.distributed.tensor._sharding_prop": _patch_sharding_prop(session)})
     for name, fn in hook.patches.items():  # already imported (the built-in step): patch now
         if name in sys.modules:
             fn(sys.modules[name])
