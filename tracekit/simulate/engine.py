@@ -35,6 +35,7 @@ from ..errors import TracekitError
 
 ALIGN = 512
 MAX_SHADOW = 1 << 20  # elements: tensors up to this size carry real values when their inputs do
+MAX_VALUE_FREE = 1 << 16  # elements: ones_like / zeros_like / isfinite outputs given values without inputs' values
 HOST = -1  # a storage on the host (not counted)
 
 
@@ -56,9 +57,15 @@ _SKIP_FILES = ("torch/utils/_python_dispatch.py", "torch/_subclasses/", "torch/_
                "tracekit/simulate/distributed.py", "tracekit/record/script.py", "<frozen runpy>")
 
 
+_SKIPPED = {}
+
+
 def _skip(filename: str) -> bool:
-    f = filename.replace("\\", "/")
-    return any(s in f for s in _SKIP_FILES)
+    got = _SKIPPED.get(filename)
+    if got is None:
+        f = filename.replace("\\", "/")
+        got = _SKIPPED[filename] = any(s in f for s in _SKIP_FILES)
+    return got
 
 
 class Frames:
@@ -761,12 +768,18 @@ def _tracker_class():
                 return s
             return a
 
-        def _shadow_run(self, func, args, kwargs, out):
+        def _shadow_run(self, func, args, kwargs, out, flat_in=None):
             flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             if any(t.numel() > MAX_SHADOW for t in flat_out):
                 return
             if func in RANDOM:
                 return
+            if flat_in is not None and not func._schema.is_mutable and func not in LIKE and func not in TRUE_IF \
+                    and func not in FALSE_IF and func is not TOPK:
+                shadow = self.shadow
+                for t in flat_in:  # the usual case: an input without a known value, nothing to compute
+                    if isinstance(t, FakeTensor) and t not in shadow:
+                        return
             try:
                 rargs = tree_map(self._real, args)
                 rkwargs = tree_map(self._real, kwargs)
@@ -801,7 +814,7 @@ def _tracker_class():
             takes as given (isfinite: true, isnan: false)."""
             if not isinstance(out, torch.Tensor):
                 return
-            if out.numel() > MAX_SHADOW:
+            if out.numel() > MAX_VALUE_FREE:  # masks and flags are small; an optimizer's zeros_like state is not
                 return
             shape = tuple(out.shape)
             with _disable_current_modes():
@@ -912,7 +925,7 @@ def _tracker_class():
                     self._workspace("cublas", target)
                 if not s.cpu_run and ck.uses_cublaslt(func, args):
                     self._workspace("cublaslt", target)
-            self._shadow_run(func, args, kwargs, out)
+            self._shadow_run(func, args, kwargs, out, flat_in)
             return out
 
         def _grouped_mm(self, args, kwargs):
