@@ -11,7 +11,7 @@ import pytest
 
 import tracekit
 from tracekit.analysis.allocator.config import DEFAULT
-from tracekit.analysis.allocator.exact import replay_allocator
+from tracekit.analysis.allocator.model_replay import replay_device_in_python
 from tracekit.analysis.allocator.summary import allocator_summary
 from tracekit.analysis.allocator.whatif import simulate
 from tracekit.analysis.replay import replay
@@ -46,7 +46,7 @@ def test_report_peaks_equal_the_h100_counters(name):
 @pytest.mark.parametrize("name", SAMPLE_FILES)
 def test_samples_exact_and_every_block_where_the_allocator_put_it(name):
     trace = _load(SAMPLES / name)
-    r = replay_allocator(trace, 0)
+    r = replay_device_in_python(trace, 0)
     stats = next(d["allocator_stats"] for d in trace.recorder["devices"] if d["type"] == "cuda")
     assert r.peak_allocated == stats["max_memory_allocated"]
     assert r.peak_reserved == stats["max_memory_reserved"]
@@ -66,7 +66,7 @@ def _segment_events(trace, device=0):
 def test_the_model_alone_makes_the_recorded_segment_events(path):
     """Left to decide on its own (no recorded address consulted but the new segments' own), the model
     asks CUDA for the same segments, of the same sizes, in the same order, and ends in the final state."""
-    from tracekit.analysis.allocator.exact import settings_of
+    from tracekit.analysis.allocator.model_replay import settings_of
     from tracekit.analysis.report import allocator_limit
 
     trace = _load(path)
@@ -107,7 +107,7 @@ def test_real_snapshots(name):
     from tracekit.analysis.replay import allocator_bytes, block_size
 
     trace = _load(FIXTURES / name)
-    r = replay_allocator(trace, 0)
+    r = replay_device_in_python(trace, 0)
     assert not r.unplaced and r.final_mismatch == 0
     assert r.placed == int((trace.events.action == ALLOC).sum())
     live = trace.blocks.state == 0
@@ -137,7 +137,7 @@ def test_real_allocated_peak_above_the_requests_is_the_allocators_own_rule():
     b = trace.blocks
     rounded = -(-np.maximum(b.requested_size, 1) // 512) * 512
     assert ((b.state == 0) & (b.size > rounded) & (b.size - rounded <= 1 << 20)).sum() >= 2
-    r = replay_allocator(trace, 0)
+    r = replay_device_in_python(trace, 0)
     rep = replay(trace)[0]
     assert r.peak_allocated == 815_783_936 and rep.peak_allocated == 781_312_000
 
@@ -149,11 +149,11 @@ def test_a_trace_cut_short_at_the_front_gives_the_same_figures_after_the_cut():
 
     snap, _ = read_document(CUDA / "opt_amp_adamw_b4_s256.pickle.gz")
     full = snapshot_to_trace(snap, "full")
-    whole = replay_allocator(full, 0)
+    whole = replay_device_in_python(full, 0)
     exact_runs = 0
     for cut in (1, 777, 2000, 3500):
         part = dict(snap, device_traces=[snap["device_traces"][0][cut:]])
-        r = replay_allocator(snapshot_to_trace(part, "part"), 0)
+        r = replay_device_in_python(snapshot_to_trace(part, "part"), 0)
         assert not r.unplaced and r.final_mismatch == 0
         np.testing.assert_array_equal(r.reserved, whole.reserved[cut:])
         if r.open_bytes == 0:

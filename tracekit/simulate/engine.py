@@ -224,7 +224,7 @@ class SimDevice:
         made_segment = any(e["action"] in ("segment_alloc", "segment_map") for e in self.entries[n_entries:])
         a.free(block)
         if made_segment and block.prev is None and block.next is None and block.es is None and block.free:
-            a.release_segment_block(block)
+            a.release_block(block)
         self.alog.clear()
         a.peak_allocated, a.peak_reserved, self.peak_requested = peak_a, peak_r, peak_q
         del self.entries[n_entries:]

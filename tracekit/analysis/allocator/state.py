@@ -25,7 +25,7 @@ import numpy as np
 
 from ...model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
-from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig
+from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, expandable_pages
 from .core import Allocator, Block
 
 HELD, PENDING = 1, 2  # a block allocated when the trace begins; one freed but waiting for other streams
@@ -362,8 +362,7 @@ def _expandable_for(alloc: Allocator, st: InitialState, reg: Region, done: set):
         if es.stream == reg.stream and es.small == reg.small and es.base <= reg.addr < es.base + es.size:
             return es
     page = SMALL_BUFFER if reg.small else LARGE_BUFFER
-    total = alloc.device.total_memory
-    pages = -(-(total + total // 8) // page)
+    pages = expandable_pages(alloc.device.total_memory, page)
     from .core import ExpandableSegment
 
     es = ExpandableSegment(reg.addr, page, pages, reg.stream, reg.small)

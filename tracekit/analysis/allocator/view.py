@@ -51,7 +51,7 @@ class Fragmentation:
 
 def fragmentation(trace: Trace, device: int, index: int | None = None) -> Fragmentation:
     """The view's data for a device; `index`: the entry whose segments to show (default: the allocated peak)."""
-    from .fast import segments_at
+    from .compiled import segments_at
     from .summary import allocator_replays, allocator_summary
 
     s = allocator_summary(trace, device)
@@ -67,7 +67,7 @@ def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str | None 
     """The model's allocated and reserved bytes per entry under `alloc_conf` and under the recorded settings
     (same start), with the what-if summary (tracekit.analysis.allocator.whatif.compare's device entry)."""
     from .config import parse_alloc_conf
-    from .exact import settings_of, total_memory
+    from .model_replay import settings_of, total_memory
     from .summary import allocator_replays
     from .whatif import DEFAULT_START, device_limits, simulate
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
-from .config import NO_LIMIT, AllocatorConfig
+from .config import DEFAULT_TOTAL_MEMORY, NO_LIMIT, ROUND_LARGE, AllocatorConfig
 from .core import Allocator, Device, OutOfMemory
 from ..memo import per_trace
 from .state import PENDING, initial_state, load
@@ -122,7 +122,7 @@ def user_releases(action: np.ndarray, allocator_may_release=True) -> np.ndarray:
 
 
 def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: AllocatorConfig,
-             start: str = "rebuilt", capacity=None, memory_fraction_bytes=None, total_memory=80 << 30,
+             start: str = "rebuilt", capacity=None, memory_fraction_bytes=None, total_memory=DEFAULT_TOTAL_MEMORY,
              follow_addresses=False, curves=False) -> Run:
     """Serve the device's recorded requests with the model under `config`.
 
@@ -153,7 +153,7 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
     seg = trace.segments
     top = max([int(ev.addr[sl].max()) if n else 0] +
               [int(a) + int(z) for a, z in zip(seg.address.tolist(), seg.total_size.tolist())] + [dev._next])
-    dev._next = -(-(top + (1 << 30)) // (2 << 20)) * (2 << 20)
+    dev._next = -(-(top + (1 << 30)) // ROUND_LARGE) * ROUND_LARGE
     init = initial_state(trace, device, recorded)
     if start == "recorded":
         alloc = Allocator(config, dev, memory_fraction_bytes)
@@ -300,7 +300,7 @@ def compare(trace: Trace, config: AllocatorConfig, start: str = DEFAULT_START, d
             memory_limit=None) -> dict:
     """The what-if on allocator settings, per device, as JSON-ready builtins: the recorded figures, the model
     under the recorded settings (the baseline) and under `config`, from the same start."""
-    from .exact import settings_of
+    from .model_replay import settings_of
 
     recorded, notes = settings_of(trace)
     devices = [compare_device(trace, d, config, start, device_memory, memory_limit) for d in trace.devices]
@@ -311,7 +311,7 @@ def compare(trace: Trace, config: AllocatorConfig, start: str = DEFAULT_START, d
 def compare_device(trace: Trace, d: int, config: AllocatorConfig, start: str = DEFAULT_START, device_memory=None,
                    memory_limit=None) -> dict:
     """One device's row of `compare` (see there)."""
-    from .exact import settings_of, total_memory
+    from .model_replay import settings_of, total_memory
     from .summary import _replays, allocator_replays, why_not_modelled
 
     recorded, notes = settings_of(trace)

@@ -54,7 +54,7 @@ def replay_allocator(trace: Trace, device: int = 0) -> AllocatorReplay:
     not modelled) only where the model cannot serve the stream."""
     rep = replay(trace)[device]
     try:
-        from ..allocator.exact import settings_of
+        from ..allocator.model_replay import settings_of
         from ..allocator.whatif import simulate
 
         config, _ = settings_of(trace)

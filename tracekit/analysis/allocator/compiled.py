@@ -1,7 +1,7 @@
 """The replay of a trace through the allocator model: the compiled loop (_replay.c) when it is built and
-the file is one it handles (no expandable segments, no private pools), else exact.py's Python loop.
+the file is one it handles (no expandable segments, no private pools), else model_replay.py's Python loop.
 
-Both make the same decisions entry for entry (tests/test_allocator_compiled.py compares them);
+Both are exact and make the same decisions entry for entry (tests/test_allocator_props.py compares them);
 TRACEKIT_ALLOCATOR=python forces the Python loop.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 from ...model import SEGMENT_MAP, SEGMENT_UNMAP, Trace
 from .config import AllocatorConfig
 from .core import Allocator, Device
-from .exact import REASONS, AllocatorReplay, compare_final, replay_allocator as _python, settings_of, total_memory
+from .model_replay import (REASONS, AllocatorReplay, compare_final, replay_device_in_python as _python, settings_of,
+                           total_memory)
 from .state import initial_state, load
 
 try:
@@ -26,7 +27,8 @@ def compiled_available() -> bool:
     return _compiled is not None
 
 
-def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None = None) -> AllocatorReplay:
+def replay_device(trace: Trace, device: int, config: AllocatorConfig | None = None) -> AllocatorReplay:
+    """Replay one device's trace through the allocator model: the compiled loop where it can, else Python."""
     return _replay(trace, device, config)[0]
 
 
