@@ -13,7 +13,7 @@ import tracekit
 from tracekit.analysis.allocator.config import DEFAULT
 from tracekit.analysis.allocator.model_replay import replay_device_in_python
 from tracekit.analysis.allocator.summary import allocator_summary
-from tracekit.analysis.allocator.whatif import simulate
+from tracekit.analysis.allocator.settings_replay import replay_under_settings
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
 from tracekit.io.snapshot import snapshot_to_trace
@@ -71,7 +71,7 @@ def test_the_model_alone_makes_the_recorded_segment_events(path):
 
     trace = _load(path)
     cfg, _ = settings_of(trace)
-    run = simulate(trace, 0, cfg, recorded=cfg, start="recorded", follow_addresses=True,
+    run = replay_under_settings(trace, 0, cfg, recorded=cfg, start="recorded", follow_addresses=True,
                    memory_fraction_bytes=allocator_limit(trace, 0))
     got = [(a, addr, size) for a, addr, size, _ in run.events]
     want = _segment_events(trace)
@@ -90,11 +90,11 @@ def test_the_oom_sample_fails_in_the_model_as_it_did():
     trace = _load(SAMPLES / "oom_cuda.pickle")
     limit = allocator_limit(trace, 0)
     assert limit == 1 << 30
-    run = simulate(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=limit)
+    run = replay_under_settings(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=limit)
     assert run.failed_request == {"index": len(trace.events) - 1, "request_bytes": 512 << 20, "fits": False}
     stats = trace.recorder["devices"][0]["allocator_stats"]["memory_stats"]
     assert run.retries == stats["num_alloc_retries"] == 1
-    bigger = simulate(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=1200 << 20)
+    bigger = replay_under_settings(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=1200 << 20)
     assert bigger.failed_request["fits"]
 
 

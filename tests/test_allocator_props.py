@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tracekit.analysis.allocator import compiled, model_replay
 from tracekit.analysis.allocator.config import MB, SMALL_SIZE, parse_alloc_conf
 from tracekit.analysis.allocator.core import Allocator, Device, OutOfMemory, check
-from tracekit.analysis.allocator.whatif import simulate
+from tracekit.analysis.allocator.settings_replay import replay_under_settings
 from tracekit.io.snapshot import snapshot_to_trace
 
 from .allocator_synth import Recorder, random_run
@@ -109,7 +109,7 @@ def test_the_model_left_alone_repeats_itself(conf):
                          empty_cache=0 if limited else 0.01,
                          pending=0 if limited and ("garbage" in conf or "max_split" in conf) else 0.1)
         trace = snapshot_to_trace(rec.snapshot(), "synth")
-        run = simulate(trace, 0, cfg, recorded=cfg, start="recorded", capacity=cap, memory_fraction_bytes=frac,
+        run = replay_under_settings(trace, 0, cfg, recorded=cfg, start="recorded", capacity=cap, memory_fraction_bytes=frac,
                        follow_addresses=True)
         keep = (lambda a, addr, z: (a, z)) if cfg.expandable_segments else (lambda a, addr, z: (a, addr, z))
         want = [keep(e["action"], e["addr"], e["size"]) for e in rec.trace if e["action"].startswith("segment_")]

@@ -1,6 +1,6 @@
 """Levers: what each usual technique would save at a recording's peak, computed once for every front end.
 
-The report's advice (advice.py), `tracekit whatif` and the estimate's levers (estimate/whatif.py) all
+The report's advice (advice.py), `tracekit whatif` and the estimate's levers (estimate/batch_fit.py) all
 call `levers()`, so the same lever on the same file prints the same bytes everywhere. Each lever is
 priced from what the file measured at its peak (the categories, the allocations in the model's
 repeated blocks, the attention scores) and from facts read off the file (`file_facts`): the workload
@@ -387,10 +387,10 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
 
 
 def _expandable(trace: Trace, device: int):
-    """The allocator replay's saving from expandable segments (allocator/whatif.expandable_saving), or None."""
+    """The allocator replay's saving from expandable segments (allocator/settings_replay.expandable_saving), or None."""
     if (trace.recorder or {}).get("backend") == "cpu":
         return None
-    from .allocator.whatif import expandable_saving
+    from .allocator.settings_replay import expandable_saving
 
     return expandable_saving(trace, device)
 

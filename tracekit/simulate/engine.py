@@ -61,7 +61,7 @@ def _skip(filename: str) -> bool:
     return any(s in f for s in _SKIP_FILES)
 
 
-class Frames:
+class StackFrames:
     """Frame dicts, interned (the same line is one dict), and the stacks torch's history would record."""
 
     def __init__(self):
@@ -371,7 +371,7 @@ class Session:
         self.routing = routing
         self.rank, self.world_size = rank, world_size
         self.ndevices = max(1, devices)
-        self.frames = Frames()
+        self.frames = StackFrames()
         self.t0 = int(time.time() * 1e6)
         self._clock = 0
         self.metadata = ""  # our marks (tracekit:iter=N:phase=P), for -o

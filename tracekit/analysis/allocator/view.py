@@ -65,11 +65,11 @@ def fragmentation(trace: Trace, device: int, index: int | None = None) -> Fragme
 
 def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str | None = None) -> dict:
     """The model's allocated and reserved bytes per entry under `alloc_conf` and under the recorded settings
-    (same start), with the what-if summary (tracekit.analysis.allocator.whatif.compare's device entry)."""
+    (same start), with the what-if summary (tracekit.analysis.allocator.settings_replay.compare's device entry)."""
     from .config import parse_alloc_conf
     from .model_replay import settings_of, total_memory
     from .summary import allocator_replays
-    from .whatif import DEFAULT_START, device_limits, simulate
+    from .settings_replay import DEFAULT_START, device_limits, replay_under_settings
 
     start = start or DEFAULT_START  # the same start as `whatif --alloc-conf`
     config = parse_alloc_conf(alloc_conf)
@@ -81,7 +81,7 @@ def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str | None 
     lim = device_limits(trace, device, allocator_replays(trace).get(device))
     kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
               memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, device), curves=True)
-    base, what = simulate(trace, device, recorded, **kw), simulate(trace, device, config, **kw)
+    base, what = replay_under_settings(trace, device, recorded, **kw), replay_under_settings(trace, device, config, **kw)
     return {"settings": config.describe(), "recorded_settings": recorded.describe(),
             "baseline": {"allocated": base.allocated, "reserved": base.reserved, "peak_reserved": base.peak_reserved,
                          "unused_at_peak": base.fragmentation_at_peak,

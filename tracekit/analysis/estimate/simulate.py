@@ -4,7 +4,7 @@ The simulator writes the stream a CUDA recording of the same step would hold: on
 storage (the requested size), its `free_requested` / `free_completed` when it is released, stacks,
 phases, a category per entry. Everything here is plain replay over that stream (no torch):
 
-- `replay_allocator`: what each request costs the allocator (what `torch.cuda.memory_allocated()` counts)
+- `serve_simulated_stream`: what each request costs the allocator (what `torch.cuda.memory_allocated()` counts)
   and what is reserved: the stream served, in order, by the model of PyTorch's caching allocator
   (analysis/allocator: its rounding, pools, best fit, splits and segments) under the default settings
   (or the stream's recorded `allocator_settings`), from an empty allocator as a fresh process starts.
@@ -37,7 +37,7 @@ def block_sizes(requested) -> np.ndarray:
 
 
 @dataclass
-class AllocatorReplay:
+class SimulatedBlocks:
     """The caching allocator's view of a stream: each allocation's block size, allocated bytes after every entry
     (torch.cuda.memory_allocated), reserved bytes after every entry (None: not modelled), and how it was made."""
 
@@ -48,37 +48,37 @@ class AllocatorReplay:
     how: str
 
 
-def replay_allocator(trace: Trace, device: int = 0) -> AllocatorReplay:
+def serve_simulated_stream(trace: Trace, device: int = 0) -> SimulatedBlocks:
     """The request stream served in order by the caching-allocator model (analysis/allocator): each request's
     block, allocated and reserved bytes after every entry. Falls back to the usual-case block sizes (reserved
     not modelled) only where the model cannot serve the stream."""
     rep = replay(trace)[device]
     try:
         from ..allocator.model_replay import settings_of
-        from ..allocator.whatif import simulate
+        from ..allocator.settings_replay import replay_under_settings
 
         config, _ = settings_of(trace)
-        run = simulate(trace, device, config, recorded=config, start="rebuilt", curves=True)
+        run = replay_under_settings(trace, device, config, recorded=config, start="rebuilt", curves=True)
     except Exception:  # noqa: BLE001 - the model refused the stream: the usual case per request, no reserved figure
         run = None
     if run is None or run.ooms:
         sizes = block_sizes(rep.allocations.size)
         curve, initial = _curve(rep, sizes)
-        return AllocatorReplay(sizes=sizes, curve=curve, initial=initial, reserved=None,
+        return SimulatedBlocks(sizes=sizes, curve=curve, initial=initial, reserved=None,
                                how="replay of the simulated request stream, " + ROUNDING)
     al = rep.allocations
     sizes = block_sizes(al.size)  # allocations made before the stream (none in a simulation): the usual case
     traced = al.alloc_index >= 0
     sizes[traced] = run.blocks[al.alloc_index[traced]]
     curve, initial = _curve(rep, sizes)
-    return AllocatorReplay(sizes=sizes, curve=curve, initial=initial, reserved=run.reserved,
+    return SimulatedBlocks(sizes=sizes, curve=curve, initial=initial, reserved=run.reserved,
                            how="the simulated request stream served by the caching-allocator model "
                                "(analysis/allocator, default settings, from an empty allocator)")
 
 
 def peak_reserved(trace: Trace, device: int = 0, index: int | None = None):
     """max_memory_reserved of a simulated stream over its measured steps (None where the model could not serve it)."""
-    got = replay_allocator(trace, device).reserved
+    got = serve_simulated_stream(trace, device).reserved
     if got is None:
         return None
     start = measured_start(trace)
@@ -175,7 +175,7 @@ def simulated_peak(trace: Trace, device: int = 0, lines: int = 10) -> SimulatedP
     al = rep.allocations
     ev = trace.events
     sl = rep.events
-    allocator = replay_allocator(trace, device)
+    allocator = serve_simulated_stream(trace, device)
     sizes, curve, initial = allocator.sizes, allocator.curve, allocator.initial
     times = ev.time_us[sl]
     start = measured_start(trace)
@@ -383,7 +383,7 @@ def _pair_moved_lines(rows: dict):
 def device_demand(trace: Trace, device: int = 0) -> tuple[int, str]:
     """(bytes, what) the run needs from the device: the caching allocator's reserved peak over the whole run
     (setup and warm-up included: they must fit too), or the allocated peak where reserved is not modelled."""
-    got = replay_allocator(trace, device)
+    got = serve_simulated_stream(trace, device)
     if got.reserved is not None and len(got.reserved):
         return int(got.reserved.max()), "reserved"
     return int(max(got.curve.max() if len(got.curve) else 0, got.initial)), "allocated"

@@ -309,8 +309,8 @@ def levers(facts: dict, at_peak: dict, need: int, budget: int, fragmentation: in
     return out
 
 
-def whatif(points: list[Point], budget: int, by="batch", facts: dict | None = None, lever_input: dict | None = None,
-           setup: Setup | None = None, not_offered=()) -> dict:
+def fit_to_budget(points: list[Point], budget: int, by="batch", facts: dict | None = None,
+                  lever_input: dict | None = None, setup: Setup | None = None, not_offered=()) -> dict:
     """The fit, the largest size within `budget` (an interval), the constraints the files set, and the levers."""
     if not points:
         raise TracekitError("what-if needs at least one recording")

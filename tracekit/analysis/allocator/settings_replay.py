@@ -121,7 +121,7 @@ def user_releases(action: np.ndarray, allocator_may_release=True) -> np.ndarray:
     return np.asarray(out, np.int64)
 
 
-def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: AllocatorConfig,
+def replay_under_settings(trace: Trace, device: int, config: AllocatorConfig, *, recorded: AllocatorConfig,
              start: str = "rebuilt", capacity=None, memory_fraction_bytes=None, total_memory=DEFAULT_TOTAL_MEMORY,
              follow_addresses=False, curves=False) -> Run:
     """Serve the device's recorded requests with the model under `config`.
@@ -330,8 +330,8 @@ def compare_device(trace: Trace, d: int, config: AllocatorConfig, start: str = D
         lim["memory_limit_bytes"], lim["memory_limit_source"] = memory_limit, "--memory-limit"
     kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
               memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, d))
-    base = simulate(trace, d, recorded, **kw)
-    what = simulate(trace, d, config, **kw)
+    base = replay_under_settings(trace, d, recorded, **kw)
+    what = replay_under_settings(trace, d, config, **kw)
     dev_notes = list(notes)
     if config.garbage_collection_threshold and lim["memory_limit_bytes"] is None:
         dev_notes.append("garbage_collection_threshold acts only under a per-process memory fraction "
@@ -396,7 +396,7 @@ def expandable_replay(trace: Trace, device: int) -> dict:
 
 def expandable_saving(trace: Trace, device: int) -> dict | None:
     """What expandable segments would save on the device, from the allocator replay (the device row of
-    `whatif --alloc-conf expandable_segments:True`, allocator/whatif.expandable_replay): {saves_bytes,
+    `whatif --alloc-conf expandable_segments:True`, allocator/settings_replay.expandable_replay): {saves_bytes,
     baseline_bytes, whatif_bytes, text}; None where the allocator model does not apply. The report's
     fragmentation finding and the expandable-segments lever (levers.py) both read this."""
     from ...units import fmt_bytes
