@@ -24,6 +24,8 @@ from .model import Events, Trace
 class EventsTable(Events):
     """The columnar events table; calling it gives the events as a DataFrame."""
 
+    _owner: "weakref.ref[Recording]"
+
     def __call__(self):
         from .analysis.tables import events_frame
 

@@ -13,6 +13,8 @@ Savings are at today's peak and do not add up: after one change the peak may mov
 """
 from __future__ import annotations
 
+from typing import Any
+
 import re
 
 import numpy as np
@@ -108,6 +110,7 @@ def repeated_blocks(trace: Trace, device: int) -> dict:
     cover most of the pass names the blocks. Else from the recorder's model summary (its longest
     nn.ModuleList). {"count", "source", "frame", "stacks" (stack ids under that frame), "first_sizes"
     (the size of each block's first allocation: about the block's input)}."""
+    found: dict
     found = {"count": None, "source": None, "frame": None, "stacks": frozenset(), "first_sizes": []}
     seq = forward_sequence(trace, device)
     if seq is not None and len(seq[1]) >= 2:
@@ -160,7 +163,7 @@ def _stack_layers(trace: Trace, device: int):
     from .modtree import allocation_modules
 
     am = allocation_modules(trace, device)
-    seen = {}
+    seen: dict = {}
     for k, name in enumerate(am.names.tolist()):
         m = _NUMBERED.match(name or "")
         if m:
@@ -189,7 +192,7 @@ def _stack_layer_rows(trace: Trace, device: int, n: int) -> np.ndarray | None:
 def _periodic(rows, sids, frames_of, python) -> dict | None:
     """The Python frame whose allocations in `sids` repeat N >= 2 times in a row and cover the most of them
     (at least a quarter); None when none does."""
-    counts = {}
+    counts: dict = {}
     for s in sids[sids >= 0].tolist():
         for f in frames_of[s]:
             if f in python:
@@ -351,6 +354,7 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
     if width is None:  # autocast's 16-bit copies of weights (categories.py) say the weights are stored in fp32
         from .categories import REASONS, R
 
+        copies: Any
         copies = np.isin(cats.reason, [R[REASONS[6]], R[REASONS[35]]]) if len(cats.reason) else []
         if np.any(copies):
             width, width_source = 4.0, "fp32: autocast makes 16-bit copies of the weights in this file"

@@ -110,7 +110,7 @@ def stack_modules(trace: Trace) -> StackModules:
         f = fname[int(fr.filename[i])]
         ok[i] = kinds[i] in (LIB, USER) or (kinds[i] == OP and bool(_TORCH_MODULE.search(f)))
     nodes: list[Node] = []
-    roots = {}
+    roots: dict = {}
     fids = st.frame_ids
     for s in range(n):
         ids = fids[st.offsets[s]:st.offsets[s + 1]]

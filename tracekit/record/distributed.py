@@ -13,6 +13,7 @@ Read off the modules the recorder knows at the end of recording (never changing 
 read is left out.
 """
 from __future__ import annotations
+from typing import Any
 
 import os
 
@@ -44,7 +45,7 @@ def summary(roots, unsharded_units=None) -> dict | None:
     world = _env_int("WORLD_SIZE")
     out = {"world_size": world, "rank": _env_int("RANK")}
     strategy = None
-    units = []
+    units: list[dict[str, Any]] = []
     full = local = 0
     seen = set()
     for prefix, root in roots:
@@ -67,7 +68,7 @@ def summary(roots, unsharded_units=None) -> dict | None:
                 for g in groups:
                     params = [fp.sharded_param for fp in getattr(g, "fsdp_params", [])]
                     mp = getattr(g, "mp_policy", None)
-                    unit = {"name": prefix + name if name else (prefix.rstrip(".") or "(root)"),
+                    unit: dict[str, Any] = {"name": prefix + name if name else (prefix.rstrip(".") or "(root)"),
                             "parameters": int(sum(int(p.numel()) for p in params)),
                             "bytes": int(sum(_nbytes(p) for p in params)),
                             "local_bytes": int(sum(_nbytes(_local(p)) for p in params)),

@@ -102,7 +102,7 @@ class OpLog(TorchFunctionMode):
         self.op_names = op_names
         self.metadata = metadata
         self._core = None  # _cpuhook.Core: the hot path in C (else the Python one below)
-        self.rows = []
+        self.rows: list = []
         self.limit = 1 << 62  # rows that make it call on_full() (the backend drains at its next safe point)
         self.on_full = None
         self._on = False
@@ -112,22 +112,22 @@ class OpLog(TorchFunctionMode):
         self._cont = -1  # id of the backward call running, if any
         self._thread = None
         self._compiling = _never
-        self._special = {}
-        self.op_names_table = {}  # op name -> id (op_names=True)
+        self._special: dict = {}
+        self.op_names_table: dict = {}  # op name -> id (op_names=True)
         # modules: the running ones, innermost last: (path id, anchor frame, id of the stack above it, id(module))
         self.paths = {"": 0}
         self.path_names = [""]
         self._mods = [(0, None, 0, 0)]
-        self._names = {}  # id(module) -> (weakref to it, qualified name); a dead module's id is never trusted
+        self._names: dict = {}  # id(module) -> (weakref to it, qualified name); a dead module's id is never trusted
         # optimizer.step() logged as one span: the mode is off while it runs (its many small ops at full
         # speed), its allocations named by the step's call (`coarse_optimizer`; full detail logs each op)
         self.coarse_optimizer = (not op_names) if coarse_optimizer is None else coarse_optimizer
         self._span = None
-        self._named = weakref.WeakSet()  # roots already named
-        self._handles = []
+        self._named: weakref.WeakSet = weakref.WeakSet()  # roots already named
+        self._handles: list = []
 
     # -- state, in the core when there is one -------------------------------
-    def _state(name, doc):  # noqa: N805 (a property factory)
+    def _state(name: str, doc: str) -> property:  # type: ignore[misc]  # noqa: N805 (a property factory run in the class body)
         private = "_" + {"on": "on", "busy": "busy", "calls": "calls", "container": "cont"}[name]
 
         def get(self):

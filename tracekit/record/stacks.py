@@ -22,7 +22,7 @@ import os
 import re
 
 _OVERRIDES = os.path.join("torch", "overrides.py")
-_HIDDEN = set()  # code objects of the recorder's bootstrap (script.py's `-c` line): not the program's
+_HIDDEN: set = set()  # code objects of the recorder's bootstrap (script.py's `-c` line): not the program's
 
 
 def hide(code):

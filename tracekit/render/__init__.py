@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from typing import Any
 
 
 class Reporter:
@@ -32,7 +33,8 @@ class Reporter:
     kind = ""
     format = ""
 
-    def render(self, result, **context):  # pragma: no cover - the interface
+    def render(self, *result: Any, **context: Any) -> Any:  # pragma: no cover - the interface
+        """Each reporter names what it takes: the result first, then its context."""
         raise NotImplementedError
 
 

@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import weakref
+from types import FrameType
 
 from ..errors import TracekitError
 
@@ -82,7 +83,7 @@ class StackFrames:
         (backward) a CUDA run has no Python frames but those of Python code run by backward itself."""
         import torch
         out = []
-        f = sys._getframe(2)
+        f: FrameType | None = sys._getframe(2)
         backward = torch._C._current_autograd_node() is not None
         while f is not None:
             co = f.f_code

@@ -16,7 +16,7 @@ FORMAT = "tracekit-simulated-2"
 
 def categories(session) -> dict:
     """sid -> category."""
-    cat = {}
+    cat: dict = {}
     for kind, sid, name in session.tags:
         if sid is None or kind == "step":
             continue
@@ -24,7 +24,7 @@ def categories(session) -> dict:
         if sid not in cat or (cat[sid] == "parameter" and c != "parameter"):
             cat.setdefault(sid, c)
     marks = session.marks
-    starts = {}
+    starts: dict = {}
     for p in (marks.phases if marks is not None else []):
         if p["phase"] == "backward":
             starts.setdefault(p["iteration"], p["start_us"])
@@ -65,6 +65,7 @@ def snapshot(session, settings=None, extra=None) -> dict:
         fe = info.get("free_entry")
         if fe is not None:
             by_entry[info["device"], fe - 1] = by_entry[info["device"], fe] = c
+    traces: list
     traces, segments, tags = [], [], []
     for i in range(session.ndevices):
         d = session.devices.get(i)

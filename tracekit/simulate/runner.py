@@ -152,7 +152,7 @@ def inner_tensors(t) -> list:
     if flatten is None:
         return [t]
     try:
-        names, _ = t.__tensor_flatten__()
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # wrapper subclasses define it, torch.Tensor does not
     except Exception:
         return []
     out = []

@@ -42,7 +42,7 @@ def segments_at(trace: Trace, device: int, index: int) -> list[dict]:
     res, final = _replay(trace, device, None, stop=index)
     if final is not None:
         states = ("inactive", "active_allocated", "active_pending_free")
-        out = []
+        out: list = []
         for a, z, st, head in sorted(final, key=lambda x: x[0]):
             if head or not out or out[-1]["address"] + out[-1]["total_size"] != a:
                 out.append({"address": a, "total_size": 0, "blocks": []})

@@ -16,6 +16,7 @@ parser when it is importable.
 """
 from __future__ import annotations
 
+from typing import Any
 import math
 import re
 import sys
@@ -118,7 +119,7 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
     """Parse PYTORCH_CUDA_ALLOC_CONF syntax ("expandable_segments:True,max_split_size_mb:128", ...)
     on top of `base`, with the checks torch makes; ConfigError (one line) for what torch would refuse."""
     tokens = _lex(text)
-    out = {}
+    out: dict[str, Any] = {}
     i = 0
 
     def value(key):
@@ -179,6 +180,7 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
 
 
 def _lex(text: str) -> list[str]:
+    buf: list
     tokens, buf = [], []
     for ch in str(text):
         if ch in ",:[]":
@@ -316,7 +318,7 @@ def from_settings(settings) -> tuple[AllocatorConfig, list[str]]:
     notes = []
     if not isinstance(settings, dict):
         return DEFAULT, ["the file does not record the allocator's settings: assumed torch's defaults"]
-    kw = {}
+    kw: dict[str, Any] = {}
     mss = settings.get("max_split_size")
     if isinstance(mss, int) and 0 < mss < NO_LIMIT:
         kw["max_split_size"] = mss

@@ -71,8 +71,8 @@ class Pool:
     def __init__(self, small: bool, pool_id=""):
         self.small = small
         self.pool_id = pool_id
-        self.keys = []  # sorted [(stream, size, addr)]
-        self.unmapped = []  # sorted [(stream, addr)]
+        self.keys: list = []  # sorted [(stream, size, addr)]
+        self.unmapped: list = []  # sorted [(stream, addr)]
         self.calls = 0  # get_free_block calls (garbage collection ages blocks by them)
 
     def insert(self, b: Block):
@@ -144,10 +144,10 @@ class Allocator:
         self.config = config
         self.device = device or Device()
         self.allowed = memory_fraction_bytes  # set_per_process_memory_fraction(f) * total, or None
-        self.pools = {}
-        self.blocks = {}  # addr -> Block (every block: allocated, pending, free, unmapped)
-        self.segments = {}  # start -> size of cudaMalloc'ed segments
-        self.expandable = {}  # base -> ExpandableSegment
+        self.pools: dict = {}
+        self.blocks: dict = {}  # addr -> Block (every block: allocated, pending, free, unmapped)
+        self.segments: dict = {}  # start -> size of cudaMalloc'ed segments
+        self.expandable: dict = {}  # base -> ExpandableSegment
         self.allocated = 0  # bytes in allocated blocks (torch.cuda.memory_allocated)
         self.reserved = 0  # bytes in segments and mapped pages (torch.cuda.memory_reserved)
         self.peak_allocated = 0
@@ -155,7 +155,7 @@ class Allocator:
         self.log = log
         self.retries = 0
         self.ooms = 0
-        self._seg_starts = None  # sorted segment starts, rebuilt when segments change
+        self._seg_starts: list[int] | None = None  # sorted segment starts, rebuilt when segments change
 
     # ---- pools and sizes -------------------------------------------------------------------------
 
@@ -444,9 +444,10 @@ class Allocator:
         """Map pages at the lowest place with room in this stream's segment."""
         c = self._expandable_candidate(pool, size, stream)
         if not c.mapped:
-            c = self.map_block(c, min(c.size, size))
-            if c is None:
+            mapped = self.map_block(c, min(c.size, size))
+            if mapped is None:
                 return None
+            c = mapped
         while c.size < size:
             nxt = c.next
             c2 = self.map_block(nxt, min(size - c.size, nxt.size))
@@ -537,7 +538,7 @@ class Allocator:
         """Start of the cudaMalloc'ed segment holding `addr`, or None."""
         if self._seg_starts is None:
             self._seg_starts = sorted(self.segments)
-        starts = self._seg_starts
+        starts: list[int] = self._seg_starts
         i = bisect_left(starts, addr + 1) - 1
         if i >= 0 and addr < starts[i] + self.segments[starts[i]]:
             return starts[i]

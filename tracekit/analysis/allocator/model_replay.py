@@ -64,7 +64,7 @@ class AllocatorReplay:
     unplaced: dict  # entries the model could not follow, by reason: count
     open_bytes: int  # allocated figures may be up to this much higher (pre-trace block sizes not determined)
     final_mismatch: int  # final blocks the replayed state does not reproduce (-1: not checked)
-    initial: InitialState = None
+    initial: InitialState = field(default_factory=InitialState)
     notes: list = field(default_factory=list)
     unplaced_slack: int = 0  # how much larger the blocks of allocations it could not place may be
     engine: str = "python"
@@ -126,7 +126,7 @@ def replay_device_in_python(trace: Trace, device: int, config: AllocatorConfig |
                             stop_after: int | None = None, keep=False):
     """Replay one device in Python (compiled.replay_device picks the compiled loop when it can). `stop_after`: stop after that entry and also return the Allocator (for views
     of the state there); `keep`: return the Allocator at the end as well."""
-    notes = []
+    notes: list = []
     if config is None:
         config, notes = settings_of(trace)
     init = initial_state(trace, device, config)
@@ -142,8 +142,8 @@ def replay_device_in_python(trace: Trace, device: int, config: AllocatorConfig |
     allocated = np.zeros(n, np.int64)
     reserved = np.zeros(n, np.int64)
     block_size = np.zeros(n, np.int64)
-    unplaced = {}
-    fresh = {}  # stream -> [(addr, size)] segments created for the next request on that stream
+    unplaced: dict = {}
+    fresh: dict = {}  # stream -> [(addr, size)] segments created for the next request on that stream
     mapped_for = set()  # streams whose next request was served by newly mapped pages
     placed = slack = 0
     round_size = config.round_size

@@ -56,9 +56,9 @@ class Run:
     ooms: list  # [{index, request_bytes}] requests that failed
     failed_request: dict | None  # the recorded out-of-memory request: {index, request_bytes, fits}
     events: list = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
-    reserved: np.ndarray = None  # int64 per entry
-    allocated: np.ndarray = None  # int64 per entry
-    blocks: np.ndarray = None  # int64 per entry: the block an alloc entry got (0 for other entries)
+    reserved: np.ndarray | None = None  # int64 per entry (with curves=True)
+    allocated: np.ndarray | None = None  # int64 per entry
+    blocks: np.ndarray | None = None  # int64 per entry: the block an alloc entry got (0 for other entries)
 
     @property
     def fragmentation_at_peak(self) -> int:
@@ -79,7 +79,7 @@ def allocator_syncs(action: np.ndarray, addr, recorded: AllocatorConfig | None =
     early = recorded is not None and ((fraction and recorded.garbage_collection_threshold > 0)
                                       or recorded.max_split_size != NO_LIMIT)
     n = len(action)
-    out = []
+    out: list = []
     i = 0
     while i < n:
         if action[i] == FREE_COMPLETED:
@@ -163,12 +163,13 @@ def replay_under_settings(trace: Trace, device: int, config: AllocatorConfig, *,
         live = {}
         for h in sorted(init.held, key=lambda h: h.addr):
             try:
-                b = alloc.malloc(max(h.requested, 1) if h.requested else h.size, h.stream)
+                held = alloc.malloc(max(h.requested, 1) if h.requested else h.size, h.stream)
             except OutOfMemory:
                 continue
             if h.state == PENDING:
-                alloc.free(b, completed=False)
-            live[h.addr] = b
+                alloc.free(held, completed=False)
+            live[h.addr] = held
+    log: list
     alloc.log = log = []
     alloc.peak_reserved = alloc.reserved
     alloc.peak_allocated = alloc.allocated
@@ -184,9 +185,9 @@ def replay_under_settings(trace: Trace, device: int, config: AllocatorConfig, *,
     peak_r, peak_i, at_peak_alloc = alloc.reserved, -1, alloc.allocated
     largest_at_peak = alloc.largest_free()
     segs_at_peak = _segments(alloc)
-    res_curve = np.zeros(n, np.int64) if curves else None
-    alloc_curve = np.zeros(n, np.int64) if curves else None
-    block_of = np.zeros(n, np.int64) if curves else None
+    res_curve = np.zeros(n if curves else 0, np.int64)
+    alloc_curve = np.zeros(n if curves else 0, np.int64)
+    block_of = np.zeros(n if curves else 0, np.int64)
     lost = set()
     for i in range(n):
         a = acts[i]
@@ -242,8 +243,9 @@ def replay_under_settings(trace: Trace, device: int, config: AllocatorConfig, *,
                device_allocs=sum(1 for e in log if e[0] in ("segment_alloc", "segment_map")),
                device_frees=sum(1 for e in log if e[0] in ("segment_free", "segment_unmap")),
                retries=alloc.retries, ooms=ooms, failed_request=failed,
-               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve, allocated=alloc_curve,
-               blocks=block_of)
+               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve if curves else None,
+                   allocated=alloc_curve if curves else None,
+               blocks=block_of if curves else None)
 
 
 def _segments(alloc: Allocator) -> list:
@@ -362,6 +364,7 @@ def compare_device(trace: Trace, d: int, config: AllocatorConfig, start: str = D
     oom = None
     if base.failed_request is not None or what.failed_request is not None:
         f = what.failed_request or base.failed_request
+        assert f is not None
         oom = {"index": f["index"], "request_bytes": f["request_bytes"], "recorded": "failed",
                "baseline_fits": (base.failed_request or {}).get("fits"),
                "whatif_fits": (what.failed_request or {}).get("fits")}

@@ -293,13 +293,13 @@ class _Ranges:
 
 def load(alloc: Allocator, st: InitialState) -> dict:
     """Put the initial state into a fresh allocator; returns {addr: Block} of the held blocks."""
-    held_by_region = {}
+    held_by_region: dict = {}
     starts = [r.addr for r in st.regions]
     for h in st.held:
         k = bisect_right(starts, h.addr) - 1
         held_by_region.setdefault(k, []).append(h)
     live = {}
-    expandable_done = set()
+    expandable_done: set = set()
     for k, reg in enumerate(st.regions):
         pool = alloc.pool(reg.small, reg.pool_id)
         if reg.expandable:

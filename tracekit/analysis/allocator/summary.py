@@ -1,8 +1,13 @@
 """The allocator model's figures for the report: peaks in the allocator's own terms, and how sure they are."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...model import ALLOC, FREE_COMPLETED, FREE_REQUESTED, Trace
 from ..memo import per_trace
+
+if TYPE_CHECKING:
+    from .model_replay import AllocatorReplay
 
 
 def why_not_modelled(trace: Trace, device: int) -> str | None:
@@ -40,7 +45,7 @@ def _replays(trace: Trace) -> dict:
 
     from .compiled import replay_device
 
-    out = {}
+    out: dict[int, AllocatorReplay | str] = {}
     for d in trace.devices:
         if why_not_modelled(trace, d) is not None:
             continue

@@ -69,6 +69,7 @@ def serve_simulated_stream(trace: Trace, device: int = 0) -> SimulatedBlocks:
     al = rep.allocations
     sizes = block_sizes(al.size)  # allocations made before the stream (none in a simulation): the usual case
     traced = al.alloc_index >= 0
+    assert run.blocks is not None  # replayed with curves=True
     sizes[traced] = run.blocks[al.alloc_index[traced]]
     curve, initial = _curve(rep, sizes)
     return SimulatedBlocks(sizes=sizes, curve=curve, initial=initial, reserved=run.reserved,
@@ -185,7 +186,7 @@ def simulated_peak(trace: Trace, device: int = 0, lines: int = 10) -> SimulatedP
     idx = int(np.flatnonzero(measured)[np.argmax(curve[measured])])
     live = al.live_at(idx)
     cats = _categories(trace, rep)
-    by_cat = {}
+    by_cat: dict = {}
     for c, b in zip(cats[live], sizes[live]):
         by_cat[c] = by_cat.get(c, 0) + int(b)
     md = trace.strings[ev.user_metadata[sl][idx]]
@@ -248,8 +249,8 @@ def _before_measured(trace: Trace, rep, start: int) -> np.ndarray:
 def _lines(trace, rep, live, sizes, cats, before) -> list:
     """Live allocations grouped by (category, line), largest first."""
     al = rep.allocations
-    groups = {}
-    memo = {}
+    groups: dict = {}
+    memo: dict = {}
     for r in np.flatnonzero(live).tolist():
         if before[r]:
             key, label = (BEFORE,), BEFORE
@@ -293,7 +294,7 @@ def recorded_peak(trace: Trace, device: int | None = None, lines: int = 10) -> d
     live = rep.allocations.live_at(idx)
     dc = categorize(trace)[device]
     cats = dc.label_names()
-    by_cat = {}
+    by_cat: dict = {}
     for c, b in zip(cats[live], sizes[live]):
         by_cat[c] = by_cat.get(c, 0) + int(b)
     before = rep.allocations.alloc_index < 0
@@ -325,7 +326,7 @@ def compare(sim: Trace, recorded: Trace, lines: int = 12) -> dict:
                     "recorded": rp["categories_at_peak"].get(c, 0),
                     "difference": sp.categories_at_peak.get(c, 0) - rp["categories_at_peak"].get(c, 0)}
                    for c in cats]
-    rows = {}
+    rows: dict = {}
     for side, groups in (("simulated", sp.lines_at_peak), ("recorded", rp["lines_at_peak"])):
         for g in groups:
             key = tuple(g["key"])
@@ -436,6 +437,7 @@ def largest_fitting(evaluate, budget: int, start: int = 1, limit: int = 1 << 16)
             hi = guess
     step = max(1, (lo or hi or 1) // 16)
     while hi is None:  # widen upwards from the last run that fits
+        assert lo is not None  # no upper bound yet: the start fitted
         if lo >= limit:
             return {"largest": lo, "budget_bytes": budget, "tries": tries, "limit_reached": True}
         nxt = min(limit, lo + step)
