@@ -436,7 +436,8 @@ def _block_input(blocks, shape, batch, seq) -> dict:
     if sizes:
         return {"bytes": int(np.median(sizes)), "source": "the size of the first tensor each block makes (about its "
                                                            "input, e.g. a norm's output)"}
-    if shape is not None and getattr(shape, "hidden", 0) and batch and seq:
+    hidden = getattr(shape, "hidden", 0) if shape is not None else 0
+    if hidden and batch and seq:
         return {"bytes": int(batch * seq * shape.hidden * 4),
                 "source": f"batch {batch} × seq {seq} × hidden {shape.hidden} × 4 B (fp32 residual stream)"}
     return {"bytes": None, "source": "assumed: a block's input is about 10% of its activations"}
@@ -483,7 +484,7 @@ def _precision(model: dict) -> str | None:
     dtypes = model.get("dtypes") or {}
     if not dtypes:
         return None
-    main = max(dtypes, key=dtypes.get)
+    main = max(dtypes, key=lambda t: dtypes[t])
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(main, main)
 
 
@@ -731,13 +732,13 @@ def _distributed_levers(facts: dict, dist: dict, at_peak: dict, work: str) -> li
                 f"DDP's gradient buckets hold {fmt_bytes(comm)} at the peak.",
                 "min(collective buffers, gradients) at the peak")
         if world and world > 1 and param + grad + state:
-            blocks = facts.get("blocks") or 0
-            unit = param / blocks if blocks else 0
+            n_blocks = facts.get("blocks") or 0
+            unit = param / n_blocks if n_blocks else 0
             add("FSDP instead of DDP", f"FSDP (fully_shard per block) over the {world} ranks instead of DDP",
                 "parameter", (param + grad + state) * (1 - 1 / world) + comm - 2 * unit,
                 f"{world} ranks (the recorder): parameters, gradients and optimizer state 1/{world} per rank, no "
                 "gradient buckets; two blocks' full parameters all-gathered at a time"
-                + ("" if blocks else " (the blocks are not known: not counted)"),
+                + ("" if n_blocks else " (the blocks are not known: not counted)"),
                 f"Parameters, gradients and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
                 "(parameter + gradient + optimizer state) × (1 - 1/ranks) + buckets - 2 blocks' parameters")
     return out

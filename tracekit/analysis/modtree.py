@@ -30,6 +30,7 @@ Python frames) take the module of the forward allocation their autograd
 node is matched to (analysis/libraries.py).
 """
 from __future__ import annotations
+from typing import Any
 
 import re
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ def _source(filename: str):
 def stack_modules(trace: Trace) -> StackModules:
     st, fr, strings = trace.stacks, trace.frames, trace.strings
     n = len(st)
-    chains = [()] * (n + 1)
+    chains: list[tuple] = [()] * (n + 1)
     fwd_id = strings.index.get("forward")
     if not n or not len(st.frame_ids) or fwd_id is None:
         return StackModules(chains, [])
@@ -118,15 +119,16 @@ def stack_modules(trace: Trace) -> StackModules:
         if not len(sel):
             continue
         chain = []
-        node = -1
-        caller_line = None
+        node: int = -1
+        caller_line = -1  # the line that called the current node (-1: a root)
         for i in sel.tolist():
             f, line = fname[int(fr.filename[i])], int(fr.line[i])
             if node < 0:
-                node = roots.get(f)
-                if node is None:
-                    node = roots[f] = len(nodes)
+                root = roots.get(f)
+                if root is None:
+                    root = roots[f] = len(nodes)
                     nodes.append(Node(parent=-1, caller_line=-1, file=f))
+                node = root
             else:
                 parent = nodes[node]
                 child = parent.children.get((caller_line, f))
@@ -312,7 +314,7 @@ def _match(o, parent_cls, shift, edges, attrs, sources, parent_file=None) -> dic
     # dp[i][j]: least cost with edges[:i] placed on cands[:j] (edges may stay unplaced, at a cost)
     skip = MAX_REACH + UNKNOWN_CLASS + 1
     dp = [[inf] * (c + 1) for _ in range(r + 1)]
-    back = [[None] * (c + 1) for _ in range(r + 1)]
+    back: list[list[Any]] = [[None] * (c + 1) for _ in range(r + 1)]
     for j in range(c + 1):
         dp[0][j] = 0
     for i in range(1, r + 1):
