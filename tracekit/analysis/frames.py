@@ -131,11 +131,6 @@ def user_first(frames: list[dict]) -> list[dict]:
     return groups[USER] + groups[LIB] + groups[OP] + groups[NOISE]
 
 
-def user_frames(trace, stack_id: int, limit: int = 8) -> list[dict]:
-    """Up to `limit` frames of a stack, the user's own code first."""
-    return user_first(trace.stack(stack_id))[:limit]
-
-
 # What internal frames reveal, most telling first: (pattern on the frame name or file, description).
 _REVEALS = [
     (re.compile(r"getNewWorkspace|getCUDABlasLtWorkspace|cublasLt?Workspace|getCurrentCUDABlasHandle"),

@@ -146,20 +146,6 @@ def stack_modules(trace: Trace) -> StackModules:
     return StackModules(chains, nodes)
 
 
-def _cost(lines, callers, calls, lo, hi, shift):
-    """How far the recorded lines land from where they should, shifted by `shift`: a caller line from the
-    nearest line that calls a module, any line from the function's range. (The definition `_align` computes
-    for all shifts at once; kept as the reference the tests compare it with.)"""
-    cost = 0
-    for ln in lines:
-        x = ln + shift
-        if x < lo or x > hi:
-            cost += 10 + min(abs(x - lo), abs(x - hi))
-        elif ln in callers and x not in calls:
-            cost += 1 + min((abs(x - c) for c in calls), default=10)
-    return cost
-
-
 # the shifts _align tries, nearest first (0, -1, 1, -2, 2, ...): the first least cost in this order wins
 _SHIFTS = np.array([0] + [s for d in range(1, MAX_SHIFT + 1) for s in (-d, d)], np.int64)
 _ROWS = 2048  # caller lines per block of the (lines x shifts) table
@@ -177,7 +163,9 @@ def _sorted_lines(node: Node):
 def _align(node: Node, o, lo: int, hi: int):
     """(shift, cost) that best places the node's recorded lines on its forward [lo, hi] in the source.
 
-    `_cost` for every shift in [-MAX_SHIFT, MAX_SHIFT], in time linear in the node's lines: the lines that
+    The cost of a shift: how far the recorded lines land from where they should (a caller line from the
+    nearest line that calls a module, any line from [lo, hi]; tests/test_bounded_cost.py holds the definition
+    line by line), for every shift in [-MAX_SHIFT, MAX_SHIFT], in time linear in the node's lines: the lines that
     land outside [lo, hi] cost through prefix sums over the sorted lines; only the caller lines that can land
     inside are looked at one by one, against the sorted calls."""
     lines, callers = _sorted_lines(node)

@@ -45,14 +45,6 @@ class Outline:
                 return lo, hi
         return None
 
-    def function_at(self, line: int):
-        """(name, class) of the innermost function holding `line`, or None."""
-        best = None
-        for lo, hi, name, cls in self.functions:
-            if lo <= line <= hi and (best is None or lo >= best[0]):
-                best = (lo, hi, name, cls)
-        return (best[2], best[3]) if best else None
-
 
 def locate(filename: str, package: str | None, relative: str | None) -> tuple[str | None, str]:
     """(a readable local copy of `filename`, how it was found): the path itself, or the same file under this

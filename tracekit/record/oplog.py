@@ -497,9 +497,6 @@ class OpLog(TorchFunctionMode):
             self.path_names.append(name)
         return k
 
-    def current_module(self) -> str:
-        return self.path_names[self._mods[-1][0]]
-
 
 def _func_name(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)

@@ -83,7 +83,7 @@ def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stre
 
 def _replay(trace, device, config, stop=None):
     """(AllocatorReplay, the compiled loop's blocks at the end or None when Python ran it)."""
-    if _compiled is None or os.environ.get("TRACEKIT_ALLOCATOR") == "python":
+    if not compiled_available() or os.environ.get("TRACEKIT_ALLOCATOR") == "python":
         return (_python(trace, device, config) if stop is None else None), None
     notes = []
     if config is None:

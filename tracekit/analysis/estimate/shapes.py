@@ -255,9 +255,6 @@ class ModelShape:
             n += self.kv_lora_rank + self.q_lora_rank  # RMSNorms over the compressed kv and q
         return n
 
-    def layer_params(self) -> int:
-        """Parameters of one dense layer (MoE layers: see params())."""
-        return sum(i * o + (o if b else 0) for _, i, o, b in self.linears()) + self.layer_norms_params()
 
     def embedding_params(self) -> int:
         n = self.vocab * self.emb + self.positions * self.hidden
@@ -275,14 +272,6 @@ class ModelShape:
         mats = sum((i * o + (o if b else 0)) * n for _, i, o, b, n in self.matrices())
         return (self.embedding_params() + mats + self.layers * self.layer_norms_params()
                 + (self.norm_params() if self.final_norm else 0) + self.head_params())
-
-    def active_params(self) -> int:
-        """Parameters one token goes through (MoE: top-k of the routed experts)."""
-        if not self.experts:
-            return self.params()
-        f = self.expert_ffn or self.d_ff
-        per_expert = 3 * self.hidden * f
-        return self.params() - self.moe_layers * (self.experts - self.top_k) * per_expert
 
     def linear_params(self) -> int:
         """Parameters in the layers' matmul weights (what LoRA targets and bitsandbytes quantizes)."""
