@@ -1,4 +1,4 @@
-"""Predicted figures from a simulated request stream (tracekit/record/fake.py), and the simulation beside a recording.
+"""Predicted figures from a simulated request stream (tracekit/simulate/), and the simulation beside a recording.
 
 The simulator writes the stream a CUDA recording of the same step would hold: one `alloc` per tensor
 storage (the requested size), its `free_requested` / `free_completed` when it is released, stacks,
@@ -27,7 +27,7 @@ from ..replay import block_size, replay
 
 ROUNDING = ("block sizes: requests rounded up to 512 B; a request of 10 MiB or more takes its whole new segment "
             "(rounded up to 2 MiB) when the rest is 1 MiB or less (CUDACachingAllocator's usual case)")
-RESERVED = "not modelled yet (the caching allocator's segments are not simulated)"
+RESERVED = "not modelled (the caching-allocator model could not serve this stream)"
 BEFORE = "(made before the measured steps)"
 
 
@@ -113,8 +113,8 @@ _OP = re.compile(r"at::_ops::(\w+?)(?:_(?:Tensor|Scalar|int|dim_IntList|default|
 def _internal(filename: str) -> bool:
     """torch's own Python (nn.Module's call machinery, functional.py...), not the line that asked."""
     sf = short_file(filename)
-    return sf.startswith("torch/") or filename.startswith("<") or sf in ("tracekit/record/fake.py",
-                                                                         "tracekit/record/cuda_kernels.py")
+    return sf.startswith("torch/") or filename.startswith("<") or sf in ("tracekit/simulate/engine.py",
+                                                                         "tracekit/simulate/kernels.py")
 
 
 def short_file(filename: str) -> str:
