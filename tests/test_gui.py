@@ -253,7 +253,11 @@ def test_zoom_requeries_visible_range(window, newest):
 
 def test_export_png_and_csv(window, newest, tmp_path):
     png = window.export_png(str(tmp_path / "timeline.png"))
-    assert Path(png).stat().st_size > 1000
+    from PySide6.QtGui import QImage
+
+    saved, shown = QImage(png), newest.timeline.grab().toImage()
+    assert not saved.isNull() and saved.size() == shown.size()  # the timeline as it is on screen, legend included
+    assert saved.convertToFormat(QImage.Format_RGB32) == shown.convertToFormat(QImage.Format_RGB32)
     view = newest
     view.filter_edit.setText("nn_utils")
     view._apply_filter()
