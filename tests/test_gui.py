@@ -142,7 +142,12 @@ def test_drop_opens_file(window, qtbot):
     event = QDropEvent(QPointF(10, 10), Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier)
     window.dropEvent(event)
     qtbot.waitUntil(lambda: not window.threads, timeout=60_000)
-    assert window.current_view() is not None
+    view = window.current_view()  # the dropped file, opened as any file is: its allocations in the table
+    assert view is not None and os.path.samefile(view.doc.path, NEWEST)
+    import tracekit
+    from tracekit.analysis.replay import replay
+
+    assert view.model.rowCount() == len(replay(tracekit.load(NEWEST, use_cache=False))[view.device].allocations)
 
 
 def test_cancel_loading(window, qtbot):
