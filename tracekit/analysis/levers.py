@@ -13,9 +13,8 @@ Savings are at today's peak and do not add up: after one change the peak may mov
 """
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 import numpy as np
 

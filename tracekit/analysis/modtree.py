@@ -30,10 +30,10 @@ Python frames) take the module of the forward allocation their autograd
 node is matched to (analysis/libraries.py).
 """
 from __future__ import annotations
-from typing import Any
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 

@@ -9,9 +9,9 @@ also summarised as one pattern (``layers.*.mlp``). Files without the field
 have no module table (None).
 """
 from __future__ import annotations
-from typing import Any
 
 import re
+from typing import Any
 
 import numpy as np
 

@@ -13,9 +13,9 @@ rank farthest from the median peak), measured against the median of the
 other ranks, with the categories that make the difference.
 """
 from __future__ import annotations
-from typing import Any
 
 import re
+from typing import Any
 
 import numpy as np
 

@@ -9,9 +9,8 @@ else in entries. The viewer opens on the iterations after it (the whole trace st
 """
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 import numpy as np
 

@@ -4,6 +4,7 @@ The simulator (tracekit.simulate: torch and transformers) is imported only when 
 the bisection over them are its (simulate/workload.py).
 """
 from __future__ import annotations
+
 from typing import Any
 
 import click

@@ -13,9 +13,9 @@ Read off the modules the recorder knows at the end of recording (never changing 
 read is left out.
 """
 from __future__ import annotations
-from typing import Any
 
 import os
+from typing import Any
 
 
 def _env_int(name):

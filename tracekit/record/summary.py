@@ -1,5 +1,6 @@
 """Small summaries of a model and an optimizer for the "tracekit" key (what `estimate` needs to compare)."""
 from __future__ import annotations
+
 from typing import Any
 
 MAX_SHAPES = 2000

@@ -1,5 +1,6 @@
 """Plain-text rendering of `tracekit diff`: what changed beyond noise, read at a glance."""
 from __future__ import annotations
+
 from typing import Any
 
 from ..units import fmt_bytes

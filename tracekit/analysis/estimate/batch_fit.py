@@ -18,10 +18,10 @@ The levers come from analysis/levers.py, the computation the report's advice use
 the same file saves the same bytes in both.
 """
 from __future__ import annotations
-from typing import Any
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import TracekitError
 from .memory import Setup

@@ -16,9 +16,9 @@ during the optimizer step), and the estimate is the largest of the step's
 moments, with its composition. Every line carries its formula.
 """
 from __future__ import annotations
-from typing import Any
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ...errors import TracekitError
 from ..categories import CATEGORIES

@@ -32,7 +32,6 @@ used entries go once the folder passes $TRACEKIT_CACHE_MAX_MB (default 4096;
 a non-negative number, else a one-line error).
 """
 from __future__ import annotations
-from typing import Any
 
 import base64
 import json
@@ -42,6 +41,7 @@ import stat as _stat
 import struct
 import tempfile
 import zlib
+from typing import Any
 
 import numpy as np
 
