@@ -69,11 +69,11 @@ class DeviceCategories:
 
     device: int
     labels: np.ndarray  # int16: index into names
-    names: list  # CATEGORIES, then user categories
+    names: list[str]  # CATEGORIES, then user categories
     method: np.ndarray  # int8: index into METHODS
     tagged: np.ndarray  # int16: the tags' category, -1 where untagged (for checks and accuracy)
     reason: np.ndarray  # int16: index into reasons
-    reasons: list  # short phrases: what each allocation is and what says so
+    reasons: list[str]  # short phrases: what each allocation is and what says so
 
     def reason_names(self) -> np.ndarray:
         return np.array(self.reasons, dtype=object)[self.reason]

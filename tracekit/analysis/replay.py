@@ -53,7 +53,7 @@ class Allocations:
 class Invariant:
     checked: bool  # False when the file has no final segments to check against
     ok: bool
-    problems: list = field(default_factory=list)  # [(addr, size, what)] first few
+    problems: list[tuple[int, int, str]] = field(default_factory=list)  # [(addr, size, what)] first few
 
 
 def peak_of(curve, initial, ties_to_start: bool = False) -> tuple:

@@ -61,11 +61,11 @@ class AllocatorReplay:
     initial_reserved: int
     block_size: np.ndarray  # int64 per entry: the block an alloc entry got (0 for other entries)
     placed: int  # alloc entries served where the allocator served them
-    unplaced: dict  # entries the model could not follow, by reason: count
+    unplaced: dict[str, int]  # entries the model could not follow, by reason: count
     open_bytes: int  # allocated figures may be up to this much higher (pre-trace block sizes not determined)
     final_mismatch: int  # final blocks the replayed state does not reproduce (-1: not checked)
     initial: InitialState = field(default_factory=InitialState)
-    notes: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     unplaced_slack: int = 0  # how much larger the blocks of allocations it could not place may be
     engine: str = "python"
 

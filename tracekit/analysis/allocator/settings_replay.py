@@ -48,14 +48,14 @@ class Run:
     peak_reserved_index: int  # entry after which reserved first reached its peak (-1: before the first)
     allocated_at_peak: int  # allocated bytes at that moment
     largest_free_at_peak: int  # the largest cached free block then
-    segments_at_peak: list  # [(address, size, allocated bytes in it)] at that moment
+    segments_at_peak: list[tuple[int, int, int]]  # [(address, size, allocated bytes in it)] at that moment
     final_reserved: int
     device_allocs: int  # cudaMalloc calls and page mappings made during the trace
     device_frees: int
     retries: int  # times the allocator freed its cache and retried
-    ooms: list  # [{index, request_bytes}] requests that failed
+    ooms: list[dict[str, int]]  # [{index, request_bytes}] requests that failed
     failed_request: dict | None  # the recorded out-of-memory request: {index, request_bytes, fits}
-    events: list = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
+    events: list[tuple[str, int, int, int]] = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
     reserved: np.ndarray | None = None  # int64 per entry (with curves=True)
     allocated: np.ndarray | None = None  # int64 per entry
     blocks: np.ndarray | None = None  # int64 per entry: the block an alloc entry got (0 for other entries)

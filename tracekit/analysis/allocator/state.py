@@ -56,9 +56,9 @@ class Held:
 
 @dataclass
 class InitialState:
-    regions: list = field(default_factory=list)
-    held: list = field(default_factory=list)
-    problems: dict = field(default_factory=dict)  # what did not add up, by kind: count
+    regions: list[Region] = field(default_factory=list)
+    held: list[Held] = field(default_factory=list)
+    problems: dict[str, int] = field(default_factory=dict)  # what did not add up, by kind: count
 
     @property
     def allocated(self) -> int:

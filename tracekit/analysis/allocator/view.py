@@ -23,7 +23,7 @@ class Fragmentation:
     initial_reserved: int = 0
     peak_index: int = -1  # the allocated peak's entry
     index: int = -1  # the entry `segments` describe (the state just after it)
-    segments: list = field(default_factory=list)  # [{address, total_size, blocks: [{address, size, state}]}]
+    segments: list[dict] = field(default_factory=list)  # [{address, total_size, blocks: [{address, size, state}]}]
 
     def _at(self, curve, initial, i):
         return initial if i < 0 or curve is None or len(curve) == 0 else int(curve[min(i, len(curve) - 1)])
