@@ -34,10 +34,11 @@ def unique_ids(values, return_index: bool = False, return_inverse: bool = False)
     np.unique. Same results: sorted distinct values, the first index of each, the inverse."""
     v = np.asarray(values).reshape(-1)
     if v.dtype.kind not in "iu" or not len(v):
-        return np.unique(v, return_index=return_index, return_inverse=return_inverse)  # type: ignore[call-overload]  # numpy's overloads take literal flags only
+        # numpy's stub overloads np.unique on literal flags only
+        return np.unique(v, return_index=return_index, return_inverse=return_inverse)  # type: ignore[call-overload]
     lo, hi = int(v.min()), int(v.max())
     if hi - lo > 4 * len(v) + 65536:
-        return np.unique(v, return_index=return_index, return_inverse=return_inverse)  # type: ignore[call-overload]  # numpy's overloads take literal flags only
+        return np.unique(v, return_index=return_index, return_inverse=return_inverse)  # type: ignore[call-overload]
     if not lo:
         off = v.astype(np.intp, copy=False)
     elif v.dtype.kind == "u":  # in the unsigned type first: a value above 2**63 survives

@@ -38,8 +38,8 @@ def record(path: str = DEFAULT_PATH, model: Any = None, optimizer: Any = None, *
                     max_entries=max_entries, activations=activations, origins=origins)
 
 
-def record_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1, path: str = DEFAULT_PATH, model: Any = None,
-                 optimizer: Any = None, **options: Any) -> str | None:
+def record_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1, path: str = DEFAULT_PATH,
+                 model: Any = None, optimizer: Any = None, **options: Any) -> str | None:
     """Run `step_fn()` warmup + steps times, recording the last `steps` of them.
 
     Warm-up steps run first, unrecorded (lazy optimizer state and allocator

@@ -83,6 +83,21 @@ def _special_funcs():
     return out
 
 
+def _core_state(name: str, doc: str) -> property:
+    """A property of the log that lives on the compiled Core when there is one, else on the log itself."""
+    private = "_" + {"on": "on", "busy": "busy", "calls": "calls", "container": "cont"}[name]
+
+    def get(self):
+        return getattr(self._core, name) if self._core is not None else getattr(self, private)
+
+    def put(self, value):
+        if self._core is not None:
+            setattr(self._core, name, value)
+        else:
+            setattr(self, private, value)
+    return property(get, put, doc=doc)
+
+
 class OpLog(TorchFunctionMode):
     """Rows ``(k0, k1, t0, t1, stack, module, s0, s1, parent, op)`` of torch calls (see the module doc).
 
@@ -127,24 +142,11 @@ class OpLog(TorchFunctionMode):
         self._handles: list = []
 
     # -- state, in the core when there is one -------------------------------
-    def _state(name: str, doc: str) -> property:  # type: ignore[misc]  # noqa: N805 (a property factory run in the class body)
-        private = "_" + {"on": "on", "busy": "busy", "calls": "calls", "container": "cont"}[name]
 
-        def get(self):
-            return getattr(self._core, name) if self._core is not None else getattr(self, private)
-
-        def put(self, value):
-            if self._core is not None:
-                setattr(self._core, name, value)
-            else:
-                setattr(self, private, value)
-        return property(get, put, doc=doc)
-
-    on = _state("on", "logging now")
-    busy = _state("busy", "> 0 while the recorder's own code runs")
-    calls = _state("calls", "call ids given so far")
-    _container = _state("container", "id of the backward call running, or -1")
-    del _state
+    on = _core_state("on", "logging now")
+    busy = _core_state("busy", "> 0 while the recorder's own code runs")
+    calls = _core_state("calls", "call ids given so far")
+    _container = _core_state("container", "id of the backward call running, or -1")
 
     @property
     def container(self):

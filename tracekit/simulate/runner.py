@@ -152,7 +152,8 @@ def inner_tensors(t) -> list:
     if flatten is None:
         return [t]
     try:
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # wrapper subclasses define it, torch.Tensor does not
+        # wrapper subclasses define __tensor_flatten__; torch.Tensor's stub does not
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
     except Exception:
         return []
     out = []

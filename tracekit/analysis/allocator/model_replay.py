@@ -124,8 +124,9 @@ def total_memory(trace: Trace, device: int) -> int:
 
 def replay_device_in_python(trace: Trace, device: int, config: AllocatorConfig | None = None,
                             stop_after: int | None = None, keep=False):
-    """Replay one device in Python (compiled.replay_device picks the compiled loop when it can). `stop_after`: stop after that entry and also return the Allocator (for views
-    of the state there); `keep`: return the Allocator at the end as well."""
+    """Replay one device in Python (compiled.replay_device picks the compiled loop when it can).
+    `stop_after`: stop after that entry and also return the Allocator (for views of the state there);
+    `keep`: return the Allocator at the end as well."""
     notes: list = []
     if config is None:
         config, notes = settings_of(trace)

@@ -55,7 +55,8 @@ class Run:
     retries: int  # times the allocator freed its cache and retried
     ooms: list[dict[str, int]]  # [{index, request_bytes}] requests that failed
     failed_request: dict | None  # the recorded out-of-memory request: {index, request_bytes, fits}
-    events: list[tuple[str, int, int, int]] = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
+    # (action, addr, size, stream) of the segment entries, in order
+    events: list[tuple[str, int, int, int]] = field(default_factory=list)
     reserved: np.ndarray | None = None  # int64 per entry (with curves=True)
     allocated: np.ndarray | None = None  # int64 per entry
     blocks: np.ndarray | None = None  # int64 per entry: the block an alloc entry got (0 for other entries)
