@@ -340,14 +340,16 @@ class Allocator:
         addr = self.device.new_address(alloc_size, stream, pool.small, False)
         return self.add_segment(addr, alloc_size, stream, pool)
 
-    def add_segment(self, addr, size, stream, pool: Pool) -> Block:
-        """A new cudaMalloc'ed segment at `addr`: one free block, not yet in the pool."""
+    def add_segment(self, addr, size, stream, pool: Pool, counted: bool = True) -> Block:
+        """A new cudaMalloc'ed segment at `addr`: one free block, not yet in the pool. `counted=False`: its bytes
+        are already in `reserved` (a replay counts a recorded segment_alloc when it comes, the block later)."""
         b = Block(addr, size, stream, pool, addr)
         self.blocks[addr] = b
         self.segments[addr] = size
         self._seg_starts = None
-        self._grow(size)
-        self._note("segment_alloc", addr, size, stream)
+        if counted:
+            self._grow(size)
+            self._note("segment_alloc", addr, size, stream)
         return b
 
     def release_available_cached_blocks(self, pool: Pool, size: int, stream) -> bool:

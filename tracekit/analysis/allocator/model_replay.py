@@ -167,7 +167,7 @@ def replay_device_in_python(trace: Trace, device: int, config: AllocatorConfig |
                 seg_addr, seg_size = segs.pop(0)
                 if get_free_block(pool, sz, s, take=False) is not None:
                     miss("a new segment where the model had a cached block")
-                nb = _new_segment(alloc, seg_addr, seg_size, s, pool)
+                nb = alloc.add_segment(seg_addr, seg_size, s, pool, counted=False)
                 if seg_size != alloc.allocation_size(sz) and not config.expandable_segments:
                     miss("segment of another size than the model asks for")
                 if seg_addr == p:
@@ -266,19 +266,11 @@ def replay_device_in_python(trace: Trace, device: int, config: AllocatorConfig |
     return (res, alloc) if (stop_after is not None or keep) else res
 
 
-def _new_segment(alloc: Allocator, addr, size, stream, pool) -> Block:
-    b = Block(addr, size, stream, pool, addr)
-    alloc.blocks[addr] = b
-    alloc.segments[addr] = size
-    alloc._seg_starts = None
-    return b
-
-
 def _flush(alloc, fresh, stream):
     """Segments made for a request that never came (the trace lost it): cache them as free."""
     for seg_addr, seg_size in fresh.pop(stream, []):
         pool = alloc.pool(seg_size == SMALL_BUFFER)
-        pool.insert(_new_segment(alloc, seg_addr, seg_size, stream, pool))
+        pool.insert(alloc.add_segment(seg_addr, seg_size, stream, pool, counted=False))
 
 
 def _at(alloc: Allocator, addr) -> Block | None:
