@@ -1,7 +1,8 @@
 """The replay of a trace through the allocator model: the compiled loop (_replay.c) when it is built and
 the file is one it handles (no expandable segments, no private pools), else model_replay.py's Python loop.
 
-Both are exact and make the same decisions entry for entry (tests/test_allocator_props.py compares them);
+Both are exact and make the same decisions entry for entry (tests/test_allocator_props.py compares them on random
+streams and the recordings, tests/test_allocator_compiled.py their constants and the state at an entry);
 TRACEKIT_ALLOCATOR=python forces the Python loop.
 """
 from __future__ import annotations
