@@ -10,7 +10,7 @@ measures in one run, each in a fresh process, the median of --repeat runs of:
   report          the same with the model (the compiled replay when built)
   report, py      the same with the model's Python loop (TRACEKIT_ALLOCATOR=python)
 
-and, in one process, the replay alone (fast.replay_allocator; compiled, then Python) against
+and, in one process, the replay alone (compiled.replay_device, then model_replay.replay_device_in_python) against
 tracekit.load alone. Prints seconds and ratios; the target is "report" - "report, off" <= 0.3x "report, off".
 
 The repetitions are the source's balanced trace at the SAME addresses (each repetition frees what it
@@ -40,10 +40,10 @@ FLOOR = ("import sys; from tracekit.io.unpickle import restricted_load; "
 INPROC = """
 import sys, time
 from tracekit.io import load
-from tracekit.analysis.allocator import exact, fast
+from tracekit.analysis.allocator import compiled, model_replay
 t0 = time.perf_counter(); trace = load(sys.argv[1], use_cache=False); t1 = time.perf_counter()
-r = fast.replay_allocator(trace, trace.devices[0]); t2 = time.perf_counter()
-p = exact.replay_allocator(trace, trace.devices[0]); t3 = time.perf_counter()
+r = compiled.replay_device(trace, trace.devices[0]); t2 = time.perf_counter()
+p = model_replay.replay_device_in_python(trace, trace.devices[0]); t3 = time.perf_counter()
 print(t1 - t0, t2 - t1, t3 - t2, r.engine, r.placed, r.unplaced_events, r.peak_allocated == p.peak_allocated)
 """
 

@@ -302,9 +302,6 @@ class GroupsModel(QAbstractTableModel):
     def group_of(self, view_row) -> int:
         return int(self.order[view_row])
 
-    def lead_of(self, view_row) -> int:
-        return int(self.lead[self.order[view_row]])
-
     def rowCount(self, parent=QModelIndex()):
         return 0 if parent.isValid() else len(self.order)
 

@@ -43,9 +43,9 @@ def main():
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        from tracekit.record.toy import Block
+        from tracekit.record.toy import TransformerBlock
 
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                                          device_id=torch.device("cpu"))
     else:
         from torch.nn.parallel import DistributedDataParallel

@@ -11,9 +11,9 @@ import pytest
 
 import tracekit
 from tracekit.analysis.allocator.config import DEFAULT
-from tracekit.analysis.allocator.exact import replay_allocator
+from tracekit.analysis.allocator.model_replay import replay_device_in_python
 from tracekit.analysis.allocator.summary import allocator_summary
-from tracekit.analysis.allocator.whatif import simulate
+from tracekit.analysis.allocator.settings_replay import replay_under_settings
 from tracekit.analysis.replay import replay
 from tracekit.analysis.report import build_report
 from tracekit.io.snapshot import snapshot_to_trace
@@ -46,7 +46,7 @@ def test_report_peaks_equal_the_h100_counters(name):
 @pytest.mark.parametrize("name", SAMPLE_FILES)
 def test_samples_exact_and_every_block_where_the_allocator_put_it(name):
     trace = _load(SAMPLES / name)
-    r = replay_allocator(trace, 0)
+    r = replay_device_in_python(trace, 0)
     stats = next(d["allocator_stats"] for d in trace.recorder["devices"] if d["type"] == "cuda")
     assert r.peak_allocated == stats["max_memory_allocated"]
     assert r.peak_reserved == stats["max_memory_reserved"]
@@ -66,12 +66,12 @@ def _segment_events(trace, device=0):
 def test_the_model_alone_makes_the_recorded_segment_events(path):
     """Left to decide on its own (no recorded address consulted but the new segments' own), the model
     asks CUDA for the same segments, of the same sizes, in the same order, and ends in the final state."""
-    from tracekit.analysis.allocator.exact import settings_of
+    from tracekit.analysis.allocator.model_replay import settings_of
     from tracekit.analysis.report import allocator_limit
 
     trace = _load(path)
     cfg, _ = settings_of(trace)
-    run = simulate(trace, 0, cfg, recorded=cfg, start="recorded", follow_addresses=True,
+    run = replay_under_settings(trace, 0, cfg, recorded=cfg, start="recorded", follow_addresses=True,
                    memory_fraction_bytes=allocator_limit(trace, 0))
     got = [(a, addr, size) for a, addr, size, _ in run.events]
     want = _segment_events(trace)
@@ -90,11 +90,11 @@ def test_the_oom_sample_fails_in_the_model_as_it_did():
     trace = _load(SAMPLES / "oom_cuda.pickle")
     limit = allocator_limit(trace, 0)
     assert limit == 1 << 30
-    run = simulate(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=limit)
+    run = replay_under_settings(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=limit)
     assert run.failed_request == {"index": len(trace.events) - 1, "request_bytes": 512 << 20, "fits": False}
     stats = trace.recorder["devices"][0]["allocator_stats"]["memory_stats"]
     assert run.retries == stats["num_alloc_retries"] == 1
-    bigger = simulate(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=1200 << 20)
+    bigger = replay_under_settings(trace, 0, DEFAULT, recorded=DEFAULT, start="recorded", memory_fraction_bytes=1200 << 20)
     assert bigger.failed_request["fits"]
 
 
@@ -107,7 +107,7 @@ def test_real_snapshots(name):
     from tracekit.analysis.replay import allocator_bytes, block_size
 
     trace = _load(FIXTURES / name)
-    r = replay_allocator(trace, 0)
+    r = replay_device_in_python(trace, 0)
     assert not r.unplaced and r.final_mismatch == 0
     assert r.placed == int((trace.events.action == ALLOC).sum())
     live = trace.blocks.state == 0
@@ -137,7 +137,7 @@ def test_real_allocated_peak_above_the_requests_is_the_allocators_own_rule():
     b = trace.blocks
     rounded = -(-np.maximum(b.requested_size, 1) // 512) * 512
     assert ((b.state == 0) & (b.size > rounded) & (b.size - rounded <= 1 << 20)).sum() >= 2
-    r = replay_allocator(trace, 0)
+    r = replay_device_in_python(trace, 0)
     rep = replay(trace)[0]
     assert r.peak_allocated == 815_783_936 and rep.peak_allocated == 781_312_000
 
@@ -149,11 +149,11 @@ def test_a_trace_cut_short_at_the_front_gives_the_same_figures_after_the_cut():
 
     snap, _ = read_document(CUDA / "opt_amp_adamw_b4_s256.pickle.gz")
     full = snapshot_to_trace(snap, "full")
-    whole = replay_allocator(full, 0)
+    whole = replay_device_in_python(full, 0)
     exact_runs = 0
     for cut in (1, 777, 2000, 3500):
         part = dict(snap, device_traces=[snap["device_traces"][0][cut:]])
-        r = replay_allocator(snapshot_to_trace(part, "part"), 0)
+        r = replay_device_in_python(snapshot_to_trace(part, "part"), 0)
         assert not r.unplaced and r.final_mismatch == 0
         np.testing.assert_array_equal(r.reserved, whole.reserved[cut:])
         if r.open_bytes == 0:

@@ -17,7 +17,7 @@ FILE = Path(__file__).parents[1] / "tests" / "fixtures" / "cuda" / "opt_amp_adam
 
 
 def test_allocator_window(qtbot):
-    from gui.app import MainWindow, wait_loaded
+    from tracekit_gui.app import MainWindow, wait_loaded
     from tracekit.analysis.allocator.view import fragmentation
     from tracekit.units import fmt_bytes
 

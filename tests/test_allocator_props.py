@@ -5,10 +5,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracekit.analysis.allocator import exact, fast
+from tracekit.analysis.allocator import compiled, model_replay
 from tracekit.analysis.allocator.config import MB, SMALL_SIZE, parse_alloc_conf
 from tracekit.analysis.allocator.core import Allocator, Device, OutOfMemory, check
-from tracekit.analysis.allocator.whatif import simulate
+from tracekit.analysis.allocator.settings_replay import replay_under_settings
 from tracekit.io.snapshot import snapshot_to_trace
 
 from .allocator_synth import Recorder, random_run
@@ -88,7 +88,7 @@ def test_the_replay_finds_every_block_where_the_model_put_it(conf):
         rec = random_run(seed, cfg, streams=(0, 7), capacity=cap, memory_fraction_bytes=frac)
         for drop in (0, 37):
             trace = snapshot_to_trace(rec.snapshot(drop_first=drop), "synth")
-            r = exact.replay_allocator(trace, 0)
+            r = model_replay.replay_device_in_python(trace, 0)
             assert not r.unplaced and r.final_mismatch == 0 and not r.initial.problems, (seed, drop, r.unplaced)
             assert r.placed == sum(1 for e in rec.trace[drop:] if e["action"] == "alloc")
             if drop == 0:
@@ -109,7 +109,7 @@ def test_the_model_left_alone_repeats_itself(conf):
                          empty_cache=0 if limited else 0.01,
                          pending=0 if limited and ("garbage" in conf or "max_split" in conf) else 0.1)
         trace = snapshot_to_trace(rec.snapshot(), "synth")
-        run = simulate(trace, 0, cfg, recorded=cfg, start="recorded", capacity=cap, memory_fraction_bytes=frac,
+        run = replay_under_settings(trace, 0, cfg, recorded=cfg, start="recorded", capacity=cap, memory_fraction_bytes=frac,
                        follow_addresses=True)
         keep = (lambda a, addr, z: (a, z)) if cfg.expandable_segments else (lambda a, addr, z: (a, addr, z))
         want = [keep(e["action"], e["addr"], e["size"]) for e in rec.trace if e["action"].startswith("segment_")]
@@ -125,7 +125,7 @@ def _same(a, b):
             and (a.initial_allocated, a.initial_reserved) == (b.initial_allocated, b.initial_reserved))
 
 
-@pytest.mark.skipif(not fast.compiled_available(), reason="the compiled replay is not built (no C compiler)")
+@pytest.mark.skipif(not compiled.compiled_available(), reason="the compiled replay is not built (no C compiler)")
 @given(seed=st.integers(0, 10**6), conf=st.sampled_from([c for c in CONFIGS if "expandable" not in c]),
        damage=st.sampled_from(["none", "drop", "shuffle", "unknown_free", "foreign_alloc"]))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -150,13 +150,13 @@ def test_compiled_replay_equals_python(seed, conf, damage):
     elif damage == "foreign_alloc":
         tr.insert(rng.randrange(len(tr) + 1), {"action": "alloc", "addr": 0x1234000, "size": 3 * MB, "stream": 0})
     trace = snapshot_to_trace(snap, "synth")
-    py = exact.replay_allocator(trace, 0)
-    c = fast.replay_allocator(trace, 0)
+    py = model_replay.replay_device_in_python(trace, 0)
+    c = compiled.replay_device(trace, 0)
     assert c.engine == "compiled"
     assert _same(py, c), (py.unplaced, c.unplaced)
 
 
-@pytest.mark.skipif(not fast.compiled_available(), reason="the compiled replay is not built (no C compiler)")
+@pytest.mark.skipif(not compiled.compiled_available(), reason="the compiled replay is not built (no C compiler)")
 def test_compiled_replay_equals_python_on_the_recordings(monkeypatch):
     from .conftest import FIXTURES, ROOT, SAMPLES
     import tracekit
@@ -165,11 +165,11 @@ def test_compiled_replay_equals_python_on_the_recordings(monkeypatch):
         + sorted(FIXTURES.glob("snapshot_*.pickle"))
     for path in files:
         trace = tracekit.load(path, use_cache=False)
-        c = fast.replay_allocator(trace, 0)
-        py = exact.replay_allocator(trace, 0)
+        c = compiled.replay_device(trace, 0)
+        py = model_replay.replay_device_in_python(trace, 0)
         assert c.engine == "compiled" and _same(py, c), path.name
     monkeypatch.setenv("TRACEKIT_ALLOCATOR", "python")
-    assert fast.replay_allocator(trace, 0).engine == "python"
+    assert compiled.replay_device(trace, 0).engine == "python"
 
 
 def test_first_touches_without_the_extension(monkeypatch):
@@ -180,7 +180,7 @@ def test_first_touches_without_the_extension(monkeypatch):
 
     rec = random_run(11, steps=300)
     trace = snapshot_to_trace(rec.snapshot(drop_first=50), "synth")
-    a = exact.replay_allocator(trace, 0)
+    a = model_replay.replay_device_in_python(trace, 0)
     real_import = builtins.__import__
 
     def no_ext(name, *args, **kw):
@@ -189,7 +189,7 @@ def test_first_touches_without_the_extension(monkeypatch):
         return real_import(name, *args, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_ext)
-    b = exact.replay_allocator(trace, 0)
+    b = model_replay.replay_device_in_python(trace, 0)
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert _same(a, b)
     u1 = state.first_touches(trace.events.action, trace.events.addr.astype(np.int64))

@@ -132,9 +132,18 @@ def test_progress_only_on_a_terminal():
         assert ("opening x" in stream.getvalue()) == shown and (stream.getvalue() == "") != shown
 
 
-def test_help_lists_commands():
+def test_help_lists_every_command_with_its_line():
+    """`tracekit --help` lists each command once, in the table's order, with the table's one-line help."""
+    from tracekit.cli import COMMANDS
+
     r = run("--help")
-    assert "report" in r.stdout and "info" in r.stdout
+    assert r.returncode == 0
+    section = r.stdout.split("Commands:", 1)[1]
+    rows = [line.split(None, 1) for line in section.splitlines() if line.startswith("  ") and line.strip()
+            and not line.startswith("    ")]
+    assert [name for name, _ in rows] == list(COMMANDS)
+    for name, text in rows:
+        assert " ".join(COMMANDS[name].split()).startswith(" ".join(text.split())[:40]), name
 
 
 def test_report_needs_neither_torch_nor_qt():

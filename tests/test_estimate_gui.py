@@ -19,7 +19,7 @@ SAMPLE = Path(__file__).parents[1] / "samples" / "gpt_adamw.pickle"
 
 
 def test_bars_follow_the_knobs(qtbot):
-    from gui.estimate_panel import EstimatePanel
+    from tracekit_gui.estimate_panel import EstimatePanel
 
     panel = EstimatePanel()
     qtbot.addWidget(panel)
@@ -43,7 +43,7 @@ def test_bars_follow_the_knobs(qtbot):
 
 @pytest.mark.skipif(not SAMPLE.exists(), reason="sample missing")
 def test_measured_beside_predicted(qtbot):
-    from gui.app import MainWindow
+    from tracekit_gui.app import MainWindow
     from tracekit.analysis.estimate.measured import measured_max
     from tracekit.io import load
 
@@ -52,7 +52,7 @@ def test_measured_beside_predicted(qtbot):
     window.show_estimate()  # no file open: presets only
     assert "measured" not in window.estimate_panel.bars
     trace = load(str(SAMPLE), use_cache=False)
-    from gui.estimate_panel import RECORDED, EstimatePanel
+    from tracekit_gui.estimate_panel import RECORDED, EstimatePanel
 
     panel = EstimatePanel(trace)
     qtbot.addWidget(panel)

@@ -142,7 +142,12 @@ def test_drop_opens_file(window, qtbot):
     event = QDropEvent(QPointF(10, 10), Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier)
     window.dropEvent(event)
     qtbot.waitUntil(lambda: not window.threads, timeout=60_000)
-    assert window.current_view() is not None
+    view = window.current_view()  # the dropped file, opened as any file is: its allocations in the table
+    assert view is not None and os.path.samefile(view.doc.path, NEWEST)
+    import tracekit
+    from tracekit.analysis.replay import replay
+
+    assert view.model.rowCount() == len(replay(tracekit.load(NEWEST, use_cache=False))[view.device].allocations)
 
 
 def test_cancel_loading(window, qtbot):
@@ -253,7 +258,11 @@ def test_zoom_requeries_visible_range(window, newest):
 
 def test_export_png_and_csv(window, newest, tmp_path):
     png = window.export_png(str(tmp_path / "timeline.png"))
-    assert Path(png).stat().st_size > 1000
+    from PySide6.QtGui import QImage
+
+    saved, shown = QImage(png), newest.timeline.grab().toImage()
+    assert not saved.isNull() and saved.size() == shown.size()  # the timeline as it is on screen, legend included
+    assert saved.convertToFormat(QImage.Format_RGB32) == shown.convertToFormat(QImage.Format_RGB32)
     view = newest
     view.filter_edit.setText("nn_utils")
     view._apply_filter()

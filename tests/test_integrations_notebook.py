@@ -9,7 +9,7 @@ import pytest
 
 import tracekit
 from tracekit.render.palette import category_color
-from tracekit.render.png import rgb, timeline_pixels, timeline_png
+from tracekit.render.png import TimelinePng, rgb, timeline_pixels
 
 from .conftest import SAMPLES
 
@@ -38,7 +38,7 @@ def decode_png(data: bytes) -> np.ndarray:
 def test_png_shows_the_categories_at_their_heights():
     rec = tracekit.load(SAMPLES / "gpt_adamw.pickle")
     (d,) = rec.report()["devices"]
-    img = decode_png(timeline_png(rec, 0, width=400, height=150))
+    img = decode_png(TimelinePng().render(rec, 0, width=400, height=150))
     assert img.shape == (150, 400, 3)
     pixels, top, names = timeline_pixels(rec, 0, width=400, height=150)
     assert np.array_equal(img, pixels) and top >= d["peak_allocated_bytes"]

@@ -85,25 +85,3 @@ def test_warmup_gradients_are_freed_in_trace(runs):
         any(e["action"] == "alloc" and e["addr"] == a for e in entries) for a, _ in grads & live)
 
 
-def test_add_preexisting_frees_before_reuse():
-    from tracekit.record.entries import add_preexisting_frees, final_segments
-
-    def e(action, addr, size, t):
-        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": [],
-                "user_metadata": ""}
-    entries = [e("segment_alloc", 1000, 64, 10), e("alloc", 1000, 64, 10),
-               e("segment_alloc", 5000, 8, 20), e("alloc", 5000, 8, 20)]
-    pre = [(1000, 64, []), (2000, 32, []), (3000, 16, []), (5000, 8, [])]
-    # 1000: reused at t=10 although its death was seen only at 15 -> freed just before t=10;
-    # 2000: died at 12; 3000: no death known -> live; 5000: freed at 30 but reused at 20 -> before 20.
-    out = add_preexisting_frees(entries, pre, {1000: 15, 2000: 12, 5000: 30})
-    acts = [(x["action"], x["addr"], x["time_us"]) for x in out]
-    assert acts == [
-        ("free_requested", 1000, 10), ("free_completed", 1000, 10), ("segment_free", 1000, 10),
-        ("segment_alloc", 1000, 10), ("alloc", 1000, 10),
-        ("free_requested", 2000, 12), ("free_completed", 2000, 12), ("segment_free", 2000, 12),
-        ("free_requested", 5000, 20), ("free_completed", 5000, 20), ("segment_free", 5000, 20),
-        ("segment_alloc", 5000, 20), ("alloc", 5000, 20),
-    ]
-    live = {(s["address"], s["total_size"]) for s in final_segments(out, pre)}
-    assert live == {(1000, 64), (3000, 16), (5000, 8)}

@@ -7,8 +7,8 @@ import pytest
 
 from tracekit.io.unpickle import restricted_load
 from tracekit.io.write import write_snapshot
-from tracekit.record.entries import final_segments, to_entries
-from tracekit.record.marks import Marks, metadata_string, parse_metadata
+from tracekit.analysis.phases import _RE_METADATA
+from tracekit.record.marks import Marks, metadata_string
 from tracekit.record.recorder import expand_path
 from tracekit.record.script import NotPython, parse_python_command
 
@@ -66,9 +66,10 @@ def test_marks_recompute_in_backward_is_not_a_forward():
 
 
 def test_metadata_round_trip():
-    assert parse_metadata(metadata_string(3, "forward")) == (3, "forward")
-    assert parse_metadata(metadata_string(7)) == (7, None)
-    assert parse_metadata("someone else's") == (None, None)
+    """What the recorder writes is what the analysis reads (phases.py's pattern)."""
+    assert _RE_METADATA.fullmatch(metadata_string(3, "forward")).groups() == ("3", "forward")
+    assert _RE_METADATA.fullmatch(metadata_string(7)).groups() == ("7", None)
+    assert _RE_METADATA.fullmatch("someone else's") is None
 
 
 def test_writer_is_atomic_plain_and_refuses_objects(tmp_path):
@@ -116,17 +117,3 @@ def test_parse_python_command_refuses(argv):
         parse_python_command(argv)
 
 
-def test_cpu_entries_and_synthesized_segments_replay():
-    frames = (("train.py", 3, "step"),)
-    events = [  # (time_ns, order, ptr, size, frames): a pre-existing storage at 900 is freed
-        (1000, 0, 100, 64, frames), (2000, 1, 200, 32, frames), (3000, 2, 100, -64, frames),
-        (4000, 3, 900, -16, ()), (5000, 4, 100, 8, frames),
-    ]
-    entries = to_entries(events, [(0, "tracekit:iter=0"), (3, "tracekit:iter=0:phase=forward")])
-    assert [e["action"] for e in entries[:2]] == ["segment_alloc", "alloc"]
-    assert entries[0]["user_metadata"] == "tracekit:iter=0" and entries[-1]["user_metadata"].endswith("forward")
-    assert entries[0]["frames"] == [{"filename": "train.py", "line": 3, "name": "step"}]
-    segs = final_segments(entries, preexisting=[(900, 16, []), (700, 48, [])])
-    live = sorted((s["address"], s["blocks"][0]["size"]) for s in segs)
-    assert live == [(100, 8), (200, 32), (700, 48)]  # 900 was freed in the trace
-    assert all(s["segment_type"] == "cpu" and s["blocks"][0]["state"] == "active_allocated" for s in segs)

@@ -266,7 +266,7 @@ def test_an_operator_without_fake_kernel_is_one_line(monkeypatch):
 
     def boom(self, i):
         raise UnsupportedOperatorException(torch.ops.aten.nonzero.default)
-    monkeypatch.setattr(fake_step.Run, "step", boom)
+    monkeypatch.setattr(fake_step.TrainingStep, "step", boom)
     with pytest.raises(SimulationError) as e:
         simulate(Workload(config=dict(TRUTH[TRAINING[0]]["config"], num_hidden_layers=1), batch=1, seq=8))
     assert "no fake implementation" in str(e.value) and "formulas" in str(e.value)

@@ -163,7 +163,7 @@ def test_a_step_that_cannot_be_simulated_falls_back_to_the_formulas(tmp_path, ca
 
     def boom(self, i):
         raise RuntimeError("Expected inputs of BF16 type")  # what a kernel's meta function may refuse
-    monkeypatch.setattr(fake_step.Run, "step", boom)
+    monkeypatch.setattr(fake_step.TrainingStep, "step", boom)
     cfg = config_file(tmp_path, small(TRUTH[TRAINING[0]]["config"]))
     code, out, err = cli(capsys, "--config", cfg, "--batch", "1", "--seq", "16", "--simulate", "--json")
     assert code == 0 and err.strip().count("\n") == 0

@@ -5,17 +5,27 @@
 `tracekit.record(...)` (needs torch) records one. Importing tracekit imports
 neither torch nor Qt.
 """
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .analysis.window import Window
+    from .api import Recording
+
 __version__ = "0.1.0"
 
 
-def load(path, **kwargs):
+def load(path: str | os.PathLike[str], progress: Callable[[float, str], None] | None = None, use_cache: bool = True,
+         window: Window | None = None) -> Recording:
     """Open a snapshot or profiler trace as a `tracekit.api.Recording` (a `tracekit.model.Trace`)."""
     from .api import load as _load
 
-    return _load(path, **kwargs)
+    return _load(path, progress=progress, use_cache=use_cache, window=window)
 
 
-def load_ipython_extension(ipython):
+def load_ipython_extension(ipython) -> None:
     """`%load_ext tracekit`: the `%%tracekit` cell magic (records the cell, shows the report)."""
     from .integrations.notebook import load_ipython_extension as _load_ext
 

@@ -22,6 +22,8 @@ SEGMENT_ALLOC, SEGMENT_FREE = ACTION["segment_alloc"], ACTION["segment_free"]
 SEGMENT_MAP, SEGMENT_UNMAP = ACTION["segment_map"], ACTION["segment_unmap"]
 SNAPSHOT, OOM, OTHER = ACTION["snapshot"], ACTION["oom"], ACTION["other"]
 
+_UNSET = np.zeros(0, np.int32)  # a column not given (Events fills it in __post_init__)
+
 # Final block states.
 BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive", "unknown")
 BLOCK_STATE = {name: code for code, name in enumerate(BLOCK_STATES)}
@@ -32,10 +34,11 @@ def unique_ids(values, return_index: bool = False, return_inverse: bool = False)
     np.unique. Same results: sorted distinct values, the first index of each, the inverse."""
     v = np.asarray(values).reshape(-1)
     if v.dtype.kind not in "iu" or not len(v):
-        return np.unique(v, return_index=return_index, return_inverse=return_inverse)
+        # numpy's stub overloads np.unique on literal flags only
+        return np.unique(v, return_index=return_index, return_inverse=return_inverse)  # type: ignore[call-overload]
     lo, hi = int(v.min()), int(v.max())
     if hi - lo > 4 * len(v) + 65536:
-        return np.unique(v, return_index=return_index, return_inverse=return_inverse)
+        return np.unique(v, return_index=return_index, return_inverse=return_inverse)  # type: ignore[call-overload]
     if not lo:
         off = v.astype(np.intp, copy=False)
     elif v.dtype.kind == "u":  # in the unsigned type first: a value above 2**63 survives
@@ -129,14 +132,14 @@ class Events:
     device_free: np.ndarray  # int64, oom entries only (else 0)
     # the forward op's stack that caused a backward allocation (NO_ID: none), and the nn.Module path
     # running when it was made (string id, 0 = none); written by our recorder (docs/format.md)
-    forward_stack_id: np.ndarray = None  # int32
-    module: np.ndarray = None  # int32 string id
+    forward_stack_id: np.ndarray = field(default_factory=lambda: _UNSET)  # int32
+    module: np.ndarray = field(default_factory=lambda: _UNSET)  # int32 string id
 
     def __post_init__(self):
         n = len(self.action)
-        if self.forward_stack_id is None:
+        if self.forward_stack_id is None or self.forward_stack_id is _UNSET:
             self.forward_stack_id = np.full(n, NO_ID, np.int32)
-        if self.module is None:
+        if self.module is None or self.module is _UNSET:
             self.module = np.zeros(n, np.int32)
 
     def __len__(self):

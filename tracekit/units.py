@@ -64,10 +64,10 @@ def parse_bytes(text: str, unit_required: bool = False) -> int:
         if unit in ("", "b") and value != value.to_integral_value():
             raise ValueError(f"{shown} is not a whole number of bytes: add a unit (e.g. {number}GiB) "
                              "or give an integer")
-        value = int(value.to_integral_value(decimal.ROUND_HALF_EVEN))
-    if value > MAX_BYTES:
+        whole = int(value.to_integral_value(decimal.ROUND_HALF_EVEN))
+    if whole > MAX_BYTES:
         raise ValueError(f"{shown} is larger than any memory (at most 8 EiB)")
     if unit_required and not unit:
         raise ValueError(f"{shown} has no unit: give one of {UNITS_HINT} (e.g. {str(text).strip()}GiB, "
                          f"or {str(text).strip()}B for bytes)")
-    return value
+    return whole

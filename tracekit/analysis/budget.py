@@ -15,6 +15,7 @@ MAX_OOMS_SHOWN = 3  # per device; the rest are counted
 def oom_problems(report) -> list[dict]:
     """One problem per out-of-memory error in the report (at most MAX_OOMS_SHOWN per device, then a count)."""
     labels = {d["device"]: d for d in report["devices"]}
+    seen: dict
     out, seen = [], {}
     for f in report["findings"]:
         if f["kind"] != "oom":
@@ -63,7 +64,7 @@ def oom_message(f: dict) -> str:
 
 def _main(site: dict) -> str:
     cats = site.get("by_category") or {}
-    return max(cats, key=cats.get) if cats else ""
+    return max(cats, key=lambda c: cats[c]) if cats else ""
 
 
 def over_budget(report, max_peak, max_reserved, budgets, no_leaks) -> list[dict]:

@@ -30,6 +30,8 @@ and says how it was decided (METHODS):
 """
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,11 +69,11 @@ class DeviceCategories:
 
     device: int
     labels: np.ndarray  # int16: index into names
-    names: list  # CATEGORIES, then user categories
+    names: list[str]  # CATEGORIES, then user categories
     method: np.ndarray  # int8: index into METHODS
     tagged: np.ndarray  # int16: the tags' category, -1 where untagged (for checks and accuracy)
     reason: np.ndarray  # int16: index into reasons
-    reasons: list  # short phrases: what each allocation is and what says so
+    reasons: list[str]  # short phrases: what each allocation is and what says so
 
     def reason_names(self) -> np.ndarray:
         return np.array(self.reasons, dtype=object)[self.reason]
@@ -131,7 +133,7 @@ def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
 # -- inference --------------------------------------------------------------------------------------
 
 # What each inferred label rests on, as the report, the viewer and JSON show it.
-REASONS = (
+REASONS: tuple[str, ...] = (
     "no evidence",
     "cuBLAS workspace",
     "cuBLAS workspace (by its size: live before the trace, no stack, torch's default workspace size)",
@@ -338,6 +340,7 @@ def _has_cpp_frames(trace: Trace) -> bool:
     """Whether the file's stacks include C++ frames (torch's `_record_memory_history(stacks="all")`): then a
     workspace is named by its frames (getNewWorkspace, getCUDABlasLtWorkspace)."""
     strings, fr = trace.strings, trace.frames
+    names: Any
     names = np.unique(fr.filename) if len(fr) else []
     return any(strings[int(i)].endswith((".cpp", ".h", ".cu", ".cuh")) for i in names)
 
@@ -548,7 +551,7 @@ def tag_labels(trace: Trace, rep: DeviceReplay) -> np.ndarray:
         return out
     rows = match_tags(trace, rep, tags)
     rank = {c: i for i, c in enumerate(TAG_PRIORITY)}
-    best = {}
+    best: dict = {}
     for row, t in zip(rows, tags):
         if row < 0:
             continue
@@ -650,6 +653,7 @@ def label_entries(trace: Trace, rules=None) -> list:
     """
     if not trace.devices:
         return []
+    out: list[list]
     out = [[] for _ in range(max(0, max(trace.devices)) + 1)]
     for d in trace.devices:
         if d < 0:

@@ -115,7 +115,7 @@ def peak_sites(trace: Trace, device: int) -> dict:
 
     rep = replay(trace)[device]
     cats = categorize(trace)[device]
-    out = {}
+    out: dict = {}
     for g in group_sites(trace, rep, rep.allocations.live_at(rep.peak_index), limit=1 << 30):
         _add(out.setdefault(g["where"], {}), cats, cats.labels[g["rows"]], rep.allocations.size[g["rows"]])
     return out
@@ -135,7 +135,7 @@ def peak_modules(trace: Trace, device: int) -> dict | None:
         return None
     cats = categorize(trace)[device]
     live = np.flatnonzero(rep.allocations.live_at(rep.peak_index) & named)
-    out = {}
+    out: dict = {}
     for name in set(module[live].tolist()):
         rows = live[module[live] == name]
         _add(out.setdefault(name or "(the model itself)", {}), cats, cats.labels[rows], rep.allocations.size[rows])
@@ -200,7 +200,7 @@ def finding_changes(fa: list, fb: list, devices: list) -> dict:
 
 
 def _keyed(findings, device_of) -> dict:
-    out = {}
+    out: dict = {}
     for f in findings:
         if f["kind"] == "peak":
             continue
@@ -219,7 +219,7 @@ def _label(da, db) -> str:
 
 
 def _kinds(findings) -> dict:
-    out = {}
+    out: dict = {}
     for f in findings:
         out[f["kind"]] = out.get(f["kind"], 0) + 1
     return out

@@ -134,7 +134,7 @@ def stack_roles(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     fr, strings = trace.frames, trace.strings
     role = np.zeros(len(fr), np.int8)
     why = np.zeros(len(fr), np.int16)
-    memo = {}
+    memo: dict = {}
     reasons = {r: i for i, r in enumerate(REASONS)}
     for i, (f, n) in enumerate(zip(fr.filename.tolist(), fr.name.tolist())):
         got = memo.get((f, n))

@@ -99,10 +99,11 @@ def frame_kind(filename: str, name: str = "", line: int | None = None) -> int:
         return NOISE if _NOISE_NAME.search(name) or not name else OP
     pkg, how = package_of(filename)
     if how == "site-packages":  # judge the part inside site-packages only (a venv may live under /opt/torch/)
-        m = None
-        for m in _SITE.finditer(filename):
+        last = None
+        for last in _SITE.finditer(filename):
             pass
-        return OP if _INTERNAL_PY.search("/" + filename[m.end():]) else LIB
+        tail = filename[last.end():] if last is not None else filename
+        return OP if _INTERNAL_PY.search("/" + tail) else LIB
     if _INTERNAL_PY.search(filename) or line == 0:
         # line 0 of Python code is a line nobody knew (older recorders' frames entered before profiling
         # began): never shown as the user's line to edit
@@ -123,15 +124,11 @@ def is_user(frame: dict) -> bool:
 
 def user_first(frames: list[dict]) -> list[dict]:
     """Frames reordered: the user's own code (innermost first), then libraries, internals, plumbing."""
+    groups: tuple[list, list, list, list]
     groups = ([], [], [], [])
     for f in frames:
         groups[frame_kind(f.get("filename", ""), f.get("name", ""), f.get("line"))].append(f)
     return groups[USER] + groups[LIB] + groups[OP] + groups[NOISE]
-
-
-def user_frames(trace, stack_id: int, limit: int = 8) -> list[dict]:
-    """Up to `limit` frames of a stack, the user's own code first."""
-    return user_first(trace.stack(stack_id))[:limit]
 
 
 # What internal frames reveal, most telling first: (pattern on the frame name or file, description).
@@ -187,7 +184,7 @@ def frame_kinds(trace) -> np.ndarray:
     if "kinds" in memo:
         return memo["kinds"]
     fr, s = trace.frames, trace.strings
-    seen = {}
+    seen: dict = {}
     out = np.empty(len(fr), np.int8)
     for i, (f, n, ln) in enumerate(zip(fr.filename.tolist(), fr.name.tolist(), fr.line.tolist())):
         k = (f, n, ln == 0)
@@ -246,12 +243,13 @@ def stack_roles(trace) -> StackRoles:
     inner = np.full(n + 1, -1, np.int32)
     op = np.zeros(n + 1, np.int32)
     node = np.zeros(n + 1, np.int32)
+    ops: list[frozenset]
     ops = [frozenset()] * (n + 1)
     if n and len(st.frame_ids):
         kinds = frame_kinds(trace)
         op_kind = np.zeros(len(fr), np.int8)
         op_text = np.zeros(len(fr), np.int32)
-        seen = {}
+        seen: dict = {}
         for i, (f, nm) in enumerate(zip(fr.filename.tolist(), fr.name.tolist())):
             v = seen.get((f, nm))
             if v is None:
@@ -291,10 +289,10 @@ def stack_roles(trace) -> StackRoles:
         aten_rows = np.flatnonzero(k == 3)
         if len(aten_rows):
             owner = np.searchsorted(st.offsets, aten_rows, side="right") - 1
-            by_stack = {}
+            by_stack: dict = {}
             for s_, t_ in zip(owner.tolist(), op_text[fids[aten_rows]].tolist()):
                 by_stack.setdefault(s_, set()).add(strings[t_][6:])
-            cache = {}
+            cache: dict = {}
             for s_, names in by_stack.items():
                 key = frozenset(names)
                 ops[s_ + 1] = cache.setdefault(key, key)

@@ -151,6 +151,3 @@ def generation_summary(trace: Trace, device: int, rules=None) -> dict | None:
     return {"model_calls": g["model_calls"], "prefills": g["prefills"], "decode_steps": g["decode_steps"],
             "evidence": list(g["evidence"]), "steps": calls}
 
-
-def phase_name(code: int) -> str:
-    return {PREFILL: "prefill", DECODE: "decode"}.get(code, "")

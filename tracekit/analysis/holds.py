@@ -90,8 +90,8 @@ def rank_holds(trace: Trace, device: int, at_peak: dict, peak_index: int | None)
         made = np.sort(al.alloc_index[un_all & (al.alloc_index >= 0)])
         for g in gathers.tolist():
             a = int(al.alloc_index[g])
-            k = np.searchsorted(made, a, side="right")
-            if k >= len(made) or made[k] > peak_index:  # nothing copied out since this all-gather began
+            j = int(np.searchsorted(made, a, side="right"))
+            if j >= len(made) or made[j] > peak_index:  # nothing copied out since this all-gather began
                 n_prefetch += 1
                 prefetched_bytes += int(al.size[g])
     out["unsharded_units_at_peak"] = n_units

@@ -1,6 +1,6 @@
 """Levers: what each usual technique would save at a recording's peak, computed once for every front end.
 
-The report's advice (advice.py), `tracekit whatif` and the estimate's levers (estimate/whatif.py) all
+The report's advice (advice.py), `tracekit whatif` and the estimate's levers (estimate/batch_fit.py) all
 call `levers()`, so the same lever on the same file prints the same bytes everywhere. Each lever is
 priced from what the file measured at its peak (the categories, the allocations in the model's
 repeated blocks, the attention scores) and from facts read off the file (`file_facts`): the workload
@@ -14,6 +14,7 @@ Savings are at today's peak and do not add up: after one change the peak may mov
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -108,6 +109,7 @@ def repeated_blocks(trace: Trace, device: int) -> dict:
     cover most of the pass names the blocks. Else from the recorder's model summary (its longest
     nn.ModuleList). {"count", "source", "frame", "stacks" (stack ids under that frame), "first_sizes"
     (the size of each block's first allocation: about the block's input)}."""
+    found: dict
     found = {"count": None, "source": None, "frame": None, "stacks": frozenset(), "first_sizes": []}
     seq = forward_sequence(trace, device)
     if seq is not None and len(seq[1]) >= 2:
@@ -160,7 +162,7 @@ def _stack_layers(trace: Trace, device: int):
     from .modtree import allocation_modules
 
     am = allocation_modules(trace, device)
-    seen = {}
+    seen: dict = {}
     for k, name in enumerate(am.names.tolist()):
         m = _NUMBERED.match(name or "")
         if m:
@@ -189,7 +191,7 @@ def _stack_layer_rows(trace: Trace, device: int, n: int) -> np.ndarray | None:
 def _periodic(rows, sids, frames_of, python) -> dict | None:
     """The Python frame whose allocations in `sids` repeat N >= 2 times in a row and cover the most of them
     (at least a quarter); None when none does."""
-    counts = {}
+    counts: dict = {}
     for s in sids[sids >= 0].tolist():
         for f in frames_of[s]:
             if f in python:
@@ -351,6 +353,7 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
     if width is None:  # autocast's 16-bit copies of weights (categories.py) say the weights are stored in fp32
         from .categories import REASONS, R
 
+        copies: Any
         copies = np.isin(cats.reason, [R[REASONS[6]], R[REASONS[35]]]) if len(cats.reason) else []
         if np.any(copies):
             width, width_source = 4.0, "fp32: autocast makes 16-bit copies of the weights in this file"
@@ -387,10 +390,10 @@ def file_facts(trace: Trace, device: int, summary: dict, shape=None, setup=None,
 
 
 def _expandable(trace: Trace, device: int):
-    """The allocator replay's saving from expandable segments (allocator/whatif.expandable_saving), or None."""
+    """The allocator replay's saving from expandable segments (allocator/settings_replay.expandable_saving), or None."""
     if (trace.recorder or {}).get("backend") == "cpu":
         return None
-    from .allocator.whatif import expandable_saving
+    from .allocator.settings_replay import expandable_saving
 
     return expandable_saving(trace, device)
 
@@ -432,7 +435,8 @@ def _block_input(blocks, shape, batch, seq) -> dict:
     if sizes:
         return {"bytes": int(np.median(sizes)), "source": "the size of the first tensor each block makes (about its "
                                                            "input, e.g. a norm's output)"}
-    if shape is not None and getattr(shape, "hidden", 0) and batch and seq:
+    hidden = getattr(shape, "hidden", 0) if shape is not None else 0
+    if hidden and batch and seq:
         return {"bytes": int(batch * seq * shape.hidden * 4),
                 "source": f"batch {batch} × seq {seq} × hidden {shape.hidden} × 4 B (fp32 residual stream)"}
     return {"bytes": None, "source": "assumed: a block's input is about 10% of its activations"}
@@ -479,7 +483,7 @@ def _precision(model: dict) -> str | None:
     dtypes = model.get("dtypes") or {}
     if not dtypes:
         return None
-    main = max(dtypes, key=dtypes.get)
+    main = max(dtypes, key=lambda t: dtypes[t])
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(main, main)
 
 
@@ -727,13 +731,13 @@ def _distributed_levers(facts: dict, dist: dict, at_peak: dict, work: str) -> li
                 f"DDP's gradient buckets hold {fmt_bytes(comm)} at the peak.",
                 "min(collective buffers, gradients) at the peak")
         if world and world > 1 and param + grad + state:
-            blocks = facts.get("blocks") or 0
-            unit = param / blocks if blocks else 0
+            n_blocks = facts.get("blocks") or 0
+            unit = param / n_blocks if n_blocks else 0
             add("FSDP instead of DDP", f"FSDP (fully_shard per block) over the {world} ranks instead of DDP",
                 "parameter", (param + grad + state) * (1 - 1 / world) + comm - 2 * unit,
                 f"{world} ranks (the recorder): parameters, gradients and optimizer state 1/{world} per rank, no "
                 "gradient buckets; two blocks' full parameters all-gathered at a time"
-                + ("" if blocks else " (the blocks are not known: not counted)"),
+                + ("" if n_blocks else " (the blocks are not known: not counted)"),
                 f"Parameters, gradients and optimizer state hold {fmt_bytes(param + grad + state)} at the peak.",
                 "(parameter + gradient + optimizer state) × (1 - 1/ranks) + buckets - 2 blocks' parameters")
     return out

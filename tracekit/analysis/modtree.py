@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -97,7 +98,7 @@ def _source(filename: str):
 def stack_modules(trace: Trace) -> StackModules:
     st, fr, strings = trace.stacks, trace.frames, trace.strings
     n = len(st)
-    chains = [()] * (n + 1)
+    chains: list[tuple] = [()] * (n + 1)
     fwd_id = strings.index.get("forward")
     if not n or not len(st.frame_ids) or fwd_id is None:
         return StackModules(chains, [])
@@ -110,7 +111,7 @@ def stack_modules(trace: Trace) -> StackModules:
         f = fname[int(fr.filename[i])]
         ok[i] = kinds[i] in (LIB, USER) or (kinds[i] == OP and bool(_TORCH_MODULE.search(f)))
     nodes: list[Node] = []
-    roots = {}
+    roots: dict = {}
     fids = st.frame_ids
     for s in range(n):
         ids = fids[st.offsets[s]:st.offsets[s + 1]]
@@ -118,15 +119,16 @@ def stack_modules(trace: Trace) -> StackModules:
         if not len(sel):
             continue
         chain = []
-        node = -1
-        caller_line = None
+        node: int = -1
+        caller_line = -1  # the line that called the current node (-1: a root)
         for i in sel.tolist():
             f, line = fname[int(fr.filename[i])], int(fr.line[i])
             if node < 0:
-                node = roots.get(f)
-                if node is None:
-                    node = roots[f] = len(nodes)
+                root = roots.get(f)
+                if root is None:
+                    root = roots[f] = len(nodes)
                     nodes.append(Node(parent=-1, caller_line=-1, file=f))
+                node = root
             else:
                 parent = nodes[node]
                 child = parent.children.get((caller_line, f))
@@ -142,20 +144,6 @@ def stack_modules(trace: Trace) -> StackModules:
         for r in roots.values():
             _resolve(nodes, r)
     return StackModules(chains, nodes)
-
-
-def _cost(lines, callers, calls, lo, hi, shift):
-    """How far the recorded lines land from where they should, shifted by `shift`: a caller line from the
-    nearest line that calls a module, any line from the function's range. (The definition `_align` computes
-    for all shifts at once; kept as the reference the tests compare it with.)"""
-    cost = 0
-    for ln in lines:
-        x = ln + shift
-        if x < lo or x > hi:
-            cost += 10 + min(abs(x - lo), abs(x - hi))
-        elif ln in callers and x not in calls:
-            cost += 1 + min((abs(x - c) for c in calls), default=10)
-    return cost
 
 
 # the shifts _align tries, nearest first (0, -1, 1, -2, 2, ...): the first least cost in this order wins
@@ -175,7 +163,9 @@ def _sorted_lines(node: Node):
 def _align(node: Node, o, lo: int, hi: int):
     """(shift, cost) that best places the node's recorded lines on its forward [lo, hi] in the source.
 
-    `_cost` for every shift in [-MAX_SHIFT, MAX_SHIFT], in time linear in the node's lines: the lines that
+    The cost of a shift: how far the recorded lines land from where they should (a caller line from the
+    nearest line that calls a module, any line from [lo, hi]; tests/test_bounded_cost.py holds the definition
+    line by line), for every shift in [-MAX_SHIFT, MAX_SHIFT], in time linear in the node's lines: the lines that
     land outside [lo, hi] cost through prefix sums over the sorted lines; only the caller lines that can land
     inside are looked at one by one, against the sorted calls."""
     lines, callers = _sorted_lines(node)
@@ -312,7 +302,7 @@ def _match(o, parent_cls, shift, edges, attrs, sources, parent_file=None) -> dic
     # dp[i][j]: least cost with edges[:i] placed on cands[:j] (edges may stay unplaced, at a cost)
     skip = MAX_REACH + UNKNOWN_CLASS + 1
     dp = [[inf] * (c + 1) for _ in range(r + 1)]
-    back = [[None] * (c + 1) for _ in range(r + 1)]
+    back: list[list[Any]] = [[None] * (c + 1) for _ in range(r + 1)]
     for j in range(c + 1):
         dp[0][j] = 0
     for i in range(1, r + 1):

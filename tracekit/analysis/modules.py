@@ -11,6 +11,7 @@ have no module table (None).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -121,7 +122,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     total = np.bincount(group[grouped], weights=al.size[grouped], minlength=n)
     count = np.bincount(group[grouped], minlength=n)
     most = group_peaks(group, al, n)
-    rows = [{"module": names[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
+    rows: list[dict[str, Any]] = [{"module": names[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
              "bytes_at_peak": int(at_peak[k]), "peak_bytes": int(most[k]),
              "allocated_bytes": int(total[k]), "count": int(count[k])} for k, u in enumerate(uniq.tolist())]
     if classes is not None:  # the class chain of each module found from the stacks, and how it was found
@@ -141,7 +142,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
 
 def _layers(rows: list[dict]) -> list[dict]:
     """Rows of repeated layers folded into a pattern: how many, and their least/most bytes at the peak."""
-    groups = {}
+    groups: dict = {}
     for r in rows:
         pattern = _INDEX.sub("*", r["module"])
         if pattern != r["module"]:

@@ -162,7 +162,7 @@ def stack_flags(trace: Trace) -> np.ndarray:
     is not.
     """
     fr, strings = trace.frames, trace.strings
-    memo = {}
+    memo: dict = {}
     per_frame = np.zeros(len(fr), np.int32)
     op = np.zeros(len(fr), np.int8)
     for i, (f, n, ln) in enumerate(zip(fr.filename.tolist(), fr.name.tolist(), fr.line.tolist())):
@@ -223,7 +223,7 @@ class DevicePhases:
     def iterations(self) -> list[tuple[int, int, int]]:
         """[(iteration, first entry, last entry)] in order, for iterations >= 0."""
         it = self.iteration
-        out = []
+        out: list = []
         if not len(it):
             return out
         change = np.flatnonzero(np.diff(it)) + 1

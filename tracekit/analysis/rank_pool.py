@@ -59,7 +59,7 @@ def open_ranks(paths, jobs: int | None = None, use_summaries: bool = True, use_c
         if error:
             errors.append({"file": files[i], "error": error})
     ok = [i for i, s in enumerate(found) if s is not None]
-    table = rank_table([found[i] for i in ok], [files[i] for i in ok], with_curves)
+    table = rank_table([s for s in found if s is not None], [files[i] for i in ok], with_curves)
     table.update(files=len(files), from_summaries=len(files) - len(todo), analysed=len(todo), workers=workers,
                  errors=errors)
     return table

@@ -15,6 +15,7 @@ other ranks, with the categories that make the difference.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -134,7 +135,7 @@ def assign_ranks(summaries: list[dict], paths: list[str]) -> tuple[list[int], st
     for source, ranks in (("the recorder's metadata", [s.get("rank") for s in summaries]),
                           ("the file names", [rank_of_name(p) for p in paths])):
         if all(isinstance(r, int) for r in ranks) and len(set(ranks)) == len(ranks):
-            return ranks, source
+            return [r for r in ranks if isinstance(r, int)], source
     return list(range(len(paths))), "the order given"
 
 
@@ -142,12 +143,12 @@ def rank_table(summaries: list[dict], paths: list[str], with_curves: bool = Fals
     """One row per rank (sorted by rank) and the imbalance between their peaks; `with_curves`: each row
     also holds its main device's downsampled allocated curve (for the rank dashboard)."""
     ranks, source = assign_ranks(summaries, paths)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rank, s, path in zip(ranks, summaries, paths):
         dev = main_device(s) or {}
         found = [f for f in s.get("findings") or []
                  if f.get("kind") != "advice" and f.get("device") in (None, dev.get("device"))]
-        kinds = {}
+        kinds: dict = {}
         for f in found:
             kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
         lower = bool(dev.get("demand_is_lower_bound"))

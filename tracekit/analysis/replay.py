@@ -53,7 +53,7 @@ class Allocations:
 class Invariant:
     checked: bool  # False when the file has no final segments to check against
     ok: bool
-    problems: list = field(default_factory=list)  # [(addr, size, what)] first few
+    problems: list[tuple[int, int, str]] = field(default_factory=list)  # [(addr, size, what)] first few
 
 
 def peak_of(curve, initial, ties_to_start: bool = False) -> tuple:
@@ -232,7 +232,7 @@ def _check(last_addr, last_is_alloc, last_size, b_addr, b_size, b_requested) -> 
         got = final.get(addr)
         if alive and got is None:
             problems.append((addr, size, "allocated in the trace and never freed, but not live in the final segments"))
-        elif alive and size not in got:
+        elif alive and got is not None and size not in got:
             problems.append((addr, size, f"live at the end with size {size}, but the final block has size {got[0]}"))
         elif not alive and got is not None:
             problems.append((addr, got[0], "freed in the trace and never reallocated, but live in the final segments"))

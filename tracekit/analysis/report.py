@@ -309,7 +309,7 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
     settings = trace.meta.get("allocator_settings") or {}
     remedy, expandable = "", None
     if not settings.get("expandable_segments") and rep.n <= EXPANDABLE_REPLAY_MAX_ENTRIES:
-        from .allocator.whatif import expandable_saving
+        from .allocator.settings_replay import expandable_saving
 
         expandable = expandable_saving(trace, rep.device)
         if expandable is not None and expandable["saves_bytes"] > 0:

@@ -53,7 +53,7 @@ class Rule:
 
 @dataclass(eq=False)  # hashed by identity: analyses are memoised per (trace, rules object)
 class Rules:
-    rules: list = field(default_factory=list)
+    rules: list[Rule] = field(default_factory=list)
     path: str = ""
 
     def __bool__(self):

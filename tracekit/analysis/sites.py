@@ -48,7 +48,7 @@ def stack_sites(trace: Trace) -> StackSites:
     kinds = frame_kinds(trace)
     node_of_frame = np.zeros(len(trace.frames), np.int32)
     names = trace.frames.name
-    seen = {}
+    seen: dict = {}
     for i, nid in enumerate(names.tolist()):
         v = seen.get(nid)
         if v is None:

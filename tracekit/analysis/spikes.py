@@ -66,6 +66,7 @@ def spike_findings(trace: Trace, device: int) -> list[dict]:
     tops = starts + np.array([int(np.argmax(c)) for c in np.split(curve, starts[1:])])
     tops = tops[curve[tops] >= floor]
     tops = tops[np.argsort(-curve[tops], kind="stable")]
+    seen: dict
     found, seen = [], {}
     for i in tops.tolist():
         groups = _groups_at(trace, rep, mask, i)

@@ -30,7 +30,7 @@ class DeviceSurvey:
 
     @property
     def seconds(self) -> float | None:
-        return None if self.first_us is None else (self.last_us - self.first_us) / 1e6
+        return None if self.first_us is None or self.last_us is None else (self.last_us - self.first_us) / 1e6
 
 
 @dataclass

@@ -121,7 +121,7 @@ def _tag_names(trace: Trace, rep) -> tuple[np.ndarray, np.ndarray]:
         return tensor, module
     rows = match_tags(trace, rep, tags)
     order = {"parameter": 0, "buffer": 0, "optimizer_state": 1, "gradient": 2, "input": 3, "activation": 4}
-    best = {}
+    best: dict = {}
     for row, tag in zip(rows.tolist(), tags):
         if row >= 0 and (row not in best or order[tag["kind"]] < order[best[row]["kind"]]):
             best[row] = tag

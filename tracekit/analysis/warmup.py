@@ -10,6 +10,7 @@ else in entries. The viewer opens on the iterations after it (the whole trace st
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,7 @@ _RE_COMPILE = re.compile(r"<eval_with_key>|fx_generated_\w*\.py$|torchinductor_|
 def compiled(trace: Trace) -> bool:
     """Whether any stack of the file runs torch.compile's code (generated graphs, dynamo, inductor)."""
     strings = trace.strings
+    used: Any
     used = np.unique(trace.frames.filename) if len(trace.frames) else []
     return any(_RE_COMPILE.search(strings[int(i)]) for i in used)
 

@@ -58,6 +58,7 @@ class Window:
                 return None
             lo = 0 if self.first is None else min(self.first, n)
             hi = n if self.last is None else min(n, self.last + 1)
+            assert self.iterations is not None  # a streamed window is read by iterations only
             a, b = self.iterations
             spans = [(s, e) for i, s, e in ph.iterations() if a <= i <= b]
             lo, hi = (max(lo, spans[0][0]), min(hi, spans[-1][1] + 1)) if spans else (n, n)
@@ -123,11 +124,11 @@ def ranges(trace: Trace, window: Window) -> dict[int, tuple[int, int]]:
             lo = min(window.first, n)
         if window.last is not None:
             hi = min(hi, window.last + 1)
-        if tmax is not None:
+        if tmax is not None and window.last_us is not None:
             t = ev.time_us[sl]
             inside = np.flatnonzero((t != NO_TIME) & (t >= tmax - window.last_us))
             lo = max(lo, int(inside[0]) if len(inside) else n)
-        if its is not None:
+        if its is not None and window.iterations is not None:
             a, b = window.iterations
             spans = [(s, e) for i, s, e in its[d].iterations() if a <= i <= b]
             if its[d].source == "none":

@@ -5,6 +5,8 @@ the bisection over them are its (simulate/workload.py).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ..errors import TracekitError
@@ -131,11 +133,11 @@ def formula_extras(kw, est, gpu_name, budget) -> dict:
     """For the formula path: which path counted the parameters (a meta-device build when transformers is
     installed and the config is used as it is, else the formulas), and whether the total fits --gpu/--budget."""
     from ..analysis.estimate import simulate as sim
-    out = {"param_count": param_count(kw, est)}
+    out: dict[str, Any] = {"param_count": param_count(kw, est)}
     if gpu_name or budget is not None:
         from ..analysis.estimate.gpus import gpu as find_gpu
         g = find_gpu(gpu_name) if gpu_name else None
-        capacity = budget if budget is not None else g.memory
+        capacity = budget if budget is not None or g is None else g.memory
         out["gpu"] = {"name": g.name, "memory_bytes": g.memory, "compute_capability": list(g.sm)} if g else None
         out["fits"] = sim.fits(est.per_gpu["total"], capacity)
     return out

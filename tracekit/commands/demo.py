@@ -7,11 +7,7 @@ import os
 import click
 
 from ..io.cache.folder import cache_dir
-from .view import window_problem
-
-
-class _UserError(click.ClickException):
-    exit_code = 2
+from .view import UserError, window_problem
 
 
 def default_path() -> str:
@@ -39,7 +35,7 @@ def command(output, steps, backend, no_open):
     the text report is printed.
     """
     if importlib.util.find_spec("torch") is None:
-        raise _UserError("the demo records a model and needs torch: pip install 'torch-tracekit[record]'")
+        raise UserError("the demo records a model and needs torch: pip install 'torch-tracekit[record]'")
     import torch
 
     from ..record import record_steps

@@ -28,7 +28,9 @@ def window_problem() -> str | None:
     return done.stderr.strip().removeprefix("tracekit: ") or "the viewer cannot start"
 
 
-class _UserError(click.ClickException):
+class UserError(click.ClickException):
+    """What the user must change (a missing package, no display): exit code 2."""
+
     exit_code = 2
 
 
@@ -46,14 +48,14 @@ def command(files, screenshot, compare, no_cache, **window_opts):
         raise click.UsageError("--compare needs exactly two FILES: A (before) and B (after)")
     missing = [m for m in ("PySide6", "pyqtgraph", VIEWER) if importlib.util.find_spec(m) is None]
     if missing:
-        raise _UserError(f"the viewer needs PySide6 and pyqtgraph ({', '.join(missing)} missing): "
+        raise UserError(f"the viewer needs PySide6 and pyqtgraph ({', '.join(missing)} missing): "
                          "pip install 'torch-tracekit[gui]'")
     if screenshot and not files:
         raise click.UsageError("--screenshot needs at least one FILE to open")
     env = os.environ
     no_screen = not (env.get("DISPLAY") or env.get("WAYLAND_DISPLAY") or env.get("QT_QPA_PLATFORM"))
     if sys.platform.startswith("linux") and no_screen and not screenshot:  # a screenshot renders offscreen
-        raise _UserError("there is no display to show a window on (DISPLAY and WAYLAND_DISPLAY are unset): "
+        raise UserError("there is no display to show a window on (DISPLAY and WAYLAND_DISPLAY are unset): "
                          "use `tracekit report FILE`, or `tracekit view FILE --screenshot OUT.png` to render "
                          "the window to a picture")
     # The viewer runs as `python -m tracekit_gui`, a process of its own: tracekit never imports Qt.

@@ -2,7 +2,7 @@
 
 One recording gives an interval (an extrapolation by category); two give the line through them. A run
 that ran out of memory counts with what it needed at least, and no answer contradicts the files: see
-analysis/estimate/whatif.py. The levers are the report's advice, priced by the same computation."""
+analysis/estimate/batch_fit.py. The levers are the report's advice, priced by the same computation."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -20,7 +20,7 @@ RELATIVE = 100  # a recording whose size is unknown counts as this many units: t
 def point(path, by, size, no_cache, relative_ok=False):
     """(Point, trace, report) from one recording: every device's moments, what it needed, and its size (with
     `relative_ok`, a file that does not say its size counts as RELATIVE units: answers are multiples of it)."""
-    from ..analysis.estimate.whatif import point_from_report
+    from ..analysis.estimate.batch_fit import point_from_report
     from ..analysis.report import build_report
 
     trace = open_trace(path, no_cache)
@@ -44,7 +44,7 @@ def _knobs(f):
 
 
 def alloc_options(f):
-    """--alloc-conf and what goes with it (tracekit/commands/_alloc_whatif.py)."""
+    """--alloc-conf and what goes with it (tracekit/commands/_alloc_conf.py)."""
     f = click.option("--memory-limit", callback=size_callback, metavar="SIZE",
                      help="With --alloc-conf: a per-process memory cap (set_per_process_memory_fraction) "
                           "in bytes; default: the file's.")(f)
@@ -84,7 +84,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     tracekit whatif step.pickle --alloc-conf expandable_segments:True
     """
     if alloc_conf is not None:  # issue 24: allocator settings, its own path
-        from ._alloc_whatif import run
+        from ._alloc_conf import run
 
         return run(files, alloc_conf, kw.pop("alloc_start"), kw.pop("device_memory"), kw.pop("memory_limit"),
                    as_json, no_cache)
@@ -94,7 +94,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
         raise click.UsageError("Missing option '--budget' (or give --alloc-conf for allocator settings).")
     from ..analysis.estimate.measured import recorded_setup
     from ..analysis.estimate.shapes import ModelShape
-    from ..analysis.estimate.whatif import whatif
+    from ..analysis.estimate.batch_fit import fit_to_budget
     from ..analysis.levers import file_facts, not_offered
 
     if len(files) > 2:
@@ -130,7 +130,7 @@ def command(files, budget, by, sizes, as_json, no_cache, alloc_conf=None, **kw):
     spikes = [f for f in report["findings"] if f["kind"] == "spike" and f["device"] == dev["device"]]
     lever_input = {"at_peak": dev.get("categories_at_peak") or {}, "fragmentation": big.fragmentation,
                    "spikes": spikes, "dp": overrides.get("dp")}
-    result = whatif(points, budget, by, facts, lever_input, setup, not_offered(facts))
+    result = fit_to_budget(points, budget, by, facts, lever_input, setup, not_offered(facts))
     if len(files) == 1 and size_list[0] is None and points[0].size == RELATIVE and not _says_size(traces[0], by):
         relative(result, by)
     show("whatif", result, as_json)

@@ -15,7 +15,7 @@ from __future__ import annotations
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]  # the older package, same class
 
 from .steps import StepRecorder
 

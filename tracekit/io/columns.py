@@ -94,7 +94,7 @@ class Interner:
         if FX_FRAMES.get():
             return [self.stack_id(f) for f in frame_lists]
         ids, new, key_of, by_id = self._stack_ids, self._new_stack, _frame_key, self._by_id
-        out = []
+        out: list = []
         append = out.append
         try:
             for frames in frame_lists:

@@ -42,10 +42,6 @@ def _str(v, where):
         raise ShapeError(f"{where} is {shown(v)}, not a string")
 
 
-def _any(v, where):
-    pass
-
-
 def _dict(fields):
     def check(v, where):
         if not isinstance(v, dict):

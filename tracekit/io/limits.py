@@ -139,7 +139,7 @@ class CappedReader:
 # -- memory ------------------------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_active = []  # budgets of the loads now holding the limit
+_active: list = []  # budgets of the loads now holding the limit
 _saved = None  # the soft RLIMIT_AS before the first of them
 
 

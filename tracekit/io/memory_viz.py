@@ -135,6 +135,7 @@ def from_trace(trace: Trace, before=None) -> dict:
     index = {d: d for d in trace.devices if d >= 0}
     free = (k for k in range(len(trace.devices) + max(index, default=0) + 1) if k not in index.values())
     index.update({d: next(free) for d in trace.devices if d < 0})
+    traces: list[list]
     traces, segments, devices = [[] for _ in range(max(index.values(), default=-1) + 1)], [], []
     for d in trace.devices:
         k = index[d]

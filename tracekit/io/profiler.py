@@ -43,11 +43,12 @@ def kineto_to_trace(obj, path) -> Trace:
     rows_in.sort(key=lambda r: r["order"])
     has_addr = all(r["addr"] is not None for r in rows_in)
     has_totals = all(r["total_allocated"] is not None for r in rows_in)
+    rows: dict[str, list]
     rows = {k: [] for k in ("device", "action", "addr", "size", "time_us")}
-    reserved = {}
+    reserved: dict = {}
     ever_reserved = set()
     initial = {}
-    first_reserved = {}
+    first_reserved: dict = {}
     for r in rows_in:
         dev, nbytes, ts = r["device"], r["bytes"], r["ts"]
         if has_totals and dev not in initial:
@@ -101,6 +102,7 @@ def _number(d, key, where, default, lo, hi):
 
 
 def memory_timeline_to_trace(rows_in, path) -> Trace:
+    rows: dict[str, list]
     rows = {k: [] for k in ("device", "action", "addr", "size", "time_us")}
     cats = []
     for i, r in enumerate(rows_in):

@@ -24,7 +24,7 @@ from .limits import (CappedReader, LimitExceeded, check_settings, cut_long_names
 from .profiler import is_kineto, is_memory_timeline, kineto_to_trace, memory_timeline_to_trace
 from .progress import ProgressReader
 from .snapshot import SnapshotError, is_snapshot, snapshot_to_trace
-from .unpickle import RefusedGlobal, RestrictedUnpickler
+from .unpickle import RefusedGlobal, restricted_load
 
 __all__ = ["load", "read_document", "LoadError"]
 
@@ -310,7 +310,7 @@ def _first_bytes(stream) -> bytes:
 
 def _read_pickle(stream, path, zipped):
     try:
-        return RestrictedUnpickler(stream).load()
+        return restricted_load(stream)
     except (Cancelled, LimitExceeded, MemoryError):
         raise
     except RefusedGlobal as e:

@@ -56,6 +56,8 @@ def snapshot_to_trace(obj, path, progress=None, columns_of=None) -> Trace:
         meta["device_labels"] = {d["index"]: d["label"] for d in labels if isinstance(d, dict)
                                  and isinstance(d.get("index"), int) and isinstance(d.get("label"), str)}
     meta["bare_list"] = bare_list
+    present: set
+    unknown: set
     columns, present, unknown = [], set(), set()
     if len(traces) > MAX_DEVICE:
         raise SnapshotError(f"'device_traces' has {len(traces)} lists, more than torch has device numbers "
@@ -116,7 +118,7 @@ def _events_of(device, entries, it, present, unknown) -> dict:
         "forward_stack_id": _stack_column(_values(entries, "forward_frames", keys, None), it),
         "module": _string_column(_values(entries, "module", keys, ""), it),
     }
-    for i in np.flatnonzero(action == OOM):
+    for i in np.flatnonzero(action == OOM).tolist():
         free = entries[i].get("device_free", 0)
         if free is not None and (isinstance(free, bool) or not isinstance(free, int) or not 0 <= free < MAX_TOTAL):
             raise ValueError(f"device_traces[{device}][{i}] has device_free={shown(free)}, not a byte count")

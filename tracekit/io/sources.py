@@ -45,14 +45,6 @@ class Outline:
                 return lo, hi
         return None
 
-    def function_at(self, line: int):
-        """(name, class) of the innermost function holding `line`, or None."""
-        best = None
-        for lo, hi, name, cls in self.functions:
-            if lo <= line <= hi and (best is None or lo >= best[0]):
-                best = (lo, hi, name, cls)
-        return (best[2], best[3]) if best else None
-
 
 def locate(filename: str, package: str | None, relative: str | None) -> tuple[str | None, str]:
     """(a readable local copy of `filename`, how it was found): the path itself, or the same file under this
@@ -89,7 +81,7 @@ def outline(path: str) -> Outline | None:
 _OUTLINES: dict = {}  # (device, inode, size, mtime) -> Outline | None
 _KEEP = 512
 MAX_PARSED_BYTES = 4 << 20  # new source bytes one analysis may parse (about 4 s of real code, 16 s of the worst)
-_left = [None]  # bytes the analysis under way may still parse (None: no budget)
+_left: list[int | None] = [None]  # bytes the analysis under way may still parse (None: no budget)
 
 
 @contextmanager
@@ -129,7 +121,7 @@ def _parse(path: str, size: int) -> Outline | None:
     except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     out = Outline(path=path)
-    loops = {}  # loop variable -> attribute chain it iterates over (`for layer in self.layers[:n]`)
+    loops: dict = {}  # loop variable -> attribute chain it iterates over (`for layer in self.layers[:n]`)
 
     def chain(node):
         """`self.model.layers[...]` -> "model.layers" (None when not an attribute chain on self)."""

@@ -31,6 +31,7 @@ import io
 import os
 import re
 import struct
+from typing import Callable
 
 import numpy as np
 
@@ -39,6 +40,8 @@ from ..model import ACTION, NO_TIME, OOM, OTHER, unique_ids
 from .columns import MAX_SIZE, MAX_TIME, MAX_TOTAL, check_sizes
 from .limits import CappedReader, decompressed_cap, max_depth
 
+_scan: Callable[..., tuple] | None
+_scan_json: Callable[..., tuple] | None
 try:
     from ._pkscan import scan as _scan, scan_json as _scan_json
 except ImportError:  # built without a C compiler: the restricted unpickler reads everything

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import Any, Callable
 
 from .recorder import DEFAULT_MAX_ENTRIES, DEFAULT_PATH, Recorder
 
 __all__ = ["record", "record_steps", "Recorder"]
 
 
-def record(path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", stacks="python",
-           max_entries=DEFAULT_MAX_ENTRIES, activations=True, origins=True) -> Recorder:
+def record(path: str = DEFAULT_PATH, model: Any = None, optimizer: Any = None, *, backend: str = "auto",
+           stacks: str = "python", max_entries: int = DEFAULT_MAX_ENTRIES, activations: bool = True,
+           origins: bool = True) -> Recorder:
     """Record memory while the `with` block runs and write it to `path`.
 
     path: output file; "{rank}" and "{pid}" are filled in. model, optimizer:
@@ -36,7 +38,8 @@ def record(path=DEFAULT_PATH, model=None, optimizer=None, *, backend="auto", sta
                     max_entries=max_entries, activations=activations, origins=origins)
 
 
-def record_steps(step_fn, steps=3, warmup=1, path=DEFAULT_PATH, model=None, optimizer=None, **options):
+def record_steps(step_fn: Callable[[], Any], steps: int = 3, warmup: int = 1, path: str = DEFAULT_PATH,
+                 model: Any = None, optimizer: Any = None, **options: Any) -> str | None:
     """Run `step_fn()` warmup + steps times, recording the last `steps` of them.
 
     Warm-up steps run first, unrecorded (lazy optimizer state and allocator

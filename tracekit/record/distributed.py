@@ -15,6 +15,7 @@ read is left out.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def _env_int(name):
@@ -44,7 +45,7 @@ def summary(roots, unsharded_units=None) -> dict | None:
     world = _env_int("WORLD_SIZE")
     out = {"world_size": world, "rank": _env_int("RANK")}
     strategy = None
-    units = []
+    units: list[dict[str, Any]] = []
     full = local = 0
     seen = set()
     for prefix, root in roots:
@@ -67,7 +68,7 @@ def summary(roots, unsharded_units=None) -> dict | None:
                 for g in groups:
                     params = [fp.sharded_param for fp in getattr(g, "fsdp_params", [])]
                     mp = getattr(g, "mp_policy", None)
-                    unit = {"name": prefix + name if name else (prefix.rstrip(".") or "(root)"),
+                    unit: dict[str, Any] = {"name": prefix + name if name else (prefix.rstrip(".") or "(root)"),
                             "parameters": int(sum(int(p.numel()) for p in params)),
                             "bytes": int(sum(_nbytes(p) for p in params)),
                             "local_bytes": int(sum(_nbytes(_local(p)) for p in params)),

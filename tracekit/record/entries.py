@@ -35,29 +35,6 @@ def quiet_stderr():
         os.close(devnull)
 
 
-def to_entries(events, metadata=()):
-    """Trace entries (dicts) from allocation events; metadata [(time_us, str)] tags each entry."""
-    meta_times = [t for t, _ in metadata]
-    frame_lists = {}
-    entries = []
-    for time_ns, _, ptr, size, key in events:
-        t = time_ns // 1000
-        frames = frame_lists.get(key)
-        if frames is None:
-            frames = frame_lists[key] = frame_list(key)
-        i = bisect.bisect_right(meta_times, t) - 1
-        meta = metadata[i][1] if i >= 0 else ""
-        if size > 0:
-            entries += allocation_entries(ptr, size, t, frames, meta)
-        else:
-            entries += free_entries(ptr, -size, t, frames, meta)
-    return entries
-
-
-def frame_list(key):
-    return [{"filename": f, "line": l, "name": n} for f, l, n in key]
-
-
 def allocation_entries(addr, size, t, frames, meta):
     """What the CUDA allocator writes for a block that is its own segment: segment_alloc, alloc."""
     return [_entry("segment_alloc", addr, size, t, frames, meta), _entry("alloc", addr, size, t, frames, meta)]
@@ -133,60 +110,11 @@ class PreexistingFrees:
         return out
 
 
-def add_preexisting_frees(entries, preexisting, freed, metadata=()):
-    """`entries` with the free entries of each pre-existing storage freed (see `PreexistingFrees`).
-
-    They go before every entry of the same or a later `time_us`, so the
-    pairs the trace writes at one time stay together.
-    """
-    if not preexisting:
-        return entries
-    state = PreexistingFrees(preexisting)
-    for e in entries:
-        if e["action"] == "alloc":
-            state.allocated(e["addr"], e["size"], e["time_us"])
-        elif e["action"] == "free_completed":
-            state.freed(e["addr"], e["size"], e["time_us"])
-    inserts = state.inserts(freed, metadata)
-    if not inserts:
-        return entries
-    times = [e["time_us"] for e in entries]
-    out, prev = [], 0
-    for t, addr, size, meta in inserts:
-        pos = bisect.bisect_left(times, t)
-        out.extend(entries[prev:pos])
-        out.extend(free_entries(addr, size, t, [], meta))
-        prev = pos
-    out.extend(entries[prev:])
-    return out
-
-
 def _entry(action, addr, size, time_us, frames, meta):
     return {
         "action": action, "addr": addr, "size": size, "stream": 0,
         "time_us": time_us, "frames": frames, "user_metadata": meta,
     }
-
-
-def final_segments(entries, preexisting=()):
-    """One synthesized segment per block live at the end of `entries`.
-
-    Live at the end: what the trace allocates and does not free, plus the
-    `preexisting` storages [(addr, size, frames)] that the trace never frees.
-    """
-    live = {}  # addr -> (size, frames)
-    seen = set()  # a pre-existing storage whose address the trace touches was freed in it
-    for e in entries:
-        addr = e["addr"]
-        if e["action"] == "alloc":
-            live[addr] = (e["size"], e["frames"])
-        elif e["action"] == "free_completed":
-            live.pop(addr, None)
-        seen.add(addr)
-    for addr, size, frames in preexisting:
-        if addr not in seen:
-            live[addr] = (size, frames)
-    return [segment(addr, size, frames) for addr, (size, frames) in sorted(live.items())]
 
 
 def segment(addr, size, frames):

@@ -39,18 +39,6 @@ def metadata_string(iteration, phase=None) -> str:
     return f"{s}:phase={phase}" if phase else s
 
 
-def parse_metadata(s):
-    """(iteration, phase) from a metadata string, or (None, None) if it is not ours."""
-    if not s or not s.startswith("tracekit:"):
-        return None, None
-    fields = dict(p.split("=", 1) for p in s.split(":")[1:] if "=" in p)
-    try:
-        iteration = int(fields["iter"])
-    except (KeyError, ValueError):
-        return None, None
-    return iteration, fields.get("phase")
-
-
 class Marks:
     """Phase and iteration intervals; `on_change(metadata)` is called at every transition."""
 

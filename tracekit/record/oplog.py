@@ -83,6 +83,21 @@ def _special_funcs():
     return out
 
 
+def _core_state(name: str, doc: str) -> property:
+    """A property of the log that lives on the compiled Core when there is one, else on the log itself."""
+    private = "_" + {"on": "on", "busy": "busy", "calls": "calls", "container": "cont"}[name]
+
+    def get(self):
+        return getattr(self._core, name) if self._core is not None else getattr(self, private)
+
+    def put(self, value):
+        if self._core is not None:
+            setattr(self._core, name, value)
+        else:
+            setattr(self, private, value)
+    return property(get, put, doc=doc)
+
+
 class OpLog(TorchFunctionMode):
     """Rows ``(k0, k1, t0, t1, stack, module, s0, s1, parent, op)`` of torch calls (see the module doc).
 
@@ -102,7 +117,7 @@ class OpLog(TorchFunctionMode):
         self.op_names = op_names
         self.metadata = metadata
         self._core = None  # _cpuhook.Core: the hot path in C (else the Python one below)
-        self.rows = []
+        self.rows: list = []
         self.limit = 1 << 62  # rows that make it call on_full() (the backend drains at its next safe point)
         self.on_full = None
         self._on = False
@@ -112,39 +127,26 @@ class OpLog(TorchFunctionMode):
         self._cont = -1  # id of the backward call running, if any
         self._thread = None
         self._compiling = _never
-        self._special = {}
-        self.op_names_table = {}  # op name -> id (op_names=True)
+        self._special: dict = {}
+        self.op_names_table: dict = {}  # op name -> id (op_names=True)
         # modules: the running ones, innermost last: (path id, anchor frame, id of the stack above it, id(module))
         self.paths = {"": 0}
         self.path_names = [""]
         self._mods = [(0, None, 0, 0)]
-        self._names = {}  # id(module) -> (weakref to it, qualified name); a dead module's id is never trusted
+        self._names: dict = {}  # id(module) -> (weakref to it, qualified name); a dead module's id is never trusted
         # optimizer.step() logged as one span: the mode is off while it runs (its many small ops at full
         # speed), its allocations named by the step's call (`coarse_optimizer`; full detail logs each op)
         self.coarse_optimizer = (not op_names) if coarse_optimizer is None else coarse_optimizer
         self._span = None
-        self._named = weakref.WeakSet()  # roots already named
-        self._handles = []
+        self._named: weakref.WeakSet = weakref.WeakSet()  # roots already named
+        self._handles: list = []
 
     # -- state, in the core when there is one -------------------------------
-    def _state(name, doc):  # noqa: N805 (a property factory)
-        private = "_" + {"on": "on", "busy": "busy", "calls": "calls", "container": "cont"}[name]
 
-        def get(self):
-            return getattr(self._core, name) if self._core is not None else getattr(self, private)
-
-        def put(self, value):
-            if self._core is not None:
-                setattr(self._core, name, value)
-            else:
-                setattr(self, private, value)
-        return property(get, put, doc=doc)
-
-    on = _state("on", "logging now")
-    busy = _state("busy", "> 0 while the recorder's own code runs")
-    calls = _state("calls", "call ids given so far")
-    _container = _state("container", "id of the backward call running, or -1")
-    del _state
+    on = _core_state("on", "logging now")
+    busy = _core_state("busy", "> 0 while the recorder's own code runs")
+    calls = _core_state("calls", "call ids given so far")
+    _container = _core_state("container", "id of the backward call running, or -1")
 
     @property
     def container(self):
@@ -496,9 +498,6 @@ class OpLog(TorchFunctionMode):
             k = self.paths[name] = len(self.path_names)
             self.path_names.append(name)
         return k
-
-    def current_module(self) -> str:
-        return self.path_names[self._mods[-1][0]]
 
 
 def _func_name(func) -> str:

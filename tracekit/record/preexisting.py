@@ -17,7 +17,7 @@ phase / iteration boundary and at stop, so a storage that died without a
 finalizer time gets the first boundary at which it was seen gone (the
 earliest time it is known to be freed). `freed(end_us)` gives
 {addr: time_us}; the CPU backend turns them into free entries (see
-`entries.add_preexisting_frees`). Nothing here touches a tensor's data, and any
+`entries.PreexistingFrees`). Nothing here touches a tensor's data, and any
 failure leaves a storage unwatched (it then looks live, as before).
 """
 from __future__ import annotations

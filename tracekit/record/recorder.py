@@ -641,7 +641,7 @@ class Recorder:
                 pass
 
 
-_active = weakref.WeakSet()  # recorders running in this process (a nested one records nothing)
+_active: weakref.WeakSet = weakref.WeakSet()  # recorders running in this process (a nested one records nothing)
 
 
 def resolve_backend(name, model=None):

@@ -22,7 +22,7 @@ import os
 import re
 
 _OVERRIDES = os.path.join("torch", "overrides.py")
-_HIDDEN = set()  # code objects of the recorder's bootstrap (script.py's `-c` line): not the program's
+_HIDDEN: set = set()  # code objects of the recorder's bootstrap (script.py's `-c` line): not the program's
 
 
 def hide(code):
@@ -81,9 +81,6 @@ class StackTable:
             self._frames[k0] = out
         return out
 
-    def key_tuple(self, k: int) -> tuple:
-        """The frames of stack `k` as a tuple of (filename, line, name), innermost first."""
-        return tuple((f["filename"], f["line"], f["name"]) for f in self.frames(k))
 
     def line(self, code, lasti: int) -> int:
         table = self._lines.get(code)
@@ -132,7 +129,3 @@ def _line_table(code):
         lines.append(line)
     return starts, lines
 
-
-def recorder_frame(filename: str) -> bool:
-    """True for a file of the recorder itself (tracekit/record/, the demo model toy.py excepted)."""
-    return bool(_OURS.search(os.fspath(filename)))

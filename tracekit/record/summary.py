@@ -1,6 +1,8 @@
 """Small summaries of a model and an optimizer for the "tracekit" key (what `estimate` needs to compare)."""
 from __future__ import annotations
 
+from typing import Any
+
 MAX_SHAPES = 2000
 
 
@@ -12,6 +14,8 @@ def qualified_name(obj) -> str:
 def model_summary(model, input_shape=None) -> dict:
     params = list(model.parameters())  # parameters() already skips shared duplicates
     trainable = [p for p in params if p.requires_grad]
+    dtypes: dict
+    shapes: dict
     dtypes, shapes = {}, {}
     for p in params:
         dtypes[str(p.dtype).replace("torch.", "")] = dtypes.get(str(p.dtype).replace("torch.", ""), 0) + p.numel()
@@ -60,7 +64,7 @@ def input_shape(args, kwargs) -> list | None:
 
 
 def optimizer_summary(optimizer) -> dict:
-    defaults = {}
+    defaults: dict[str, Any] = {}
     for k, v in getattr(optimizer, "defaults", {}).items():
         if isinstance(v, (bool, int, float, str)) or v is None:
             defaults[k] = v

@@ -193,7 +193,7 @@ def iter_tensors(obj, name, depth=0):
 
 def param_names(models) -> dict:
     """id(parameter) -> qualified name, over the known models."""
-    names = {}
+    names: dict = {}
     for prefix, model in models:
         for name, p in model.named_parameters():
             names.setdefault(id(p), prefix + name)

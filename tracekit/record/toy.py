@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class Block(nn.Module):
+class TransformerBlock(nn.Module):
     def __init__(self, d_model, n_heads):
         super().__init__()
         self.n_heads = n_heads
@@ -40,7 +40,7 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, n_heads) for _ in range(n_layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 

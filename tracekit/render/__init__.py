@@ -12,8 +12,8 @@ widgets but reuses the text pieces (finding lines, diff changes, rank imbalance)
     ranks       analysis.rank_pool.open_ranks(paths)                  text, json
     estimate    analysis.estimate.estimate(shape, setup)              text, json
     simulate    commands._simulate: estimate --simulate's answer      text, json
-    whatif      analysis.estimate.whatif.whatif(points, budget, ...)  text, json
-    alloc_whatif analysis.allocator.whatif.compare(trace, config)      text, json
+    whatif      analysis.estimate.batch_fit.fit_to_budget(points, budget, ...)  text, json
+    alloc_whatif analysis.allocator.settings_replay.compare(trace, config)      text, json
     timeline    a Trace and a device (memory over time by category)   png
 
 A reporter's module is imported only when it is asked for, so `report --json` never loads the text
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from typing import Any
 
 
 class Reporter:
@@ -32,7 +33,8 @@ class Reporter:
     kind = ""
     format = ""
 
-    def render(self, result, **context):  # pragma: no cover - the interface
+    def render(self, *result: Any, **context: Any) -> Any:  # pragma: no cover - the interface
+        """Each reporter names what it takes: the result first, then its context."""
         raise NotImplementedError
 
 

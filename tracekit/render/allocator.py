@@ -1,5 +1,5 @@
 """`tracekit whatif FILE --alloc-conf ...` as text: the same requests under other caching-allocator
-settings (tracekit.analysis.allocator.whatif.compare), recorded vs the model as recorded vs the what-if."""
+settings (tracekit.analysis.allocator.settings_replay.compare), recorded vs the model as recorded vs the what-if."""
 from __future__ import annotations
 
 from ..units import fmt_bytes

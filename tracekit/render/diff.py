@@ -1,6 +1,8 @@
 """Plain-text rendering of `tracekit diff`: what changed beyond noise, read at a glance."""
 from __future__ import annotations
 
+from typing import Any
+
 from ..units import fmt_bytes
 from . import Reporter
 
@@ -71,7 +73,7 @@ def diff_text(result: dict) -> str:
             first = [("peak allocated", "headline_peak_bytes")] + (
                 [("requested by tensors", "peak_allocated_bytes")] if (head["a"], head["b"]) != (req["a"], req["b"])
                 else [])
-        figures = first + [("peak reserved", "peak_reserved_bytes"),
+        figures: list[tuple[str, Any]] = first + [("peak reserved", "peak_reserved_bytes"),
                    ("before the trace", "allocated_before_trace_bytes"),
                    ("final allocated", "final_allocated_bytes")]
         figures = [(n, d[k]) for n, k in figures if d[k]["a"] is not None and d[k]["b"] is not None]

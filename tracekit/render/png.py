@@ -78,10 +78,6 @@ def timeline_pixels(trace: Trace, device: int, width=720, height=200, rules=None
     return img, top, names
 
 
-def timeline_png(trace: Trace, device: int, width=720, height=200, rules=None) -> bytes:
-    return encode(timeline_pixels(trace, device, width, height, rules)[0])
-
-
 class TimelinePng(Reporter):
     """A device's memory over time, stacked by category, as PNG bytes: `render(trace, device=0, width, height,
     rules)`; `picture(...)` also gives the top of the picture in bytes and the categories drawn."""

@@ -100,7 +100,7 @@ def report_text(report: dict, t0_by_device=None) -> str:
             out.append("  at the peak, by category:")
             total = sum(d["categories_at_peak"].values()) or 1
             cats = sorted(d["categories_at_peak"].items(), key=lambda kv: -kv[1])
-            why = {}
+            why: dict = {}
             for r in d.get("reasons_at_peak") or []:  # largest first: the main reason of each category
                 why.setdefault(r["category"], r["reason"])
             out += _rows([(c, f"{fmt_bytes(b):>10}  {b / total:4.0%}  {why.get(c, '')}".rstrip()) for c, b in cats if b],

@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import weakref
+from types import FrameType
 
 from ..errors import TracekitError
 
@@ -68,7 +69,7 @@ def _skip(filename: str) -> bool:
     return got
 
 
-class Frames:
+class StackFrames:
     """Frame dicts, interned (the same line is one dict), and the stacks torch's history would record."""
 
     def __init__(self):
@@ -89,7 +90,7 @@ class Frames:
         (backward) a CUDA run has no Python frames but those of Python code run by backward itself."""
         import torch
         out = []
-        f = sys._getframe(2)
+        f: FrameType | None = sys._getframe(2)
         backward = torch._C._current_autograd_node() is not None
         while f is not None:
             co = f.f_code
@@ -231,7 +232,7 @@ class SimDevice:
         made_segment = any(e["action"] in ("segment_alloc", "segment_map") for e in self.entries[n_entries:])
         a.free(block)
         if made_segment and block.prev is None and block.next is None and block.es is None and block.free:
-            a.release_segment_block(block)
+            a.release_block(block)
         self.alog.clear()
         a.peak_allocated, a.peak_reserved, self.peak_requested = peak_a, peak_r, peak_q
         del self.entries[n_entries:]
@@ -378,7 +379,7 @@ class Session:
         self.routing = routing
         self.rank, self.world_size = rank, world_size
         self.ndevices = max(1, devices)
-        self.frames = Frames()
+        self.frames = StackFrames()
         self.t0 = int(time.time() * 1e6)
         self._clock = 0
         self.metadata = ""  # our marks (tracekit:iter=N:phase=P), for -o

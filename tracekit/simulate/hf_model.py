@@ -153,7 +153,7 @@ def exact_count(config: dict) -> dict:
     {"params", "trainable_params", "buffers", "tied": [(name, name)...], "path", "transformers"}."""
     model = build_meta(config)
     params = unique_parameters(model)
-    first = {}
+    first: dict = {}
     tied = []
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in first:

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 
-class Run:
+class TrainingStep:
     def __init__(self, w, model, session):
         self.w, self.model, self.s = w, model, session
         self.marks = session.marks

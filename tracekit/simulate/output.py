@@ -19,7 +19,7 @@ def categories(session, infer=True) -> dict:
     and with `infer` the labels of the built-in training step (forward storages alive when backward begins are
     activations, autocast's weight copies parameters, the batch moved in an input). A script's run leaves those to
     tracekit's analysis, as for any recording (FSDP's unsharded units, DDP's buckets... by their frames)."""
-    cat = {}
+    cat: dict = {}
     for kind, sid, name in session.tags:
         if sid is None or kind == "step":
             continue
@@ -27,7 +27,7 @@ def categories(session, infer=True) -> dict:
         if sid not in cat or (cat[sid] == "parameter" and c != "parameter"):
             cat.setdefault(sid, c)
     marks = session.marks
-    starts = {}
+    starts: dict = {}
     for p in (marks.phases if marks is not None else []):
         if p["phase"] == "backward":
             starts.setdefault(p["iteration"], p["start_us"])
@@ -70,6 +70,7 @@ def snapshot(session, settings=None, extra=None, infer=False) -> dict:
         fe = info.get("free_entry")
         if fe is not None:
             by_entry[info["device"], fe - 1] = by_entry[info["device"], fe] = c
+    traces: list
     traces, segments, tags = [], [], []
     for i in range(session.ndevices):
         d = session.devices.get(i)

@@ -24,7 +24,7 @@ BOOTSTRAP = "from tracekit.simulate.runner import main; main()"
 
 # -- phases, iterations and tags (for -o), from global hooks --------------------------------------------------
 
-class Marks:
+class SimulatedMarks:
     """Iterations and phases as our recorder writes them (user_metadata `tracekit:iter=N:phase=P` and the
     tracekit key): forward from the outermost module call, backward from backward's start, optimizer from
     the optimizer's step hooks; an iteration ends with its optimizer step. Tags: parameters, gradients and
@@ -152,7 +152,8 @@ def inner_tensors(t) -> list:
     if flatten is None:
         return [t]
     try:
-        names, _ = t.__tensor_flatten__()
+        # wrapper subclasses define __tensor_flatten__; torch.Tensor's stub does not
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
     except Exception:
         return []
     out = []
@@ -434,7 +435,7 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
             fn(sys.modules[name])
     sys.meta_path.insert(0, hook)
     tracker = _tracker_class()(session)
-    mk = Marks(session) if marks else None
+    mk = SimulatedMarks(session) if marks else None
     autocast = kernels.CudaAutocast(on_cast=session.frames.on_cast)
     composites = kernels.CudaComposites(tuple(card.sm), session.frames.op)
     session.tracker, session.marks, session.composites = tracker, mk, composites

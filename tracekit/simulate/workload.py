@@ -72,7 +72,7 @@ def simulate(w: Workload, progress=None) -> dict:
 
     from . import hf_step
     from .output import snapshot
-    from .runner import Marks, simulation
+    from .runner import SimulatedMarks, simulation
 
     if w.config.get("is_encoder_decoder"):
         raise SimulationError("--simulate trains decoder-only causal language models (this config is encoder-decoder)")
@@ -89,9 +89,9 @@ def simulate(w: Workload, progress=None) -> dict:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_quiet())
             session = stack.enter_context(simulation(card_for(w), marks=False))
-            session.marks = Marks(session)
+            session.marks = SimulatedMarks(session)
             torch.set_grad_enabled(True)
-            run = hf_step.Run(w, model, session)
+            run = hf_step.TrainingStep(w, model, session)
             run.setup()
             total = w.warmup + w.steps
             for i in range(total):

@@ -1,10 +1,10 @@
-/* The replay of one device's trace through the caching-allocator model (exact.py), compiled.
+/* The replay of one device's trace through the caching-allocator model (model_replay.py), compiled.
  *
- * It makes the same decisions as tracekit/analysis/allocator/exact.py's loop, entry for
+ * It makes the same decisions as tracekit/analysis/allocator/model_replay.py's loop, entry for
  * entry, for files without expandable segments or private pools (the caller keeps the
  * Python loop for those): best fit over free blocks ordered by (stream, size, address),
  * the split rule, merging on free, segments from the trace's own segment entries, and the
- * same counts of entries the model could not follow. exact.py is the reference; the tests
+ * same counts of entries the model could not follow. model_replay.py is the reference; the tests
  * compare the two on every fixture and on random request streams.
  *
  * replay(action, addr, size, stream,             per-entry columns (int8, uint64, int64, int64)
@@ -28,12 +28,16 @@ enum { A_ALLOC, A_FREE_REQUESTED, A_FREE_COMPLETED, A_SEGMENT_ALLOC, A_SEGMENT_F
 enum { R_NEWSEG_CACHED, R_SEG_SIZE, R_NOT_AT_NEWSEG, R_BEST_FIT, R_NO_CACHED, R_OUTSIDE, R_SMALLER, R_TWICE,
        R_FREE_UNKNOWN, R_NO_REQUEST, R_SEG_FREE, R_OOM_CACHED, N_REASONS };
 
+/* The allocator's constants: config.py names them; tests/test_allocator_compiled.py checks that these equal
+ * them (the module exposes each as an attribute of the same name, and REASONS as the reasons' text). */
 #define MIN_BLOCK 512
 #define SMALL_SIZE (1LL << 20)
 #define SMALL_BUFFER (2LL << 20)
 #define LARGE_BUFFER (20LL << 20)
 #define MIN_LARGE_ALLOC (10LL << 20)
 #define ROUND_LARGE (2LL << 20)
+#define POWER2_START_LOG2 20  /* roundup_power2_divisions' first interval starts at 1 MiB */
+#define INTERVALS 16
 #define NONE (-1)
 #define EMPTY UINT64_MAX
 #define F_ALLOCATED 1
@@ -60,7 +64,7 @@ typedef struct {
     Seg *segs; Py_ssize_t nsegs, capsegs;
     Fresh *fresh; Py_ssize_t nfresh, capfresh;
     int64_t allocated, reserved;
-    int64_t div[16];
+    int64_t div[INTERVALS];
     uint64_t mss;
     int64_t rounding;
     int oom;
@@ -229,9 +233,9 @@ static int pool_remove(St *s, int32_t bi) {
 static int64_t round_size(St *s, int64_t size) {
     if (size < MIN_BLOCK) return MIN_BLOCK;
     int log = 63 - __builtin_clzll((unsigned long long)size);
-    int idx = log - 20;
+    int idx = log - POWER2_START_LOG2;
     if (idx < 0) idx = 0;
-    if (idx > 15) idx = 15;
+    if (idx > INTERVALS - 1) idx = INTERVALS - 1;
     int64_t div = s->div[idx];
     if (div > 1 && size > MIN_BLOCK * div) {
         if ((size & (size - 1)) == 0) return size;
@@ -493,7 +497,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         if (get_buf(o[k], &B[k], items[k], k >= 14, names[k]) < 0) goto done;
     Py_ssize_t n = LEN(B[0]);
     if (LEN(B[1]) != n || LEN(B[2]) != n || LEN(B[3]) != n || LEN(B[14]) != n || LEN(B[15]) != n || LEN(B[16]) != n
-        || LEN(B[13]) != 16) {
+        || LEN(B[13]) != INTERVALS) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
     }
@@ -753,4 +757,51 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_replay", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__replay(void) { return PyModule_Create(&module); }
+/* the reasons' text, in the order of the R_ enum (analysis/allocator/model_replay.py's REASONS begins with these) */
+static const char *reason_text[N_REASONS] = {
+    "a new segment where the model had a cached block",
+    "segment of another size than the model asks for",
+    "request not at its new segment",
+    "best fit differs from the recorded address",
+    "no cached block in the model where the allocator found one",
+    "address outside the known free memory",
+    "recorded block smaller than the request",
+    "allocated twice without a free",
+    "free of an address not allocated",
+    "free_completed without free_requested",
+    "segment_free of a segment that is not free in the model",
+    "out of memory where the model had a cached block",
+};
+
+PyMODINIT_FUNC PyInit__replay(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *reasons = PyTuple_New(N_REASONS);
+    if (!reasons) goto fail;
+    for (int k = 0; k < N_REASONS; k++) {
+        PyObject *t = PyUnicode_FromString(reason_text[k]);
+        if (!t) { Py_DECREF(reasons); goto fail; }
+        PyTuple_SET_ITEM(reasons, k, t);
+    }
+    if (PyModule_AddObject(m, "REASONS", reasons) < 0) { Py_DECREF(reasons); goto fail; }
+    if (PyModule_AddIntConstant(m, "MIN_BLOCK", MIN_BLOCK) < 0 || PyModule_AddIntConstant(m, "SMALL_SIZE", SMALL_SIZE) < 0
+        || PyModule_AddIntConstant(m, "SMALL_BUFFER", SMALL_BUFFER) < 0
+        || PyModule_AddIntConstant(m, "LARGE_BUFFER", LARGE_BUFFER) < 0
+        || PyModule_AddIntConstant(m, "MIN_LARGE_ALLOC", MIN_LARGE_ALLOC) < 0
+        || PyModule_AddIntConstant(m, "ROUND_LARGE", ROUND_LARGE) < 0
+        || PyModule_AddIntConstant(m, "POWER2_START_LOG2", POWER2_START_LOG2) < 0
+        || PyModule_AddIntConstant(m, "INTERVALS", INTERVALS) < 0
+        || PyModule_AddIntConstant(m, "A_ALLOC", A_ALLOC) < 0
+        || PyModule_AddIntConstant(m, "A_FREE_REQUESTED", A_FREE_REQUESTED) < 0
+        || PyModule_AddIntConstant(m, "A_FREE_COMPLETED", A_FREE_COMPLETED) < 0
+        || PyModule_AddIntConstant(m, "A_SEGMENT_ALLOC", A_SEGMENT_ALLOC) < 0
+        || PyModule_AddIntConstant(m, "A_SEGMENT_FREE", A_SEGMENT_FREE) < 0
+        || PyModule_AddIntConstant(m, "A_SEGMENT_MAP", A_SEGMENT_MAP) < 0
+        || PyModule_AddIntConstant(m, "A_SEGMENT_UNMAP", A_SEGMENT_UNMAP) < 0
+        || PyModule_AddIntConstant(m, "A_OOM", A_OOM) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

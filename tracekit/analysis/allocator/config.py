@@ -16,6 +16,7 @@ parser when it is importable.
 """
 from __future__ import annotations
 
+from typing import Any
 import math
 import re
 import sys
@@ -32,6 +33,14 @@ MIN_LARGE_ALLOC = 10 << 20  # from here a new segment is the request rounded up 
 ROUND_LARGE = 2 << 20  # ...2 MiB
 NO_LIMIT = 2**64 - 1  # max_split_size when unset (SIZE_MAX)
 INTERVALS = 16  # roundup_power2_divisions: one setting per power-of-two interval from 1 MiB to 64 GiB
+POWER2_START_LOG2 = 20  # ...the first interval starts at 2**20 B (1 MiB)
+DEFAULT_TOTAL_MEMORY = 80 << 30  # a device's memory when the file does not say (an 80 GiB card)
+
+
+def expandable_pages(total_memory: int, page: int) -> int:
+    """Pages of address space a growing segment reserves: 1 1/8 of the device's memory (ExpandableSegment's
+    max_handles), rounded up to whole pages."""
+    return -(-(total_memory + total_memory // 8) // page)
 
 
 class ConfigError(TracekitError):
@@ -54,7 +63,7 @@ class AllocatorConfig:
 
     def divisions(self, size: int) -> int:
         """roundup_power2_divisions for a request of `size` bytes (intervals start at 1 MiB, end at 64 GiB)."""
-        index = size.bit_length() - 1 - 20
+        index = size.bit_length() - 1 - POWER2_START_LOG2
         return self.roundup_power2_divisions[min(max(index, 0), INTERVALS - 1)]
 
     def round_size(self, size: int) -> int:
@@ -110,7 +119,7 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
     """Parse PYTORCH_CUDA_ALLOC_CONF syntax ("expandable_segments:True,max_split_size_mb:128", ...)
     on top of `base`, with the checks torch makes; ConfigError (one line) for what torch would refuse."""
     tokens = _lex(text)
-    out = {}
+    out: dict[str, Any] = {}
     i = 0
 
     def value(key):
@@ -171,6 +180,7 @@ def parse_alloc_conf(text: str, base: AllocatorConfig = DEFAULT) -> AllocatorCon
 
 
 def _lex(text: str) -> list[str]:
+    buf: list
     tokens, buf = [], []
     for ch in str(text):
         if ch in ",:[]":
@@ -308,7 +318,7 @@ def from_settings(settings) -> tuple[AllocatorConfig, list[str]]:
     notes = []
     if not isinstance(settings, dict):
         return DEFAULT, ["the file does not record the allocator's settings: assumed torch's defaults"]
-    kw = {}
+    kw: dict[str, Any] = {}
     mss = settings.get("max_split_size")
     if isinstance(mss, int) and 0 < mss < NO_LIMIT:
         kw["max_split_size"] = mss

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from .config import (DEFAULT, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, NO_LIMIT, ROUND_LARGE, SMALL_BUFFER,
-                     SMALL_SIZE, AllocatorConfig)
+from .config import (DEFAULT, DEFAULT_TOTAL_MEMORY, LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, NO_LIMIT, ROUND_LARGE,
+                     SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, expandable_pages)
 
 
 class Block:
@@ -71,8 +71,8 @@ class Pool:
     def __init__(self, small: bool, pool_id=""):
         self.small = small
         self.pool_id = pool_id
-        self.keys = []  # sorted [(stream, size, addr)]
-        self.unmapped = []  # sorted [(stream, addr)]
+        self.keys: list = []  # sorted [(stream, size, addr)]
+        self.unmapped: list = []  # sorted [(stream, addr)]
         self.calls = 0  # get_free_block calls (garbage collection ages blocks by them)
 
     def insert(self, b: Block):
@@ -116,7 +116,7 @@ class Device:
     `capacity`: bytes this process may hold reserved (None: no limit); `addresses(size, stream,
     small, expandable)` gives the address of a new segment (default: fresh ones, 2 MiB aligned)."""
 
-    def __init__(self, capacity=None, total_memory=80 << 30, addresses=None):
+    def __init__(self, capacity=None, total_memory=DEFAULT_TOTAL_MEMORY, addresses=None):
         self.capacity = capacity
         self.total_memory = total_memory
         self._next = 1 << 44
@@ -128,7 +128,7 @@ class Device:
             if a is not None:
                 return a
         a = self._next
-        self._next += -(-(size + (2 << 20)) // (2 << 20)) * (2 << 20)
+        self._next += -(-(size + ROUND_LARGE) // ROUND_LARGE) * ROUND_LARGE
         return a
 
     def fits(self, reserved, size) -> bool:
@@ -144,10 +144,10 @@ class Allocator:
         self.config = config
         self.device = device or Device()
         self.allowed = memory_fraction_bytes  # set_per_process_memory_fraction(f) * total, or None
-        self.pools = {}
-        self.blocks = {}  # addr -> Block (every block: allocated, pending, free, unmapped)
-        self.segments = {}  # start -> size of cudaMalloc'ed segments
-        self.expandable = {}  # base -> ExpandableSegment
+        self.pools: dict = {}
+        self.blocks: dict = {}  # addr -> Block (every block: allocated, pending, free, unmapped)
+        self.segments: dict = {}  # start -> size of cudaMalloc'ed segments
+        self.expandable: dict = {}  # base -> ExpandableSegment
         self.allocated = 0  # bytes in allocated blocks (torch.cuda.memory_allocated)
         self.reserved = 0  # bytes in segments and mapped pages (torch.cuda.memory_reserved)
         self.peak_allocated = 0
@@ -155,7 +155,7 @@ class Allocator:
         self.log = log
         self.retries = 0
         self.ooms = 0
-        self._seg_starts = None  # sorted segment starts, rebuilt when segments change
+        self._seg_starts: list[int] | None = None  # sorted segment starts, rebuilt when segments change
 
     # ---- pools and sizes -------------------------------------------------------------------------
 
@@ -192,8 +192,8 @@ class Allocator:
 
     # ---- best fit ----------------------------------------------------------------------------------
 
-    def find_free(self, pool: Pool, size: int, stream, take=True) -> Block | None:
-        """get_free_block: the cached block this request gets, removed from the pool if `take`."""
+    def get_free_block(self, pool: Pool, size: int, stream, take=True) -> Block | None:
+        """The cached block this request gets (best fit), removed from the pool if `take`."""
         cfg = self.config
         if self.allowed is not None and cfg.garbage_collection_threshold > 0:
             pool.calls += 1
@@ -237,26 +237,29 @@ class Allocator:
         size = self.config.round_size(orig_size)
         pool = self.pool(size <= SMALL_SIZE, pool_id)
         alloc_size = self.allocation_size(size)
-        block = self.find_free(pool, size, stream)
+        block = self.get_free_block(pool, size, stream)
         if block is None:
             if self.allowed is not None and self.config.garbage_collection_threshold > 0:
-                self.garbage_collect()
-            block = self.new_block(pool, size, alloc_size, stream)
-            if block is None and self.release_available(pool, size, stream):
-                block = self.new_block(pool, size, alloc_size, stream)
+                self.garbage_collect_cached_blocks()
+            block = self.alloc_block(pool, size, alloc_size, stream)
+            if block is None and self.release_available_cached_blocks(pool, size, stream):
+                block = self.alloc_block(pool, size, alloc_size, stream)
             if block is None:
                 self.release_cached()
                 self.retries += 1
-                block = self.new_block(pool, size, alloc_size, stream)
+                block = self.alloc_block(pool, size, alloc_size, stream)
             if block is None:
                 self.ooms += 1
                 self._note("oom", 0, size, stream)
                 raise OutOfMemory(size)
-        return self.take(block, size, orig_size)
+        return self.alloc_found_block(block, size, orig_size)
 
-    def _split(self, block: Block, size: int, pool, es, **kw) -> Block:
-        """Cut `block` to `size`; the rest becomes the next block of its segment (returned, not yet pooled)."""
-        rest = Block(block.addr + size, block.size - size, block.stream, pool, block.seg, es, **kw)
+    def splice(self, block: Block, size: int) -> Block:
+        """Cut `block` to its first `size` bytes; the rest becomes a new block right after it in its segment, in
+        the same state of mapping (returned, in no pool). Every split of the model is this one (alloc_found_block's
+        remainder, map_block's and unmap_block's page boundaries, a replay following the file's address)."""
+        rest = Block(block.addr + size, block.size - size, block.stream, block.pool, block.seg, block.es,
+                     mapped=block.mapped)
         rest.prev, rest.next = block, block.next
         if block.next is not None:
             block.next.prev = rest
@@ -265,10 +268,35 @@ class Allocator:
         self.blocks[rest.addr] = rest
         return rest
 
-    def take(self, block: Block, size: int, orig_size: int) -> Block:
-        """alloc_found_block: hand out `block` (already out of its pool), splitting off what is worth keeping."""
+    def try_merge_blocks(self, dst: Block, src: Block | None) -> int:
+        """Merge `src`, a neighbour of `dst` in its segment, into `dst` if it is free and in the same state of
+        mapping (taken out of its pool's index); the bytes merged, 0 if it was not. `dst` keeps its identity and
+        grows to cover both."""
+        if src is None or not src.free or src.mapped != dst.mapped:
+            return 0
+        pool = src.pool
+        if src.mapped:
+            pool.remove(src)
+        else:
+            _remove_sorted(pool.unmapped, (src.stream, src.addr))
+        if src is dst.prev:
+            del self.blocks[dst.addr]
+            dst.addr, dst.prev = src.addr, src.prev
+            if src.prev is not None:
+                src.prev.next = dst
+            self.blocks[dst.addr] = dst
+        else:
+            del self.blocks[src.addr]
+            dst.next = src.next
+            if src.next is not None:
+                src.next.prev = dst
+        dst.size += src.size
+        return src.size
+
+    def alloc_found_block(self, block: Block, size: int, orig_size: int) -> Block:
+        """Hand out `block` (already out of its pool), splitting off what is worth keeping."""
         if self.should_split(block, size):
-            block.pool.insert(self._split(block, size, block.pool, block.es))
+            block.pool.insert(self.splice(block, size))
         block.allocated = True
         block.requested = orig_size
         self.allocated += block.size
@@ -284,61 +312,48 @@ class Allocator:
         block.allocated = False
         self.allocated -= block.size
         if completed:
-            self.cache(block)
+            self.free_block(block)
         else:
             block.pending = True
 
     def complete_free(self, block: Block):
         if block.pending:
             block.pending = False
-            self.cache(block)
+            self.free_block(block)
 
-    def cache(self, block: Block):
-        """free_block: merge with free neighbours of the same mapping state, put back in the pool."""
-        pool = block.pool
-        p = block.prev
-        if p is not None and p.free and p.mapped == block.mapped:
-            pool.remove(p)
-            del self.blocks[block.addr]
-            block.addr, block.size, block.prev = p.addr, p.size + block.size, p.prev
-            if p.prev is not None:
-                p.prev.next = block
-            self.blocks[block.addr] = block
-        n = block.next
-        if n is not None and n.free and n.mapped == block.mapped:
-            pool.remove(n)
-            del self.blocks[n.addr]
-            block.size += n.size
-            block.next = n.next
-            if n.next is not None:
-                n.next.prev = block
-        pool.insert(block)
+    def free_block(self, block: Block):
+        """Merge with free neighbours of the same mapping state, put back in the pool."""
+        self.try_merge_blocks(block, block.prev)
+        self.try_merge_blocks(block, block.next)
+        block.pool.insert(block)
 
     # ---- new memory ----------------------------------------------------------------------------------
 
-    def new_block(self, pool: Pool, size: int, alloc_size: int, stream) -> Block | None:
-        """alloc_block: a new segment (or newly mapped pages) for the request; None if the device refuses."""
+    def alloc_block(self, pool: Pool, size: int, alloc_size: int, stream) -> Block | None:
+        """A new segment (or newly mapped pages) for the request; None if the device refuses."""
         if self.allowed is not None and self.reserved + alloc_size > self.allowed:
             return None
         if self.config.expandable_segments:
-            return self._expandable_block(pool, size, stream)
+            return self.try_allocate_expandable_block(pool, size, stream)
         if not self.device.fits(self.reserved, alloc_size):
             return None
         addr = self.device.new_address(alloc_size, stream, pool.small, False)
         return self.add_segment(addr, alloc_size, stream, pool)
 
-    def add_segment(self, addr, size, stream, pool: Pool) -> Block:
-        """A new cudaMalloc'ed segment at `addr`: one free block, not yet in the pool."""
+    def add_segment(self, addr, size, stream, pool: Pool, counted: bool = True) -> Block:
+        """A new cudaMalloc'ed segment at `addr`: one free block, not yet in the pool. `counted=False`: its bytes
+        are already in `reserved` (a replay counts a recorded segment_alloc when it comes, the block later)."""
         b = Block(addr, size, stream, pool, addr)
         self.blocks[addr] = b
         self.segments[addr] = size
         self._seg_starts = None
-        self._grow(size)
-        self._note("segment_alloc", addr, size, stream)
+        if counted:
+            self._grow(size)
+            self._note("segment_alloc", addr, size, stream)
         return b
 
-    def release_available(self, pool: Pool, size: int, stream) -> bool:
-        """release_available_cached_blocks: free cached oversize blocks, the smallest that covers the
+    def release_available_cached_blocks(self, pool: Pool, size: int, stream) -> bool:
+        """Free cached oversize blocks, the smallest that covers the
         request or else the largest ones until enough is freed (only when max_split_size is set)."""
         mss = self.config.max_split_size
         if mss == NO_LIMIT:
@@ -350,7 +365,7 @@ class Allocator:
             b = self.blocks[keys[i][2]]
             if b.es is not None:
                 return False  # torch asserts here; a growing segment's pages are unmapped instead
-            self.release_segment_block(b)
+            self.release_block(b)
             return True
         if i == 0:
             return False
@@ -361,7 +376,7 @@ class Allocator:
             if b.size < mss or b.stream != stream or b.es is not None:
                 break
             released += b.size
-            self.release_segment_block(b)
+            self.release_block(b)
             i -= 1
         return released >= want
 
@@ -381,14 +396,14 @@ class Allocator:
                 if b.es is not None:
                     to_unmap.append(b)
                 elif b.prev is None and b.next is None:
-                    self.release_segment_block(b)
+                    self.release_block(b)
             for b in to_unmap:
                 b = self.unmap_block(b)
                 if b is not None and b.prev is None and b.next is None:
                     self._drop_expandable(b)
 
-    def release_segment_block(self, b: Block):
-        """release_block: cudaFree a whole-segment cached block."""
+    def release_block(self, b: Block):
+        """cudaFree a whole-segment cached block."""
         b.pool.remove(b)
         del self.blocks[b.addr]
         self.segments.pop(b.addr, None)
@@ -396,8 +411,8 @@ class Allocator:
         self.reserved -= b.size
         self._note("segment_free", b.addr, b.size, b.stream)
 
-    def garbage_collect(self):
-        """garbage_collect_cached_blocks: over threshold x allowed, free unsplit large cached blocks
+    def garbage_collect_cached_blocks(self):
+        """Over threshold x allowed, free unsplit large cached blocks
         that waited at least the average number of searches, oldest first, until under it."""
         threshold = int(self.config.garbage_collection_threshold * self.allowed)
         if self.reserved <= threshold:
@@ -423,17 +438,18 @@ class Allocator:
                         reclaimed += b.size
                         total -= age
                         count -= 1
-                        self.release_segment_block(b)
+                        self.release_block(b)
 
     # ---- expandable segments ---------------------------------------------------------------------
 
-    def _expandable_block(self, pool: Pool, size: int, stream) -> Block | None:
-        """try_allocate_expandable_block: map pages at the lowest place with room in this stream's segment."""
+    def try_allocate_expandable_block(self, pool: Pool, size: int, stream) -> Block | None:
+        """Map pages at the lowest place with room in this stream's segment."""
         c = self._expandable_candidate(pool, size, stream)
         if not c.mapped:
-            c = self.map_block(c, min(c.size, size))
-            if c is None:
+            mapped = self.map_block(c, min(c.size, size))
+            if mapped is None:
                 return None
+            c = mapped
         while c.size < size:
             nxt = c.next
             c2 = self.map_block(nxt, min(size - c.size, nxt.size))
@@ -457,8 +473,7 @@ class Allocator:
                 return c
             i += 1
         page = SMALL_BUFFER if pool.small else LARGE_BUFFER
-        total = self.device.total_memory
-        pages = -(-(total + total // 8) // page)
+        pages = expandable_pages(self.device.total_memory, page)
         base = self.device.new_address(page * pages, stream, pool.small, True)
         return self.add_expandable(base, page, pages, stream, pool)
 
@@ -471,7 +486,7 @@ class Allocator:
         return b
 
     def map_block(self, b: Block, size: int) -> Block | None:
-        """map_block: back [b.addr, b.addr + size) with pages (rounded up); the mapped part merges with free
+        """Back [b.addr, b.addr + size) with pages (rounded up); the mapped part merges with free
         mapped neighbours. None if the device has no room."""
         es, pool = b.es, b.pool
         first = (b.addr - es.base) // es.page
@@ -481,64 +496,36 @@ class Allocator:
             return None
         es.mapped.update(range(first, last))
         _remove_sorted(pool.unmapped, (b.stream, b.addr))
-        b.mapped = True
         if nbytes < b.size:
-            rest = self._split(b, nbytes, pool, es, mapped=False)
+            rest = self.splice(b, nbytes)
             insort(pool.unmapped, (rest.stream, rest.addr))
+        b.mapped = True
         addr = b.addr
         self._grow(nbytes)
         self._note("segment_map", addr, nbytes, b.stream)
-        self.cache(b)  # merge with free mapped neighbours (b grows in place), into the pool
+        self.free_block(b)  # merge with free mapped neighbours (b grows in place), into the pool
         return b
 
     def unmap_block(self, b: Block) -> Block | None:
-        """unmap_block: give back the whole pages inside a free block; what is left of it stays cached."""
+        """Give back the whole pages inside a free block; what is left of it stays cached."""
         es, pool = b.es, b.pool
         first = -(-(b.addr - es.base) // es.page)
         last = (b.addr + b.size - es.base) // es.page
         if first >= last:
             return None
         pool.remove(b)
-        del self.blocks[b.addr]
         start, end = es.base + first * es.page, es.base + last * es.page
-        if start > b.addr:
-            before = Block(b.addr, start - b.addr, b.stream, pool, b.seg, es)
-            before.prev, before.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = before
-            b.prev = before
-            self.blocks[before.addr] = before
+        if start > b.addr:  # the part before the first whole page stays cached
+            before, b = b, self.splice(b, start - b.addr)
             pool.insert(before)
-        if b.addr + b.size > end:
-            after = Block(end, b.addr + b.size - end, b.stream, pool, b.seg, es)
-            after.prev, after.next = b, b.next
-            if b.next is not None:
-                b.next.prev = after
-            b.next = after
-            self.blocks[after.addr] = after
-            pool.insert(after)
-        b.addr, b.size, b.mapped = start, end - start, False
-        self.blocks[start] = b
+        if b.addr + b.size > end:  # and the part after the last
+            pool.insert(self.splice(b, end - b.addr))
+        b.mapped = False
         es.mapped.difference_update(range(first, last))
         self.reserved -= end - start
         self._note("segment_unmap", start, end - start, b.stream)
-        # merge with unmapped neighbours
-        p = b.prev
-        if p is not None and not p.mapped:
-            _remove_sorted(pool.unmapped, (p.stream, p.addr))
-            del self.blocks[b.addr]
-            b.addr, b.size, b.prev = p.addr, p.size + b.size, p.prev
-            if p.prev is not None:
-                p.prev.next = b
-            self.blocks[b.addr] = b
-        n = b.next
-        if n is not None and not n.mapped:
-            _remove_sorted(pool.unmapped, (n.stream, n.addr))
-            del self.blocks[n.addr]
-            b.size += n.size
-            b.next = n.next
-            if n.next is not None:
-                n.next.prev = b
+        self.try_merge_blocks(b, b.prev)  # merge with unmapped neighbours
+        self.try_merge_blocks(b, b.next)
         insort(pool.unmapped, (b.stream, b.addr))
         return b
 
@@ -553,7 +540,7 @@ class Allocator:
         """Start of the cudaMalloc'ed segment holding `addr`, or None."""
         if self._seg_starts is None:
             self._seg_starts = sorted(self.segments)
-        starts = self._seg_starts
+        starts: list[int] = self._seg_starts
         i = bisect_left(starts, addr + 1) - 1
         if i >= 0 and addr < starts[i] + self.segments[starts[i]]:
             return starts[i]

@@ -25,7 +25,7 @@ import numpy as np
 
 from ...model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
-from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig
+from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, expandable_pages
 from .core import Allocator, Block
 
 HELD, PENDING = 1, 2  # a block allocated when the trace begins; one freed but waiting for other streams
@@ -56,9 +56,9 @@ class Held:
 
 @dataclass
 class InitialState:
-    regions: list = field(default_factory=list)
-    held: list = field(default_factory=list)
-    problems: dict = field(default_factory=dict)  # what did not add up, by kind: count
+    regions: list[Region] = field(default_factory=list)
+    held: list[Held] = field(default_factory=list)
+    problems: dict[str, int] = field(default_factory=dict)  # what did not add up, by kind: count
 
     @property
     def allocated(self) -> int:
@@ -293,13 +293,13 @@ class _Ranges:
 
 def load(alloc: Allocator, st: InitialState) -> dict:
     """Put the initial state into a fresh allocator; returns {addr: Block} of the held blocks."""
-    held_by_region = {}
+    held_by_region: dict = {}
     starts = [r.addr for r in st.regions]
     for h in st.held:
         k = bisect_right(starts, h.addr) - 1
         held_by_region.setdefault(k, []).append(h)
     live = {}
-    expandable_done = set()
+    expandable_done: set = set()
     for k, reg in enumerate(st.regions):
         pool = alloc.pool(reg.small, reg.pool_id)
         if reg.expandable:
@@ -362,8 +362,7 @@ def _expandable_for(alloc: Allocator, st: InitialState, reg: Region, done: set):
         if es.stream == reg.stream and es.small == reg.small and es.base <= reg.addr < es.base + es.size:
             return es
     page = SMALL_BUFFER if reg.small else LARGE_BUFFER
-    total = alloc.device.total_memory
-    pages = -(-(total + total // 8) // page)
+    pages = expandable_pages(alloc.device.total_memory, page)
     from .core import ExpandableSegment
 
     es = ExpandableSegment(reg.addr, page, pages, reg.stream, reg.small)

@@ -1,8 +1,13 @@
 """The allocator model's figures for the report: peaks in the allocator's own terms, and how sure they are."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...model import ALLOC, FREE_COMPLETED, FREE_REQUESTED, Trace
 from ..memo import per_trace
+
+if TYPE_CHECKING:
+    from .model_replay import AllocatorReplay
 
 
 def why_not_modelled(trace: Trace, device: int) -> str | None:
@@ -38,14 +43,14 @@ def _replays(trace: Trace) -> dict:
     report down (its other figures stand); TRACEKIT_DEBUG=1 lets it through, for a bug report."""
     import os
 
-    from .fast import replay_allocator
+    from .compiled import replay_device
 
-    out = {}
+    out: dict[int, AllocatorReplay | str] = {}
     for d in trace.devices:
         if why_not_modelled(trace, d) is not None:
             continue
         try:
-            out[d] = replay_allocator(trace, d)
+            out[d] = replay_device(trace, d)
         except Exception as e:  # noqa: BLE001
             if os.environ.get("TRACEKIT_DEBUG"):
                 raise
@@ -88,7 +93,7 @@ def allocator_summary(trace: Trace, device: int) -> dict:
         "final_allocated_bytes": r.final_allocated,
         "engine": r.engine,
     }
-    from .fast import segments_at  # the state at the allocated peak: what is cached and how scattered
+    from .compiled import segments_at  # the state at the allocated peak: what is cached and how scattered
 
     p = r.peak_index
     free = [b["size"] for s in segments_at(trace, device, p) for b in s["blocks"] if b["state"] == "inactive"]

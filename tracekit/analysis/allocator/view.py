@@ -23,7 +23,7 @@ class Fragmentation:
     initial_reserved: int = 0
     peak_index: int = -1  # the allocated peak's entry
     index: int = -1  # the entry `segments` describe (the state just after it)
-    segments: list = field(default_factory=list)  # [{address, total_size, blocks: [{address, size, state}]}]
+    segments: list[dict] = field(default_factory=list)  # [{address, total_size, blocks: [{address, size, state}]}]
 
     def _at(self, curve, initial, i):
         return initial if i < 0 or curve is None or len(curve) == 0 else int(curve[min(i, len(curve) - 1)])
@@ -51,7 +51,7 @@ class Fragmentation:
 
 def fragmentation(trace: Trace, device: int, index: int | None = None) -> Fragmentation:
     """The view's data for a device; `index`: the entry whose segments to show (default: the allocated peak)."""
-    from .fast import segments_at
+    from .compiled import segments_at
     from .summary import allocator_replays, allocator_summary
 
     s = allocator_summary(trace, device)
@@ -65,11 +65,11 @@ def fragmentation(trace: Trace, device: int, index: int | None = None) -> Fragme
 
 def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str | None = None) -> dict:
     """The model's allocated and reserved bytes per entry under `alloc_conf` and under the recorded settings
-    (same start), with the what-if summary (tracekit.analysis.allocator.whatif.compare's device entry)."""
+    (same start), with the what-if summary (tracekit.analysis.allocator.settings_replay.compare's device entry)."""
     from .config import parse_alloc_conf
-    from .exact import settings_of, total_memory
+    from .model_replay import settings_of, total_memory
     from .summary import allocator_replays
-    from .whatif import DEFAULT_START, device_limits, simulate
+    from .settings_replay import DEFAULT_START, device_limits, replay_under_settings
 
     start = start or DEFAULT_START  # the same start as `whatif --alloc-conf`
     config = parse_alloc_conf(alloc_conf)
@@ -81,7 +81,7 @@ def whatif_curves(trace: Trace, device: int, alloc_conf: str, start: str | None 
     lim = device_limits(trace, device, allocator_replays(trace).get(device))
     kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
               memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, device), curves=True)
-    base, what = simulate(trace, device, recorded, **kw), simulate(trace, device, config, **kw)
+    base, what = replay_under_settings(trace, device, recorded, **kw), replay_under_settings(trace, device, config, **kw)
     return {"settings": config.describe(), "recorded_settings": recorded.describe(),
             "baseline": {"allocated": base.allocated, "reserved": base.reserved, "peak_reserved": base.peak_reserved,
                          "unused_at_peak": base.fragmentation_at_peak,

@@ -28,11 +28,11 @@ def recorded_setup(trace: Trace):
     """(shape, Setup, notes) from the recorder's data; shape None when the file says nothing about the model."""
     rec = trace.recorder or {}
     model, opt = rec.get("model") or {}, rec.get("optimizer") or {}
-    notes = []
+    notes: list = []
     if not model.get("parameters"):
         return None, None, notes
     dtypes = model.get("dtypes") or {"float32": model["parameters"]}
-    main = max(dtypes, key=dtypes.get)
+    main = max(dtypes, key=lambda t: dtypes[t])
     precision = {"bfloat16": "bf16", "float16": "fp16"}.get(main, "fp32")
     name = (opt.get("class") or "").lower()
     kind = next((k for key, k in OPTIMIZER_CLASSES if key in name.rsplit(".", 1)[-1]), "none")
@@ -49,7 +49,7 @@ def recorded_setup(trace: Trace):
                   **_distributed_setup(rec.get("distributed"), notes))
     if cfg:
         try:
-            shape = from_hf_config(cfg, name=cfg.get("_name_or_path") or model.get("class", "model"))
+            shape: ModelShape | ParamCount = from_hf_config(cfg, name=cfg.get("_name_or_path") or model.get("class", "model"))
             if shape.params() == model["parameters"]:
                 notes.append("model shape from the recorded Hugging Face config")
                 return shape, setup, notes

@@ -18,6 +18,7 @@ moments, with its composition. Every line carries its formula.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ...errors import TracekitError
 from ..categories import CATEGORIES
@@ -127,7 +128,7 @@ class Line:
 
 # the moments of a training step, and which lines are live at each (gradients also before backward when
 # accumulating over micro-batches: see _moments)
-MOMENTS = {
+MOMENTS: dict[str, Any] = {
     "train": [("loss forward", (ALWAYS, HELD, SAVED, LOSS_FWD)),
               ("loss backward", (ALWAYS, HELD, SAVED, LOSS_BWD)),
               ("end of backward", (ALWAYS, HELD, GRADS, BWD_END, RECOMPUTE)),
@@ -313,6 +314,7 @@ def _parameters(est: Estimate):
     else:
         lin = shape.linear_params()
         rows = (sum(o * c for _, _, o, _, c in shape.matrices()) if isinstance(shape, ModelShape) else 0)
+        qbytes: float
         if s.quant == "8bit":
             qbytes, qtext = lin + 4 * rows, f"{lin:,} linear weights × 1 B (int8) + {rows:,} rows × 4 B (fp32 scale)"
         else:
@@ -439,6 +441,7 @@ def _optimizer(est: Estimate):
         return
     # element size of the state: fp32, except pure 16-bit training where torch makes it like the weight
     e = 2 if s.precision in ("bf16", "fp16") and not s.lora_rank else 4
+    nbytes: float
     parts, nbytes = [], 0
     if s.precision == "mixed" and not s.lora_rank:
         nbytes += 4 * n
@@ -452,6 +455,7 @@ def _optimizer(est: Estimate):
                      f"under {BNB_8BIT_MIN} elements keep 2 × 4 B")
     elif s.optimizer == "adafactor":
         factored = shape.factored if isinstance(shape, ParamCount) else _adafactor_elements(shape, s)
+        assert factored is not None  # a ParamCount without trainable shapes gets no adafactor state (its setup says)
         nbytes += factored * e
         parts.append(f"factored second moment: {factored:,} values (rows + columns of each matrix) × {e} B")
     elif k:
@@ -560,7 +564,7 @@ def _attention_terms(shape: ModelShape, s: Setup, lora) -> list[tuple[str, float
     c, tp = compute_bytes(s.precision), s.tp
     q, kv, v, o = shape.q_width / tp, shape.kv_width / tp, shape.v_width / tp, shape.o_width / tp
     heads = shape.heads / tp
-    terms = []
+    terms: list[tuple[str, float]] = []
     if shape.mla:  # DeepSeek: the latent q and kv pass through RMSNorms; kv_b_proj's output stays (v is its view)
         lq, lkv, hh = shape.q_lora_rank, shape.kv_lora_rank, shape.heads / tp
         norm = 4 + (c if s.precision != "fp32" else 4)
@@ -629,7 +633,7 @@ def _mlp_terms(shape: ModelShape, s: Setup, lora, moe: bool) -> list[tuple[str, 
                  + (", its output feeds the down projection" if down else ""), n * c * f)]
     fe = (shape.expert_ffn or shape.d_ff) / tp
     k, E = shape.top_k, shape.experts
-    terms = [(f"router: softmax of {E} expert scores (fp32)", 4 * E),
+    terms: list[tuple[str, float]] = [(f"router: softmax of {E} expert scores (fp32)", 4 * E),
              (f"experts: per routed token-slot (top {k}): its input, gate_up, {act}(gate), the product, the output",
               k * c * (2 * h + 4 * fe + (extra - 1) * fe))]
     if s.precision == "amp":
@@ -652,7 +656,7 @@ def activation_terms(shape: ModelShape, s: Setup, moe: bool = False) -> list[tup
     lora = _lora_set(s)
     frozen = lora is not None  # LoRA: the norms' weights are frozen
     dropout = shape.dropout if s.dropout is None else s.dropout
-    terms = []
+    terms: list[tuple[str, float]] = []
     residuals = 1 if shape.parallel_residual else 2
     if _stream_saved(shape, s):
         terms.append((f"residual stream: {residuals} sum{'s' if residuals > 1 else ''} per layer in "
@@ -717,7 +721,7 @@ def _activations(est: Estimate):
                     when=SAVED)
     # the embedding's output (layer 0's input), the final norm, the output layer's input
     frozen = bool(s.lora_rank)
-    tail = [("the embedding's output (layer 0's input)" + (" + positions" if shape.positions else ""),
+    tail: list[tuple[str, float]] = [("the embedding's output (layer 0's input)" + (" + positions" if shape.positions else ""),
              r * h if _stream_saved(shape, s) else 0)]
     if shape.embed_norm:
         tail.append(("embedding LayerNorm: its output, mean and rstd", r * h + 8))

@@ -18,6 +18,9 @@ the shape says so (`counted_by`).
 """
 from __future__ import annotations
 
+import builtins
+from typing import Any, overload
+
 from dataclasses import asdict, dataclass, field, replace
 
 from ...errors import TracekitError
@@ -252,9 +255,6 @@ class ModelShape:
             n += self.kv_lora_rank + self.q_lora_rank  # RMSNorms over the compressed kv and q
         return n
 
-    def layer_params(self) -> int:
-        """Parameters of one dense layer (MoE layers: see params())."""
-        return sum(i * o + (o if b else 0) for _, i, o, b in self.linears()) + self.layer_norms_params()
 
     def embedding_params(self) -> int:
         n = self.vocab * self.emb + self.positions * self.hidden
@@ -272,14 +272,6 @@ class ModelShape:
         mats = sum((i * o + (o if b else 0)) * n for _, i, o, b, n in self.matrices())
         return (self.embedding_params() + mats + self.layers * self.layer_norms_params()
                 + (self.norm_params() if self.final_norm else 0) + self.head_params())
-
-    def active_params(self) -> int:
-        """Parameters one token goes through (MoE: top-k of the routed experts)."""
-        if not self.experts:
-            return self.params()
-        f = self.expert_ffn or self.d_ff
-        per_expert = 3 * self.hidden * f
-        return self.params() - self.moe_layers * (self.experts - self.top_k) * per_expert
 
     def linear_params(self) -> int:
         """Parameters in the layers' matmul weights (what LoRA targets and bitsandbytes quantizes)."""
@@ -375,7 +367,13 @@ class _Cfg:
                 return self.cfg[k]
         return default
 
-    def int(self, *keys, default=None, required=False) -> int | None:
+    @overload
+    def int(self, *keys: str, default: builtins.int, required: bool = False) -> builtins.int: ...
+
+    @overload
+    def int(self, *keys: str, default: builtins.int | None = None, required: bool = False) -> builtins.int | None: ...
+
+    def int(self, *keys, default=None, required=False) -> builtins.int | None:
         v = self.raw(*keys, default=default)
         if v is None:
             if required:
@@ -602,6 +600,9 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
         raise TracekitError(f"{name}: model_type {mt!r} is not a decoder-only transformer language model; "
                             "the estimator covers those (Llama, Mistral, Qwen, Gemma, Phi, Falcon, GPT-2, OPT, ...)")
     c = _Cfg(cfg, name)
+    hidden: int | None
+    layers: int | None
+    heads: int | None
     if mt == "mpt":
         hidden, layers = c.int("d_model", default=2048), c.int("n_layers", default=24)
         heads = c.int("n_heads", default=16)
@@ -618,11 +619,11 @@ def from_hf_config(cfg: dict, name="config") -> ModelShape:
                             f"{', '.join(missing)})")
     for k, v in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
                  ("vocab_size", vocab)):
-        if v < 1:
+        if v is not None and v < 1:
             raise TracekitError(f"{name}: {k} must be at least 1 (got {v})")
     gpt_named = "n_embd" in cfg and mt not in KNOWN
     family = mt if mt in KNOWN else ("gpt2" if gpt_named else "")
-    s = {"hidden": hidden, "layers": layers, "heads": heads, "vocab": vocab,
+    s: dict[str, Any] = {"hidden": hidden, "layers": layers, "heads": heads, "vocab": vocab,
          "ffn": c.int("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", default=0) or 0,
          "kv_heads": c.int("num_key_value_heads", default=KV_DEFAULT.get(family, 0)) or 0,
          "head_dim": c.int("head_dim", default=HEAD_DIM_DEFAULT.get(family, 0)) or 0}

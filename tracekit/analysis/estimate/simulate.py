@@ -1,10 +1,10 @@
-"""Predicted figures from a simulated request stream (tracekit/record/fake.py), and the simulation beside a recording.
+"""Predicted figures from a simulated request stream (tracekit/simulate/), and the simulation beside a recording.
 
 The simulator writes the stream a CUDA recording of the same step would hold: one `alloc` per tensor
 storage (the requested size), its `free_requested` / `free_completed` when it is released, stacks,
 phases, a category per entry. Everything here is plain replay over that stream (no torch):
 
-- `replay_allocator`: what each request costs the allocator (what `torch.cuda.memory_allocated()` counts)
+- `serve_simulated_stream`: what each request costs the allocator (what `torch.cuda.memory_allocated()` counts)
   and what is reserved: the stream served, in order, by the model of PyTorch's caching allocator
   (analysis/allocator: its rounding, pools, best fit, splits and segments) under the default settings
   (or the stream's recorded `allocator_settings`), from an empty allocator as a fresh process starts.
@@ -27,7 +27,7 @@ from ..replay import block_size, replay
 
 ROUNDING = ("block sizes: requests rounded up to 512 B; a request of 10 MiB or more takes its whole new segment "
             "(rounded up to 2 MiB) when the rest is 1 MiB or less (CUDACachingAllocator's usual case)")
-RESERVED = "not modelled yet (the caching allocator's segments are not simulated)"
+RESERVED = "not modelled (the caching-allocator model could not serve this stream)"
 BEFORE = "(made before the measured steps)"
 
 
@@ -37,7 +37,7 @@ def block_sizes(requested) -> np.ndarray:
 
 
 @dataclass
-class AllocatorReplay:
+class SimulatedBlocks:
     """The caching allocator's view of a stream: each allocation's block size, allocated bytes after every entry
     (torch.cuda.memory_allocated), reserved bytes after every entry (None: not modelled), and how it was made."""
 
@@ -48,37 +48,38 @@ class AllocatorReplay:
     how: str
 
 
-def replay_allocator(trace: Trace, device: int = 0) -> AllocatorReplay:
+def serve_simulated_stream(trace: Trace, device: int = 0) -> SimulatedBlocks:
     """The request stream served in order by the caching-allocator model (analysis/allocator): each request's
     block, allocated and reserved bytes after every entry. Falls back to the usual-case block sizes (reserved
     not modelled) only where the model cannot serve the stream."""
     rep = replay(trace)[device]
     try:
-        from ..allocator.exact import settings_of
-        from ..allocator.whatif import simulate
+        from ..allocator.model_replay import settings_of
+        from ..allocator.settings_replay import replay_under_settings
 
         config, _ = settings_of(trace)
-        run = simulate(trace, device, config, recorded=config, start="rebuilt", curves=True)
+        run = replay_under_settings(trace, device, config, recorded=config, start="rebuilt", curves=True)
     except Exception:  # noqa: BLE001 - the model refused the stream: the usual case per request, no reserved figure
         run = None
     if run is None or run.ooms:
         sizes = block_sizes(rep.allocations.size)
         curve, initial = _curve(rep, sizes)
-        return AllocatorReplay(sizes=sizes, curve=curve, initial=initial, reserved=None,
+        return SimulatedBlocks(sizes=sizes, curve=curve, initial=initial, reserved=None,
                                how="replay of the simulated request stream, " + ROUNDING)
     al = rep.allocations
     sizes = block_sizes(al.size)  # allocations made before the stream (none in a simulation): the usual case
     traced = al.alloc_index >= 0
+    assert run.blocks is not None  # replayed with curves=True
     sizes[traced] = run.blocks[al.alloc_index[traced]]
     curve, initial = _curve(rep, sizes)
-    return AllocatorReplay(sizes=sizes, curve=curve, initial=initial, reserved=run.reserved,
+    return SimulatedBlocks(sizes=sizes, curve=curve, initial=initial, reserved=run.reserved,
                            how="the simulated request stream served by the caching-allocator model "
                                "(analysis/allocator, default settings, from an empty allocator)")
 
 
 def peak_reserved(trace: Trace, device: int = 0, index: int | None = None):
     """max_memory_reserved of a simulated stream over its measured steps (None where the model could not serve it)."""
-    got = replay_allocator(trace, device).reserved
+    got = serve_simulated_stream(trace, device).reserved
     if got is None:
         return None
     start = measured_start(trace)
@@ -112,8 +113,8 @@ _OP = re.compile(r"at::_ops::(\w+?)(?:_(?:Tensor|Scalar|int|dim_IntList|default|
 def _internal(filename: str) -> bool:
     """torch's own Python (nn.Module's call machinery, functional.py...), not the line that asked."""
     sf = short_file(filename)
-    return sf.startswith("torch/") or filename.startswith("<") or sf in ("tracekit/record/fake.py",
-                                                                         "tracekit/record/cuda_kernels.py")
+    return sf.startswith("torch/") or filename.startswith("<") or sf in ("tracekit/simulate/engine.py",
+                                                                         "tracekit/simulate/kernels.py")
 
 
 def short_file(filename: str) -> str:
@@ -175,7 +176,7 @@ def simulated_peak(trace: Trace, device: int = 0, lines: int = 10) -> SimulatedP
     al = rep.allocations
     ev = trace.events
     sl = rep.events
-    allocator = replay_allocator(trace, device)
+    allocator = serve_simulated_stream(trace, device)
     sizes, curve, initial = allocator.sizes, allocator.curve, allocator.initial
     times = ev.time_us[sl]
     start = measured_start(trace)
@@ -185,7 +186,7 @@ def simulated_peak(trace: Trace, device: int = 0, lines: int = 10) -> SimulatedP
     idx = int(np.flatnonzero(measured)[np.argmax(curve[measured])])
     live = al.live_at(idx)
     cats = _categories(trace, rep)
-    by_cat = {}
+    by_cat: dict = {}
     for c, b in zip(cats[live], sizes[live]):
         by_cat[c] = by_cat.get(c, 0) + int(b)
     md = trace.strings[ev.user_metadata[sl][idx]]
@@ -248,8 +249,8 @@ def _before_measured(trace: Trace, rep, start: int) -> np.ndarray:
 def _lines(trace, rep, live, sizes, cats, before) -> list:
     """Live allocations grouped by (category, line), largest first."""
     al = rep.allocations
-    groups = {}
-    memo = {}
+    groups: dict = {}
+    memo: dict = {}
     for r in np.flatnonzero(live).tolist():
         if before[r]:
             key, label = (BEFORE,), BEFORE
@@ -293,7 +294,7 @@ def recorded_peak(trace: Trace, device: int | None = None, lines: int = 10) -> d
     live = rep.allocations.live_at(idx)
     dc = categorize(trace)[device]
     cats = dc.label_names()
-    by_cat = {}
+    by_cat: dict = {}
     for c, b in zip(cats[live], sizes[live]):
         by_cat[c] = by_cat.get(c, 0) + int(b)
     before = rep.allocations.alloc_index < 0
@@ -325,7 +326,7 @@ def compare(sim: Trace, recorded: Trace, lines: int = 12) -> dict:
                     "recorded": rp["categories_at_peak"].get(c, 0),
                     "difference": sp.categories_at_peak.get(c, 0) - rp["categories_at_peak"].get(c, 0)}
                    for c in cats]
-    rows = {}
+    rows: dict = {}
     for side, groups in (("simulated", sp.lines_at_peak), ("recorded", rp["lines_at_peak"])):
         for g in groups:
             key = tuple(g["key"])
@@ -383,7 +384,7 @@ def _pair_moved_lines(rows: dict):
 def device_demand(trace: Trace, device: int = 0) -> tuple[int, str]:
     """(bytes, what) the run needs from the device: the caching allocator's reserved peak over the whole run
     (setup and warm-up included: they must fit too), or the allocated peak where reserved is not modelled."""
-    got = replay_allocator(trace, device)
+    got = serve_simulated_stream(trace, device)
     if got.reserved is not None and len(got.reserved):
         return int(got.reserved.max()), "reserved"
     return int(max(got.curve.max() if len(got.curve) else 0, got.initial)), "allocated"
@@ -436,6 +437,7 @@ def largest_fitting(evaluate, budget: int, start: int = 1, limit: int = 1 << 16)
             hi = guess
     step = max(1, (lo or hi or 1) // 16)
     while hi is None:  # widen upwards from the last run that fits
+        assert lo is not None  # no upper bound yet: the start fitted
         if lo >= limit:
             return {"largest": lo, "budget_bytes": budget, "tries": tries, "limit_reached": True}
         nxt = min(limit, lo + step)

@@ -195,7 +195,7 @@ def _unlink(fn) -> bool:
 
 
 _STAMP = None
-_STAMPS = {}
+_STAMPS: dict = {}
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tracekit/
 
 

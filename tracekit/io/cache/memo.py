@@ -45,6 +45,8 @@ def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
     key = folder.known_key(path) or folder.key_for(path)
     if not key or not os.path.isfile(folder._file(key)):
         return False
+    arrays: dict
+    seen: dict
     arrays, seen, entries = {}, {}, []
     for k, v in list(trace.__dict__.get("_memo", {}).items()):
         try:

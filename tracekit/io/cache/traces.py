@@ -41,6 +41,7 @@ import stat as _stat
 import struct
 import tempfile
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -52,10 +53,10 @@ from ..limits import env_number
 MAGIC = b"TKCACHE7"  # 7: each column's checksum covers all of it (6: its first and last 64 KiB)
 _PRE = struct.Struct("<8sQI")  # magic, head length, head CRC-32
 ALIGN = 64
-_TABLES = {"ev": ("events", Events), "fr": ("frames", Frames), "st": ("stacks", Stacks),
+_TABLES: dict[str, tuple[str, Any]] = {"ev": ("events", Events), "fr": ("frames", Frames), "st": ("stacks", Stacks),
            "sg": ("segments", Segments), "bl": ("blocks", Blocks)}
 _I32, _I64, _U64, _I8 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int8)
-DTYPES = {
+DTYPES: dict[str, dict[str, np.dtype]] = {
     "ev": {"device": _I32, "index": _I64, "action": _I8, "addr": _U64, "size": _I64, "stream": _I64,
            "time_us": _I64, "stack_id": _I32, "user_metadata": _I32, "compile_context": _I32,
            "category": _I32, "device_free": _I64, "forward_stack_id": _I32, "module": _I32},
@@ -104,7 +105,7 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
     table, parts, end = {}, [], 0
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
-        raw = memoryview(a).cast("B") if a.size else memoryview(b"")
+        raw = a.data.cast("B") if a.size else memoryview(b"")
         offset = -(-end // ALIGN) * ALIGN
         table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
                        (sums or {}).get(name, column_sum(raw)), a.ndim, _stats(a)]
@@ -174,7 +175,7 @@ def unpack(fn) -> tuple[dict, dict]:
         if dtype.hasobject or ndim != 1 or start + off + count * dtype.itemsize > size:
             raise Odd(f"{name}: {dstr} x {count} at {off}")
         a = np.frombuffer(mm, dtype=dtype, count=count, offset=start + off)
-        if column_sum(memoryview(a).cast("B") if count else b"") != crc:
+        if column_sum(a.data.cast("B") if count else b"") != crc:
             raise Odd(f"{name}: damaged")
         columns[name] = a
     return head, columns
@@ -300,7 +301,7 @@ def _distinct_sorted(a) -> list:
 def entries() -> list:
     """(path, bytes) of every cached trace (what is stored beside it, `key-*`, counted with it)."""
     d = cache_dir()
-    sizes = {}
+    sizes: dict = {}
     for name in os.listdir(d) if os.path.isdir(d) else ():
         if name.endswith(SUFFIX) or (name[40:41] == "-" and name.endswith(_BESIDE)):
             try:

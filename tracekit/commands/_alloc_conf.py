@@ -1,5 +1,5 @@
 """`tracekit whatif FILE --alloc-conf "expandable_segments:True,..."`: the same requests under other
-caching-allocator settings (tracekit.analysis.allocator.whatif), as text (render/allocator.py) or JSON."""
+caching-allocator settings (tracekit.analysis.allocator.settings_replay), as text (render/allocator.py) or JSON."""
 from __future__ import annotations
 
 from ..errors import TracekitError
@@ -7,7 +7,7 @@ from ..errors import TracekitError
 
 def run(files, alloc_conf, start, device_memory, memory_limit, as_json, no_cache):
     from ..analysis.allocator.config import parse_alloc_conf
-    from ..analysis.allocator.whatif import compare
+    from ..analysis.allocator.settings_replay import compare
     from ._common import open_trace, show
 
     config = parse_alloc_conf(alloc_conf)  # a bad setting fails before the file is read

@@ -1,21 +1,25 @@
 """The replay of a trace through the allocator model: the compiled loop (_replay.c) when it is built and
-the file is one it handles (no expandable segments, no private pools), else exact.py's Python loop.
+the file is one it handles (no expandable segments, no private pools), else model_replay.py's Python loop.
 
-Both make the same decisions entry for entry (tests/test_allocator_compiled.py compares them);
+Both are exact and make the same decisions entry for entry (tests/test_allocator_props.py compares them on random
+streams and the recordings, tests/test_allocator_compiled.py their constants and the state at an entry);
 TRACEKIT_ALLOCATOR=python forces the Python loop.
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 
 from ...model import SEGMENT_MAP, SEGMENT_UNMAP, Trace
 from .config import AllocatorConfig
 from .core import Allocator, Device
-from .exact import REASONS, AllocatorReplay, compare_final, replay_allocator as _python, settings_of, total_memory
+from .model_replay import (REASONS, AllocatorReplay, compare_final, replay_device_in_python as _python, settings_of,
+                           total_memory)
 from .state import initial_state, load
 
+_compiled: Callable[..., tuple] | None
 try:
     from ._replay import replay as _compiled
 except ImportError:  # no C compiler when installed: the Python loop does the same, more slowly
@@ -26,7 +30,8 @@ def compiled_available() -> bool:
     return _compiled is not None
 
 
-def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None = None) -> AllocatorReplay:
+def replay_device(trace: Trace, device: int, config: AllocatorConfig | None = None) -> AllocatorReplay:
+    """Replay one device's trace through the allocator model: the compiled loop where it can, else Python."""
     return _replay(trace, device, config)[0]
 
 
@@ -40,7 +45,7 @@ def segments_at(trace: Trace, device: int, index: int) -> list[dict]:
     res, final = _replay(trace, device, None, stop=index)
     if final is not None:
         states = ("inactive", "active_allocated", "active_pending_free")
-        out = []
+        out: list = []
         for a, z, st, head in sorted(final, key=lambda x: x[0]):
             if head or not out or out[-1]["address"] + out[-1]["total_size"] != a:
                 out.append({"address": a, "total_size": 0, "blocks": []})
@@ -57,9 +62,29 @@ def _plain(snapshot):
             for s in snapshot]
 
 
+def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray, start: Allocator,
+                    config: AllocatorConfig, out_allocated: np.ndarray, out_reserved: np.ndarray,
+                    out_block: np.ndarray, stop: int = -1) -> tuple[int, int, list[int], int, int, list]:
+    """_replay.replay with its arguments named: the entries' columns, the allocator `start` holding the state at
+    the first entry (its blocks and segments become the C loop's arrays), the settings, the per-entry outputs."""
+    assert _compiled is not None
+    blocks = sorted(start.blocks.values(), key=lambda b: b.addr)
+    segs = sorted(start.segments.items())
+    u64 = lambda xs: np.asarray(xs, np.uint64)  # noqa: E731
+    i64 = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
+    return _compiled(
+        action, addr, size, stream,
+        u64([b.addr for b in blocks]), i64([b.size for b in blocks]), i64([b.stream for b in blocks]),
+        np.asarray([1 if b.allocated else 2 if b.pending else 0 for b in blocks], np.int8),
+        np.asarray([b.pool.small for b in blocks], np.int8), u64([b.seg for b in blocks]),
+        i64([b.requested for b in blocks]), u64([a for a, _ in segs]), i64([z for _, z in segs]),
+        i64(config.roundup_power2_divisions), int(config.max_split_size), int(config.max_non_split_rounding),
+        out_allocated, out_reserved, out_block, stop)
+
+
 def _replay(trace, device, config, stop=None):
     """(AllocatorReplay, the compiled loop's blocks at the end or None when Python ran it)."""
-    if _compiled is None or os.environ.get("TRACEKIT_ALLOCATOR") == "python":
+    if not compiled_available() or os.environ.get("TRACEKIT_ALLOCATOR") == "python":
         return (_python(trace, device, config) if stop is None else None), None
     notes = []
     if config is None:
@@ -77,21 +102,12 @@ def _replay(trace, device, config, stop=None):
         return python()
     alloc = Allocator(config, Device(total_memory=total_memory(trace, device)))
     load(alloc, init)
-    blocks = sorted(alloc.blocks.values(), key=lambda b: b.addr)
     n = len(action)
     out_alloc, out_res, out_blk = (np.zeros(n, np.int64) for _ in range(3))
-    u64 = lambda xs: np.asarray(xs, np.uint64)  # noqa: E731
-    i64 = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
-    segs = sorted(alloc.segments.items())
-    placed, slack, counts, alloc0, res0, final = _compiled(
+    placed, slack, counts, alloc0, res0, final = compiled_replay(
         action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),
-        np.ascontiguousarray(ev.stream[sl], np.int64),
-        u64([b.addr for b in blocks]), i64([b.size for b in blocks]), i64([b.stream for b in blocks]),
-        np.asarray([1 if b.allocated else 2 if b.pending else 0 for b in blocks], np.int8),
-        np.asarray([b.pool.small for b in blocks], np.int8), u64([b.seg for b in blocks]),
-        i64([b.requested for b in blocks]), u64([a for a, _ in segs]), i64([z for _, z in segs]),
-        i64(config.roundup_power2_divisions), int(config.max_split_size), int(config.max_non_split_rounding),
-        out_alloc, out_res, out_blk, -1 if stop is None else int(stop))
+        np.ascontiguousarray(ev.stream[sl], np.int64), alloc, config, out_alloc, out_res, out_blk,
+        -1 if stop is None else int(stop))
     if stop is not None:
         return None, final
     unplaced = {REASONS[k]: int(c) for k, c in enumerate(counts) if c}

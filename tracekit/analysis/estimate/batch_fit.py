@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import TracekitError
 from .memory import Setup
@@ -55,7 +56,7 @@ class Point:
     reserved: int | None  # peak reserved bytes, where the file has a caching allocator
     by_category: dict  # categories at the peak
     fragmentation: int = 0  # reserved but unallocated at the peak
-    demand: int | None = None  # what the run needed: the peak, or after an out-of-memory error a lower bound
+    demand: int = -1  # what the run needed: the peak (-1: filled in with it), or after an out-of-memory error a lower bound
     lower_bound: bool = False
     failures: list = field(default_factory=list)  # [{"device", "available", "needed", "request", "limit"}]
     moments: list = field(default_factory=list)  # [Moment]
@@ -63,7 +64,7 @@ class Point:
     workload: str = "training"
 
     def __post_init__(self):
-        if self.demand is None:
+        if self.demand is None or self.demand < 0:
             self.demand = self.peak
         if not self.moments:
             self.moments = [Moment("the peak", self.demand, dict(self.by_category),
@@ -147,7 +148,7 @@ def fit(points: list[Point], by="batch") -> dict:
             raise TracekitError(f"both recordings have {by} {a.size}: what-if needs two different sizes")
         per = (b.demand - a.demand) / (b.size - a.size)
         fixed = a.demand - per * a.size
-        lines = [{"what": "the line through the two recordings", "at": a.size, "bytes": a.demand,
+        lines: list[dict[str, Any]] = [{"what": "the line through the two recordings", "at": a.size, "bytes": a.demand,
                   "per": [per, per, per]}]
         method = f"the line through two recordings ({by} {a.size} and {b.size})"
         if by == "seq":
@@ -226,7 +227,9 @@ def answer(points: list[Point], f: dict, budget: int) -> dict:
     for k in k_sets:
         for b in (budget, budget - reserve):
             tries.append(_largest_on(f["lines"], b, k))
-    mid = _largest_on(f["lines"], budget, 1)
+    lo: Any  # sizes, or None where the fit does not bound them
+    hi: Any
+    mid: Any = _largest_on(f["lines"], budget, 1)
     grows = any(v != math.inf for v in tries)
     if not grows:
         lo = hi = mid = None
@@ -309,8 +312,8 @@ def levers(facts: dict, at_peak: dict, need: int, budget: int, fragmentation: in
     return out
 
 
-def whatif(points: list[Point], budget: int, by="batch", facts: dict | None = None, lever_input: dict | None = None,
-           setup: Setup | None = None, not_offered=()) -> dict:
+def fit_to_budget(points: list[Point], budget: int, by="batch", facts: dict | None = None,
+                  lever_input: dict | None = None, setup: Setup | None = None, not_offered=()) -> dict:
     """The fit, the largest size within `budget` (an interval), the constraints the files set, and the levers."""
     if not points:
         raise TracekitError("what-if needs at least one recording")

@@ -1,4 +1,5 @@
-"""Replay a device's trace through the allocator model, checked entry by entry against the file.
+"""Replay a device's trace through the allocator model, checked entry by entry against the file: the Python loop,
+the reference the compiled one (compiled.py, _replay.c) is checked against; both are exact.
 
 Starting from the state at the trace's first entry (state.py), each `alloc` is served
 by the model's best fit and compared with the address the allocator really gave; a new
@@ -17,6 +18,7 @@ and counts the entry as not placed. What comes out:
 """
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,12 +26,13 @@ import numpy as np
 from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
 from ..replay import peak_of
-from .config import SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, from_settings
-from .core import Allocator, Block, Device
+from .config import (DEFAULT_TOTAL_MEMORY, LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, expandable_pages,
+                     from_settings)
+from .core import Allocator, Block, Device, _remove_sorted
 from .state import InitialState, initial_state, load
 
 
-# why an entry could not be followed (the compiled loop counts them in this order)
+# why an entry could not be followed (the compiled loop counts the first ones in this order: _replay.REASONS)
 REASONS = (
     "a new segment where the model had a cached block",
     "segment of another size than the model asks for",
@@ -58,11 +61,11 @@ class AllocatorReplay:
     initial_reserved: int
     block_size: np.ndarray  # int64 per entry: the block an alloc entry got (0 for other entries)
     placed: int  # alloc entries served where the allocator served them
-    unplaced: dict  # entries the model could not follow, by reason: count
+    unplaced: dict[str, int]  # entries the model could not follow, by reason: count
     open_bytes: int  # allocated figures may be up to this much higher (pre-trace block sizes not determined)
     final_mismatch: int  # final blocks the replayed state does not reproduce (-1: not checked)
-    initial: InitialState = None
-    notes: list = field(default_factory=list)
+    initial: InitialState = field(default_factory=InitialState)
+    notes: list[str] = field(default_factory=list)
     unplaced_slack: int = 0  # how much larger the blocks of allocations it could not place may be
     engine: str = "python"
 
@@ -116,14 +119,15 @@ def total_memory(trace: Trace, device: int) -> int:
     for d in (trace.recorder or {}).get("devices") or []:
         if isinstance(d, dict) and d.get("index") == device and isinstance(d.get("total_memory"), int):
             return d["total_memory"]
-    return 80 << 30
+    return DEFAULT_TOTAL_MEMORY
 
 
-def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None = None,
-                     stop_after: int | None = None, keep=False):
-    """Replay one device. `stop_after`: stop after that entry and also return the Allocator (for views
-    of the state there); `keep`: return the Allocator at the end as well."""
-    notes = []
+def replay_device_in_python(trace: Trace, device: int, config: AllocatorConfig | None = None,
+                            stop_after: int | None = None, keep=False):
+    """Replay one device in Python (compiled.replay_device picks the compiled loop when it can).
+    `stop_after`: stop after that entry and also return the Allocator (for views of the state there);
+    `keep`: return the Allocator at the end as well."""
+    notes: list = []
     if config is None:
         config, notes = settings_of(trace)
     init = initial_state(trace, device, config)
@@ -139,12 +143,12 @@ def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None =
     allocated = np.zeros(n, np.int64)
     reserved = np.zeros(n, np.int64)
     block_size = np.zeros(n, np.int64)
-    unplaced = {}
-    fresh = {}  # stream -> [(addr, size)] segments created for the next request on that stream
+    unplaced: dict = {}
+    fresh: dict = {}  # stream -> [(addr, size)] segments created for the next request on that stream
     mapped_for = set()  # streams whose next request was served by newly mapped pages
     placed = slack = 0
     round_size = config.round_size
-    find_free = alloc.find_free
+    get_free_block = alloc.get_free_block
     pools = {True: alloc.pool(True), False: alloc.pool(False)}
     init_alloc, init_res = alloc.allocated, alloc.reserved
 
@@ -161,9 +165,9 @@ def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None =
             segs = fresh.get(s)
             if segs:
                 seg_addr, seg_size = segs.pop(0)
-                if find_free(pool, sz, s, take=False) is not None:
+                if get_free_block(pool, sz, s, take=False) is not None:
                     miss("a new segment where the model had a cached block")
-                nb = _new_segment(alloc, seg_addr, seg_size, s, pool)
+                nb = alloc.add_segment(seg_addr, seg_size, s, pool, counted=False)
                 if seg_size != alloc.allocation_size(sz) and not config.expandable_segments:
                     miss("segment of another size than the model asks for")
                 if seg_addr == p:
@@ -179,7 +183,7 @@ def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None =
                     pool.remove(b)
                     placed += 1
             else:
-                c = find_free(pool, sz, s, take=False)
+                c = get_free_block(pool, sz, s, take=False)
                 if c is not None and c.addr == p:
                     pool.remove(c)
                     b = c
@@ -201,7 +205,7 @@ def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None =
             if b.size < sz:
                 miss("recorded block smaller than the request")
                 sz = b.size
-            alloc.take(b, sz, r)
+            alloc.alloc_found_block(b, sz, r)
             old = live.get(p)
             if old is not None and (old.allocated or old.pending):
                 miss("allocated twice without a free")
@@ -246,7 +250,7 @@ def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None =
             k = i - 1
             while k >= 0 and action[k] in (FREE_COMPLETED, SEGMENT_FREE, SEGMENT_UNMAP):
                 k -= 1
-            if k == i - 1 and find_free(pools[sz <= SMALL_SIZE], sz, stream[i], take=False) is not None:
+            if k == i - 1 and get_free_block(pools[sz <= SMALL_SIZE], sz, stream[i], take=False) is not None:
                 miss("out of memory where the model had a cached block")
         allocated[i] = alloc.allocated
         reserved[i] = alloc.reserved
@@ -262,19 +266,11 @@ def replay_allocator(trace: Trace, device: int, config: AllocatorConfig | None =
     return (res, alloc) if (stop_after is not None or keep) else res
 
 
-def _new_segment(alloc: Allocator, addr, size, stream, pool) -> Block:
-    b = Block(addr, size, stream, pool, addr)
-    alloc.blocks[addr] = b
-    alloc.segments[addr] = size
-    alloc._seg_starts = None
-    return b
-
-
 def _flush(alloc, fresh, stream):
     """Segments made for a request that never came (the trace lost it): cache them as free."""
     for seg_addr, seg_size in fresh.pop(stream, []):
         pool = alloc.pool(seg_size == SMALL_BUFFER)
-        pool.insert(_new_segment(alloc, seg_addr, seg_size, stream, pool))
+        pool.insert(alloc.add_segment(seg_addr, seg_size, stream, pool, counted=False))
 
 
 def _at(alloc: Allocator, addr) -> Block | None:
@@ -289,16 +285,7 @@ def _resync(alloc: Allocator, addr, size, pool) -> Block | None:
         return None
     b.pool.remove(b)
     if b.addr < addr:
-        head = Block(b.addr, addr - b.addr, b.stream, b.pool, b.seg, b.es)
-        head.prev, head.next = b.prev, b
-        if b.prev is not None:
-            b.prev.next = head
-        b.prev = head
-        del alloc.blocks[b.addr]
-        b.size -= addr - b.addr
-        b.addr = addr
-        alloc.blocks[head.addr] = head
-        alloc.blocks[addr] = b
+        head, b = b, alloc.splice(b, addr - b.addr)
         head.pool.insert(head)
     return b
 
@@ -316,7 +303,7 @@ def _phantom(alloc: Allocator, addr, size, stream, pool) -> Block:
 def _release(alloc: Allocator, addr, size, live) -> bool:
     b = alloc.blocks.get(addr)
     if b is not None and b.free and b.prev is None and b.next is None and b.size == size and b.es is None:
-        alloc.release_segment_block(b)
+        alloc.release_block(b)
         return True
     # the model disagrees: drop whatever it holds there, so the replay follows the file
     start = alloc.segment_of(addr)
@@ -346,9 +333,8 @@ def _map(alloc: Allocator, addr, size, stream) -> bool:
     if b is None or b.mapped or b.es is None:
         es = next((e for e in alloc.expandable.values() if e.base <= addr < e.base + e.size), None)
         if es is None:
-            page = SMALL_BUFFER if size % (20 << 20) else (20 << 20)
-            total = alloc.device.total_memory
-            pages = -(-(total + total // 8) // page)
+            page = SMALL_BUFFER if size % LARGE_BUFFER else LARGE_BUFFER
+            pages = expandable_pages(alloc.device.total_memory, page)
             b = alloc.add_expandable(addr, page, pages, stream, alloc.pool(page == SMALL_BUFFER))
         else:
             b = alloc.block_at(addr)
@@ -356,20 +342,8 @@ def _map(alloc: Allocator, addr, size, stream) -> bool:
                 alloc._grow(size)
                 return False
             if b.addr < addr:  # split the unmapped block so the mapping starts where the trace says
-                from bisect import insort
-                from .core import _remove_sorted
-
-                head = Block(b.addr, addr - b.addr, b.stream, b.pool, b.seg, b.es, mapped=False)
-                head.prev, head.next = b.prev, b
-                if b.prev is not None:
-                    b.prev.next = head
-                b.prev = head
                 _remove_sorted(b.pool.unmapped, (b.stream, b.addr))
-                del alloc.blocks[b.addr]
-                b.size -= addr - b.addr
-                b.addr = addr
-                alloc.blocks[head.addr] = head
-                alloc.blocks[addr] = b
+                head, b = b, alloc.splice(b, addr - b.addr)
                 insort(b.pool.unmapped, (head.stream, head.addr))
                 insort(b.pool.unmapped, (b.stream, b.addr))
     ok = b.size >= size

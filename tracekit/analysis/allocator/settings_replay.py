@@ -28,7 +28,7 @@ import numpy as np
 
 from ...model import (ALLOC, FREE_COMPLETED, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
-from .config import NO_LIMIT, AllocatorConfig
+from .config import DEFAULT_TOTAL_MEMORY, NO_LIMIT, ROUND_LARGE, AllocatorConfig
 from .core import Allocator, Device, OutOfMemory
 from ..memo import per_trace
 from .state import PENDING, initial_state, load
@@ -48,17 +48,18 @@ class Run:
     peak_reserved_index: int  # entry after which reserved first reached its peak (-1: before the first)
     allocated_at_peak: int  # allocated bytes at that moment
     largest_free_at_peak: int  # the largest cached free block then
-    segments_at_peak: list  # [(address, size, allocated bytes in it)] at that moment
+    segments_at_peak: list[tuple[int, int, int]]  # [(address, size, allocated bytes in it)] at that moment
     final_reserved: int
     device_allocs: int  # cudaMalloc calls and page mappings made during the trace
     device_frees: int
     retries: int  # times the allocator freed its cache and retried
-    ooms: list  # [{index, request_bytes}] requests that failed
+    ooms: list[dict[str, int]]  # [{index, request_bytes}] requests that failed
     failed_request: dict | None  # the recorded out-of-memory request: {index, request_bytes, fits}
-    events: list = field(default_factory=list)  # (action, addr, size, stream) of segments, in order
-    reserved: np.ndarray = None  # int64 per entry
-    allocated: np.ndarray = None  # int64 per entry
-    blocks: np.ndarray = None  # int64 per entry: the block an alloc entry got (0 for other entries)
+    # (action, addr, size, stream) of the segment entries, in order
+    events: list[tuple[str, int, int, int]] = field(default_factory=list)
+    reserved: np.ndarray | None = None  # int64 per entry (with curves=True)
+    allocated: np.ndarray | None = None  # int64 per entry
+    blocks: np.ndarray | None = None  # int64 per entry: the block an alloc entry got (0 for other entries)
 
     @property
     def fragmentation_at_peak(self) -> int:
@@ -79,7 +80,7 @@ def allocator_syncs(action: np.ndarray, addr, recorded: AllocatorConfig | None =
     early = recorded is not None and ((fraction and recorded.garbage_collection_threshold > 0)
                                       or recorded.max_split_size != NO_LIMIT)
     n = len(action)
-    out = []
+    out: list = []
     i = 0
     while i < n:
         if action[i] == FREE_COMPLETED:
@@ -121,8 +122,8 @@ def user_releases(action: np.ndarray, allocator_may_release=True) -> np.ndarray:
     return np.asarray(out, np.int64)
 
 
-def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: AllocatorConfig,
-             start: str = "rebuilt", capacity=None, memory_fraction_bytes=None, total_memory=80 << 30,
+def replay_under_settings(trace: Trace, device: int, config: AllocatorConfig, *, recorded: AllocatorConfig,
+             start: str = "rebuilt", capacity=None, memory_fraction_bytes=None, total_memory=DEFAULT_TOTAL_MEMORY,
              follow_addresses=False, curves=False) -> Run:
     """Serve the device's recorded requests with the model under `config`.
 
@@ -153,7 +154,7 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
     seg = trace.segments
     top = max([int(ev.addr[sl].max()) if n else 0] +
               [int(a) + int(z) for a, z in zip(seg.address.tolist(), seg.total_size.tolist())] + [dev._next])
-    dev._next = -(-(top + (1 << 30)) // (2 << 20)) * (2 << 20)
+    dev._next = -(-(top + (1 << 30)) // ROUND_LARGE) * ROUND_LARGE
     init = initial_state(trace, device, recorded)
     if start == "recorded":
         alloc = Allocator(config, dev, memory_fraction_bytes)
@@ -163,12 +164,13 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
         live = {}
         for h in sorted(init.held, key=lambda h: h.addr):
             try:
-                b = alloc.malloc(max(h.requested, 1) if h.requested else h.size, h.stream)
+                held = alloc.malloc(max(h.requested, 1) if h.requested else h.size, h.stream)
             except OutOfMemory:
                 continue
             if h.state == PENDING:
-                alloc.free(b, completed=False)
-            live[h.addr] = b
+                alloc.free(held, completed=False)
+            live[h.addr] = held
+    log: list
     alloc.log = log = []
     alloc.peak_reserved = alloc.reserved
     alloc.peak_allocated = alloc.allocated
@@ -184,9 +186,9 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
     peak_r, peak_i, at_peak_alloc = alloc.reserved, -1, alloc.allocated
     largest_at_peak = alloc.largest_free()
     segs_at_peak = _segments(alloc)
-    res_curve = np.zeros(n, np.int64) if curves else None
-    alloc_curve = np.zeros(n, np.int64) if curves else None
-    block_of = np.zeros(n, np.int64) if curves else None
+    res_curve = np.zeros(n if curves else 0, np.int64)
+    alloc_curve = np.zeros(n if curves else 0, np.int64)
+    block_of = np.zeros(n if curves else 0, np.int64)
     lost = set()
     for i in range(n):
         a = acts[i]
@@ -242,8 +244,9 @@ def simulate(trace: Trace, device: int, config: AllocatorConfig, *, recorded: Al
                device_allocs=sum(1 for e in log if e[0] in ("segment_alloc", "segment_map")),
                device_frees=sum(1 for e in log if e[0] in ("segment_free", "segment_unmap")),
                retries=alloc.retries, ooms=ooms, failed_request=failed,
-               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve, allocated=alloc_curve,
-               blocks=block_of)
+               events=[e for e in log if e[0].startswith("segment_")], reserved=res_curve if curves else None,
+                   allocated=alloc_curve if curves else None,
+               blocks=block_of if curves else None)
 
 
 def _segments(alloc: Allocator) -> list:
@@ -300,7 +303,7 @@ def compare(trace: Trace, config: AllocatorConfig, start: str = DEFAULT_START, d
             memory_limit=None) -> dict:
     """The what-if on allocator settings, per device, as JSON-ready builtins: the recorded figures, the model
     under the recorded settings (the baseline) and under `config`, from the same start."""
-    from .exact import settings_of
+    from .model_replay import settings_of
 
     recorded, notes = settings_of(trace)
     devices = [compare_device(trace, d, config, start, device_memory, memory_limit) for d in trace.devices]
@@ -311,7 +314,7 @@ def compare(trace: Trace, config: AllocatorConfig, start: str = DEFAULT_START, d
 def compare_device(trace: Trace, d: int, config: AllocatorConfig, start: str = DEFAULT_START, device_memory=None,
                    memory_limit=None) -> dict:
     """One device's row of `compare` (see there)."""
-    from .exact import settings_of, total_memory
+    from .model_replay import settings_of, total_memory
     from .summary import _replays, allocator_replays, why_not_modelled
 
     recorded, notes = settings_of(trace)
@@ -330,8 +333,8 @@ def compare_device(trace: Trace, d: int, config: AllocatorConfig, start: str = D
         lim["memory_limit_bytes"], lim["memory_limit_source"] = memory_limit, "--memory-limit"
     kw = dict(recorded=recorded, start=start, capacity=lim["device_memory_bytes"],
               memory_fraction_bytes=lim["memory_limit_bytes"], total_memory=total_memory(trace, d))
-    base = simulate(trace, d, recorded, **kw)
-    what = simulate(trace, d, config, **kw)
+    base = replay_under_settings(trace, d, recorded, **kw)
+    what = replay_under_settings(trace, d, config, **kw)
     dev_notes = list(notes)
     if config.garbage_collection_threshold and lim["memory_limit_bytes"] is None:
         dev_notes.append("garbage_collection_threshold acts only under a per-process memory fraction "
@@ -362,6 +365,7 @@ def compare_device(trace: Trace, d: int, config: AllocatorConfig, start: str = D
     oom = None
     if base.failed_request is not None or what.failed_request is not None:
         f = what.failed_request or base.failed_request
+        assert f is not None
         oom = {"index": f["index"], "request_bytes": f["request_bytes"], "recorded": "failed",
                "baseline_fits": (base.failed_request or {}).get("fits"),
                "whatif_fits": (what.failed_request or {}).get("fits")}
@@ -396,7 +400,7 @@ def expandable_replay(trace: Trace, device: int) -> dict:
 
 def expandable_saving(trace: Trace, device: int) -> dict | None:
     """What expandable segments would save on the device, from the allocator replay (the device row of
-    `whatif --alloc-conf expandable_segments:True`, allocator/whatif.expandable_replay): {saves_bytes,
+    `whatif --alloc-conf expandable_segments:True`, allocator/settings_replay.expandable_replay): {saves_bytes,
     baseline_bytes, whatif_bytes, text}; None where the allocator model does not apply. The report's
     fragmentation finding and the expandable-segments lever (levers.py) both read this."""
     from ...units import fmt_bytes

@@ -1,0 +1,41 @@
+"""Types of the compiled allocator replay (_replay.c). Call it through compiled.py's `compiled_replay`, which names
+every argument; the order here is the C function's."""
+import numpy as np
+
+# the constants, equal to config.py's (tests/test_allocator_compiled.py)
+MIN_BLOCK: int
+SMALL_SIZE: int
+SMALL_BUFFER: int
+LARGE_BUFFER: int
+MIN_LARGE_ALLOC: int
+ROUND_LARGE: int
+POWER2_START_LOG2: int
+INTERVALS: int
+# the action codes, equal to tracekit.model's
+A_ALLOC: int
+A_FREE_REQUESTED: int
+A_FREE_COMPLETED: int
+A_SEGMENT_ALLOC: int
+A_SEGMENT_FREE: int
+A_SEGMENT_MAP: int
+A_SEGMENT_UNMAP: int
+A_OOM: int
+# why an entry could not be followed, in the order the counts come back (model_replay.REASONS begins with these)
+REASONS: tuple[str, ...]
+
+def replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray,
+           blk_addr: np.ndarray, blk_size: np.ndarray, blk_stream: np.ndarray, blk_state: np.ndarray,
+           blk_small: np.ndarray, blk_seg: np.ndarray, blk_requested: np.ndarray,
+           seg_start: np.ndarray, seg_size: np.ndarray,
+           divisions: np.ndarray, max_split_size: int, max_non_split_rounding: int,
+           out_allocated: np.ndarray, out_reserved: np.ndarray, out_block: np.ndarray, stop: int = ..., /
+           ) -> tuple[int, int, list[int], int, int, list[tuple[int, int, int, int]]]:
+    """Replay one device's entries (action int8, addr uint64, size int64, stream int64) from the state at the first
+    entry (its blocks by address: state 0 free, 1 allocated, 2 pending; small 0/1; seg: its segment's start; and its
+    segments), under these settings (divisions: INTERVALS int64); writes allocated and reserved bytes and each
+    alloc's block size after every entry into the out_ buffers (int64). Stops after entry `stop` (-1: the end).
+    -> (placed, slack, count per reason, allocated at the start, reserved at the start,
+        [(address, size, state, first block of its segment)] the blocks at the end)."""
+
+def first_touches(action: np.ndarray, addr: np.ndarray, /) -> tuple[bytes, bytes, bytes]:
+    """(addresses uint64, index of the first alloc/free entry of each int64, its action int8), in order of entry."""

@@ -1,0 +1,13 @@
+"""Types of the compiled snapshot scanner (_pkscan.c; stream.py is its one caller)."""
+from typing import Any, Callable
+
+# (first entry, last entry + 1, thread's first time, the largest size kept, the latest time kept[, byte ranges, record])
+Window = tuple[Any, ...]
+
+def scan(read: Callable[[int], bytes], no_time: int, window: Window | None = ..., /) -> tuple[Any, ...]:
+    """The columns and tape of a plain-data snapshot pickle read with read(n): 28 byte buffers (the tape's nodes and
+    edges, the entries' columns, the frame and stack tables), then the strings, the devices and, with a window, its
+    folds; ValueError('unsupported: ...') for anything but plain data."""
+
+def scan_json(read: Callable[[int], bytes], no_time: int, window: Window | None = ..., /) -> tuple[Any, ...]:
+    """The same of a snapshot written as JSON (UTF-8)."""
