@@ -58,7 +58,7 @@ _SKIP_FILES = ("torch/utils/_python_dispatch.py", "torch/_subclasses/", "torch/_
                "tracekit/simulate/distributed.py", "tracekit/record/script.py", "<frozen runpy>")
 
 
-_SKIPPED = {}
+_SKIPPED: dict[str, bool] = {}
 
 
 def _skip(filename: str) -> bool:
