@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import gzip
+import zlib
 import json
 import os
 import pickle
@@ -131,8 +132,8 @@ def has_fx_frames(path, size) -> bool:
                 if FX_KEY in tail + piece[:len(FX_KEY)] or FX_KEY in piece:
                     return True
                 tail = piece[-len(FX_KEY):]
-    except (OSError, EOFError, ValueError, gzip.BadGzipFile):
-        return False
+    except (OSError, EOFError, ValueError, gzip.BadGzipFile, zlib.error):
+        return False  # a damaged file: the reader says what is wrong with it
 
 
 # A window of a file this big (uncompressed, about 2M entries) is read alone when the file is not in the
