@@ -56,6 +56,19 @@ def unique_ids(values, return_index: bool = False, return_inverse: bool = False)
 
 
 NO_TIME = np.iinfo(np.int64).min  # time_us of an entry that has none
+
+
+def constant_column(value, n: int, dtype) -> np.ndarray:
+    """A read-only column of `n` equal values that takes no memory (a zero-stride view of one value): most
+    of a big trace's columns (device, stream, user_metadata, device_free, ...) hold one value throughout."""
+    return np.broadcast_to(np.asarray(value, dtype=dtype), (n,))
+
+
+def compact_column(a: np.ndarray) -> np.ndarray:
+    """`a`, or the constant_column of its one value when all its values are equal (so that it is freed)."""
+    if a.ndim == 1 and len(a) > 1 and a.strides != (0,) and (a == a[0]).all():
+        return constant_column(a[0], len(a), a.dtype)
+    return a
 NO_ID = -1  # stack_id / string id of "nothing"
 
 
@@ -135,9 +148,9 @@ class Events:
     def __post_init__(self):
         n = len(self.action)
         if self.forward_stack_id is None:
-            self.forward_stack_id = np.full(n, NO_ID, np.int32)
+            self.forward_stack_id = constant_column(NO_ID, n, np.int32)
         if self.module is None:
-            self.module = np.zeros(n, np.int32)
+            self.module = constant_column(0, n, np.int32)
 
     def __len__(self):
         return len(self.action)

@@ -101,29 +101,33 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
     read the written file back and check every column's CRC-32 (raises Odd if one differs); the head keeps
     each column's `column_sum`, which `unpack` checks. `sums` overrides the stored sums (to make a damaged
     entry)."""
+    def raw_of(a):  # a column's bytes; a constant column (a zero-stride view) is made whole only here, one at a time
+        a = np.ascontiguousarray(a)
+        return memoryview(a).cast("B") if a.size else memoryview(b"")
+
     table, parts, end = {}, [], 0
     for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        raw = memoryview(a).cast("B") if a.size else memoryview(b"")
+        raw = raw_of(a)
         offset = -(-end // ALIGN) * ALIGN
         table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
                        (sums or {}).get(name, column_sum(raw)), a.ndim, _stats(a)]
-        parts.append((offset, raw, zlib.crc32(raw)))
+        parts.append((offset, len(raw), zlib.crc32(raw)))
         end = offset + len(raw)
+        del raw
     body = json.dumps({**head, "columns": table, "data": end}).encode()
     start = _start(len(body))
     with open(fn, "wb") as f:
         f.write(_PRE.pack(MAGIC, len(body), zlib.crc32(body)) + body)
-        for offset, raw, _ in parts:
+        for (offset, _, _), a in zip(parts, arrays.values()):
             f.seek(start + offset)
-            f.write(raw)
+            f.write(raw_of(a))
         f.truncate(start + end)
     with open(fn, "rb") as f:
         if os.fstat(f.fileno()).st_size != start + end:
             raise Odd("short write")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            for offset, raw, crc in parts:
-                if zlib.crc32(mm[start + offset:start + offset + len(raw)]) != crc:
+            for offset, length, crc in parts:
+                if zlib.crc32(mm[start + offset:start + offset + length]) != crc:
                     raise Odd("a column differs once written")
 
 
@@ -190,7 +194,7 @@ def write(key, trace: Trace) -> None:
         for prefix, (attr, table) in _TABLES.items():
             obj = getattr(trace, attr)
             for name in table.__dataclass_fields__:
-                arrays[f"{prefix}_{name}"] = np.ascontiguousarray(getattr(obj, name), dtype=DTYPES[prefix][name])
+                arrays[f"{prefix}_{name}"] = np.asarray(getattr(obj, name), dtype=DTYPES[prefix][name])
         head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
                 "strings": trace.strings.items, "meta": encode(trace.meta)}
         os.makedirs(cache_dir(), exist_ok=True)
