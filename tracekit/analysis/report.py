@@ -22,6 +22,7 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     if rules is not None and not isinstance(rules, Rules):
         rules = Rules.load(rules)
     reps = replay(trace)
+    _share_reserved(trace, reps)
     devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
     from .estimate.measured import add_estimates  # predicted vs measured, per device (issue 12)
     add_estimates(trace, devices, estimate, rules)
@@ -34,6 +35,18 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     for d, summary in zip(trace.devices, devices):
         findings += device_findings(trace, reps[d], rules, summary, shape)
     return {"file": trace.path, "format": trace.format, "devices": devices, "findings": findings}
+
+
+def _share_reserved(trace: Trace, reps: dict) -> None:
+    """The allocator model's reserved curve is most often the trace's own (its segment entries), entry for
+    entry: then the model keeps the replay's array, and a big trace holds one copy, not two."""
+    from .allocator.summary import allocator_replays
+
+    for d, model in allocator_replays(trace).items():
+        rep = reps.get(d)
+        if (rep is not None and rep.reserved is not None and model.reserved is not rep.reserved
+                and model.reserved.shape == rep.reserved.shape and np.array_equal(model.reserved, rep.reserved)):
+            model.reserved = rep.reserved
 
 
 def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:

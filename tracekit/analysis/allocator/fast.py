@@ -79,6 +79,8 @@ def _replay(trace, device, config, stop=None):
     load(alloc, init)
     blocks = sorted(alloc.blocks.values(), key=lambda b: b.addr)
     n = len(action)
+    if stop is not None and 0 <= stop < n - 1:  # the state after entry `stop`: only the entries up to it are read
+        n, action, sl = stop + 1, action[:stop + 1], slice(sl.start, sl.start + stop + 1)
     out_alloc, out_res, out_blk = (np.zeros(n, np.int64) for _ in range(3))
     u64 = lambda xs: np.asarray(xs, np.uint64)  # noqa: E731
     i64 = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
