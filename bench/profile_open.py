@@ -55,10 +55,13 @@ def main():
 
         r(state["trace"])
 
-    def allocator():
+    def allocator():  # as build_report starts: the model, which keeps the replay's reserved curve when equal
         from tracekit.analysis.allocator.summary import allocator_replays
+        from tracekit.analysis.replay import replay as r
+        from tracekit.analysis.report import _share_reserved
 
         allocator_replays(state["trace"])
+        _share_reserved(state["trace"], r(state["trace"]))
 
     def phases():
         from tracekit.analysis.phases import phases as p
