@@ -50,15 +50,18 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     key = np.concatenate([g + born * 2 + 1, g + freed * 2])
     del born, freed, g
     order = np.argsort(key, kind="stable")
-    grp = key[order] // span
+    grp = key[order]
     del key
+    grp //= span
     size = al.size[rows].astype(np.int64)
-    delta = np.concatenate([size, -size])[order]
-    del order, size
-    live = np.cumsum(delta)
+    delta = np.concatenate([size, -size])
+    del size
+    delta = delta[order]
+    del order
+    live = np.cumsum(delta, out=delta)  # in place: the temporaries of a big trace's modules stay few
     starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
     base = np.r_[0, live[starts[1:] - 1]]
-    live = live - np.repeat(base, np.diff(np.r_[starts, len(grp)]))
+    live -= np.repeat(base, np.diff(np.r_[starts, len(grp)]))
     out[grp[starts]] = np.maximum.reduceat(live, starts)
     return out
 
