@@ -79,3 +79,44 @@ def test_state_at_an_entry_reads_only_up_to_it(monkeypatch):
         monkeypatch.setenv("TRACEKIT_ALLOCATOR", "python")
         assert fast.segments_at(trace, 0, i) == compiled, i
         monkeypatch.delenv("TRACEKIT_ALLOCATOR")
+
+
+def _group_peaks_before(group, al, n_groups):  # the implementation before issue 35, for reference
+    rows = np.flatnonzero(group >= 0)
+    out = np.zeros(n_groups, np.int64)
+    if not len(rows):
+        return out
+    born = al.alloc_index[rows].astype(np.int64) + 1
+    freed = al.free_index[rows].astype(np.int64) + 1
+    end = int(max(born.max(), freed.max())) + 1
+    freed = np.where(freed > 0, freed, end)
+    span = 2 * (end + 1)
+    g = group[rows].astype(np.int64) * span
+    key = np.concatenate([g + born * 2 + 1, g + freed * 2])
+    order = np.argsort(key, kind="stable")
+    grp = key[order] // span
+    size = al.size[rows].astype(np.int64)
+    live = np.cumsum(np.concatenate([size, -size])[order])
+    starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+    base = np.r_[0, live[starts[1:] - 1]]
+    live = live - np.repeat(base, np.diff(np.r_[starts, len(grp)]))
+    out[grp[starts]] = np.maximum.reduceat(live, starts)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 20])
+def test_group_peaks_read_back_in_chunks(monkeypatch, chunk):
+    from types import SimpleNamespace
+
+    from tracekit.analysis import modules
+
+    monkeypatch.setattr(modules, "CHUNK", chunk)
+    rng = np.random.default_rng(35)
+    for m in (1, 2, 50, 400):
+        entries = rng.permutation(3 * m)
+        alloc = np.where(rng.random(m) < 0.2, -1, entries[:m])
+        free = np.where(rng.random(m) < 0.3, -1, entries[m:2 * m])
+        al = SimpleNamespace(alloc_index=alloc.astype(np.int64), free_index=free.astype(np.int64),
+                             size=rng.integers(1, 1 << 30, m).astype(np.int64))
+        group = rng.integers(-1, 5, m).astype(np.int32)
+        assert np.array_equal(modules.group_peaks(group, al, 5), _group_peaks_before(group, al, 5))
