@@ -65,7 +65,8 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     del born, freed, g
     order = np.argsort(key, kind="stable")
     size = al.size[rows].astype(np.int64)
-    grp, live = np.empty(2 * r, np.int64), np.empty(2 * r, np.int64)
+    grp = np.empty(2 * r, np.int64)
+    live = order = order.astype(np.int64, copy=False)  # each chunk of the order is read, then overwritten
     for lo in range(0, 2 * r, CHUNK):
         o = order[lo:lo + CHUNK]
         grp[lo:lo + CHUNK] = key[o] // span
