@@ -62,10 +62,10 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     g *= span
     born += g
     freed += g
-    del born, freed, g
-    order = np.argsort(key, kind="stable")
     size = al.size[rows].astype(np.int64)
-    grp = np.empty(2 * r, np.int64)
+    del born, freed, g, rows
+    order = np.argsort(key, kind="stable")
+    grp = np.empty(2 * r, np.int32 if n_groups < 2**31 else np.int64)  # group ids
     live = order = order.astype(np.int64, copy=False)  # each chunk of the order is read, then overwritten
     for lo in range(0, 2 * r, CHUNK):
         o = order[lo:lo + CHUNK]
