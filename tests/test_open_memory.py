@@ -120,3 +120,15 @@ def test_group_peaks_read_back_in_chunks(monkeypatch, chunk):
                              size=rng.integers(1, 1 << 30, m).astype(np.int64))
         group = rng.integers(-1, 5, m).astype(np.int32)
         assert np.array_equal(modules.group_peaks(group, al, 5), _group_peaks_before(group, al, 5))
+
+
+def test_remembered_peaks_are_kept_by_curve_name_not_id():
+    from tracekit.analysis.replay import replay
+
+    trace = load(CUDA_SAMPLE, use_cache=False)
+    rep = replay(trace)[0]
+    big = rep.__class__(**{**{k: getattr(rep, k) for k in rep.__dataclass_fields__},
+                           "allocated": np.tile(rep.allocated, 100), "reserved": np.tile(rep.reserved, 100)})
+    assert (big.peak_allocated, big.peak_index) == (rep.peak_allocated, rep.peak_index)
+    assert set(big.__dict__["_peaks"]) == {("allocated", rep.initial_allocated)}
+    assert big.peak_reserved == rep.peak_reserved

@@ -88,8 +88,13 @@ class DeviceReplay:
         each is two passes over a 10M-entry curve."""
         if curve is None or len(curve) < 65536:
             return peak_of(curve, initial)
-        memo = self.__dict__.setdefault("_peaks", {})  # the curves are never changed once replayed
-        key = (id(curve), initial)
+        name = "allocated" if curve is self.allocated else "reserved" if curve is self.reserved else None
+        if name is None:
+            return peak_of(curve, initial)
+        # by name, not by id: stored with the replay (io/cache/memo.py), the figures stay true of its curves,
+        # which are never changed once replayed
+        memo = self.__dict__.setdefault("_peaks", {})
+        key = (name, initial)
         if key not in memo:
             memo[key] = peak_of(curve, initial)
         return memo[key]
