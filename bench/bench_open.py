@@ -21,7 +21,11 @@ against the floor of json.loads of that copy.
 and prints wall time and peak memory (max RSS) as ratios to the floor.
 Targets (issue 15): first ≤ 0.5× time and ≤ 0.3× memory; second ≤ 0.05× time.
 
-Usage: python bench/bench_open.py [--entries 1000000] [--repeat 3]
+With --profile, instead: one first open (`report --json --no-cache`'s work) stage by stage in a fresh
+process (bench/profile_open.py): wall time, the peak memory during each stage and what is held after
+it, beside the floor's.
+
+Usage: python bench/bench_open.py [--entries 1000000] [--repeat 3] [--json] [--profile]
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ def main():
     ap.add_argument("--entries", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="measure a JSON copy of the file instead")
+    ap.add_argument("--profile", action="store_true",
+                    help="time and peak memory of each stage of one first open (bench/profile_open.py)")
     args = ap.parse_args()
     out = ROOT / "bench/out"
     out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +78,8 @@ def main():
         pickled, big, floor_code = big, big.with_suffix(".json"), JSON_FLOOR
         if not big.exists():
             subprocess.run([sys.executable, "-c", TO_JSON, str(pickled), str(big)], check=True, cwd=ROOT)
+    if args.profile:
+        return profile(big, floor_code, args.entries)
     report = [sys.executable, "-m", "tracekit.cli", "report", "--json", str(big)]
     floor, first, first_py, second, window, cold, cold_range = [], [], [], [], [], [], []
     middle = ["--from", str(args.entries // 2), "--to", str(args.entries // 2 + args.entries // 10)]
@@ -101,6 +109,38 @@ def main():
                                ("range, cold", cold_range, "a tenth of the entries kept while reading")):
         t, m = med(rows, 0), med(rows, 1)
         print(f"{name:14.14}{t:9.2f}{t / f_t:9.2f}{m:13.0f}{m / f_m:9.2f}  {target}")
+
+
+FLOOR_MAX_ENTRIES = 2_000_000  # above this the floor's unpickle (about 0.9 GB per 1M entries) is scaled, not run
+
+
+def profile(big, floor_code, entries):
+    """One first open stage by stage (bench/profile_open.py), beside one run of the floor. Above
+    FLOOR_MAX_ENTRIES the floor is measured on a 1M-entry file and scaled by the entries (the unpickle of
+    10M entries would take 8.6 GB; its memory grows in proportion, its time about so), and says so."""
+    import json
+
+    scale, floor_file = 1.0, big
+    if entries > FLOOR_MAX_ENTRIES and floor_code == FLOOR:
+        floor_file = big.parent / "tiled_1000000.pickle"
+        if not floor_file.exists():
+            subprocess.run([sys.executable, str(SHARED / "bench/tile_snapshot.py"), str(SOURCE), str(floor_file),
+                            "--entries", "1000000"], check=True)
+        scale = entries / 1_000_000
+    f_t, f_m = run([sys.executable, "-c", floor_code, str(floor_file)])
+    f_t, f_m = f_t * scale, f_m * scale
+    if scale != 1.0:
+        print(f"floor: measured on {floor_file.name}, scaled x{scale:g} (not run on {entries} entries)")
+    p = subprocess.run([sys.executable, str(ROOT / "bench/profile_open.py"), str(big)], capture_output=True,
+                       text=True, cwd=ROOT)
+    if p.returncode:
+        raise SystemExit(f"profile_open.py failed: {p.stderr}")
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    print(f"file: {big} ({big.stat().st_size / 2**20:.0f} MiB, {entries} entries); floor {f_t:.2f} s, {f_m:.0f} MiB")
+    print(f"{'stage':18}{'seconds':>9}{'x floor':>9}{'peak MiB':>10}{'x floor':>9}{'held MiB':>10}")
+    for r in rows:
+        peak = "" if r["peak_mib"] is None else f"{r['peak_mib']:10.0f}{r['peak_mib'] / f_m:9.2f}"
+        print(f"{r['stage']:18}{r['seconds']:9.2f}{r['seconds'] / f_t:9.2f}{peak:>19}{r['held_mib']:10.0f}")
 
 
 if __name__ == "__main__":

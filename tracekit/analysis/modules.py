@@ -35,31 +35,50 @@ def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
     return out
 
 
+CHUNK = 1 << 20  # entries read back at a time by group_peaks
+
+
 def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     """The most bytes each group held live at once (allocations' alloc/free entry indices)."""
     rows = np.flatnonzero(group >= 0)
     out = np.zeros(n_groups, np.int64)
     if not len(rows):
         return out
-    # one sort key per event: group, then entry index, a free before an allocation at the same index
-    born = al.alloc_index[rows].astype(np.int64) + 1  # made before the trace (-1): 0, first
-    freed = al.free_index[rows].astype(np.int64) + 1
+    # one sort key per event: group, then entry index, a free before an allocation at the same index; built
+    # in place and read back a chunk at a time, so that a 10M-entry trace's temporaries stay few
+    r = len(rows)
+    key = np.empty(2 * r, np.int64)
+    born, freed = key[:r], key[r:]
+    born[:] = al.alloc_index[rows]
+    born += 1  # made before the trace (-1): 0, first
+    freed[:] = al.free_index[rows]
+    freed += 1
     end = int(max(born.max(), freed.max())) + 1
-    freed = np.where(freed > 0, freed, end)  # never freed: after every entry
+    freed[freed <= 0] = end  # never freed: after every entry
     span = 2 * (end + 1)
-    g = group[rows].astype(np.int64) * span
-    key = np.concatenate([g + born * 2 + 1, g + freed * 2])
-    del born, freed, g
-    order = np.argsort(key, kind="stable")
-    grp = key[order] // span
-    del key
+    born *= 2
+    born += 1
+    freed *= 2
+    g = group[rows].astype(np.int64)
+    g *= span
+    born += g
+    freed += g
     size = al.size[rows].astype(np.int64)
-    delta = np.concatenate([size, -size])[order]
-    del order, size
-    live = np.cumsum(delta)
+    del born, freed, g, rows
+    order = np.argsort(key, kind="stable")
+    grp = np.empty(2 * r, np.int32 if n_groups < 2**31 else np.int64)  # group ids
+    live = order = order.astype(np.int64, copy=False)  # each chunk of the order is read, then overwritten
+    for lo in range(0, 2 * r, CHUNK):
+        o = order[lo:lo + CHUNK]
+        grp[lo:lo + CHUNK] = key[o] // span
+        d = size[o % r]
+        d[o >= r] *= -1  # the free of an allocation: its size off
+        live[lo:lo + CHUNK] = d
+    del key, order, size, o, d
+    np.cumsum(live, out=live)
     starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
     base = np.r_[0, live[starts[1:] - 1]]
-    live = live - np.repeat(base, np.diff(np.r_[starts, len(grp)]))
+    live -= np.repeat(base, np.diff(np.r_[starts, len(grp)]))
     out[grp[starts]] = np.maximum.reduceat(live, starts)
     return out
 

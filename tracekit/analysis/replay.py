@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
-                     SEGMENT_UNMAP, Trace)
+                     SEGMENT_UNMAP, Trace, isin_ints)
 from .memo import per_trace
 
 LIVE_STATES = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
@@ -84,7 +84,20 @@ class DeviceReplay:
         return len(self.allocated)
 
     def _peak(self, curve, initial):
-        return peak_of(curve, initial)
+        """peak_of(curve, initial), remembered per curve: the report asks for the peak a few dozen times, and
+        each is two passes over a 10M-entry curve."""
+        if curve is None or len(curve) < 65536:
+            return peak_of(curve, initial)
+        name = "allocated" if curve is self.allocated else "reserved" if curve is self.reserved else None
+        if name is None:
+            return peak_of(curve, initial)
+        # by name, not by id: stored with the replay (io/cache/memo.py), the figures stay true of its curves,
+        # which are never changed once replayed
+        memo = self.__dict__.setdefault("_peaks", {})
+        key = (name, initial)
+        if key not in memo:
+            memo[key] = peak_of(curve, initial)
+        return memo[key]
 
     @property
     def peak_allocated(self) -> int:
@@ -148,7 +161,7 @@ def replay_device(trace: Trace, device: int) -> DeviceReplay:
         allocs, last_addr, last_is_alloc, last_size = _empty_allocations(), addr[:0], is_alloc[:0], size[:0]
 
     # blocks live at the end whose address the trace never touches: allocated before it began
-    untouched = ~np.isin(b_addr, last_addr)
+    untouched = ~isin_ints(b_addr, last_addr)
     before_live = Allocations(
         addr=b_addr[untouched], size=b_size[untouched],
         alloc_index=np.full(int(untouched.sum()), -1, np.int64), free_index=np.full(int(untouched.sum()), -1, np.int64),

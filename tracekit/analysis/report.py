@@ -22,6 +22,7 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     if rules is not None and not isinstance(rules, Rules):
         rules = Rules.load(rules)
     reps = replay(trace)
+    _share_reserved(trace, reps)
     devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
     from .estimate.measured import add_estimates  # predicted vs measured, per device (issue 12)
     add_estimates(trace, devices, estimate, rules)
@@ -34,6 +35,18 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     for d, summary in zip(trace.devices, devices):
         findings += device_findings(trace, reps[d], rules, summary, shape)
     return {"file": trace.path, "format": trace.format, "devices": devices, "findings": findings}
+
+
+def _share_reserved(trace: Trace, reps: dict) -> None:
+    """The allocator model's reserved curve is most often the trace's own (its segment entries), entry for
+    entry: then the model keeps the replay's array, and a big trace holds one copy, not two."""
+    from .allocator.summary import allocator_replays
+
+    for d, model in allocator_replays(trace).items():
+        rep = reps.get(d)
+        if (rep is not None and rep.reserved is not None and model.reserved is not rep.reserved
+                and model.reserved.shape == rep.reserved.shape and np.array_equal(model.reserved, rep.reserved)):
+            model.reserved = rep.reserved
 
 
 def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
@@ -131,11 +144,9 @@ def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
     points = [rep.peak_index, rep.n - 1]
     phase_rows = []
     if rep.n and ph.source != "none":
-        for code in range(len(PHASES)):
-            idx = np.flatnonzero(ph.phase == code)
-            if len(idx):
-                i = int(idx[np.argmax(rep.allocated[idx])])
-                phase_rows.append({"phase": PHASES[code] if code != NONE else "between", "entries": int(len(idx)),
+        for code, (count, i) in enumerate(_phase_peaks(ph.phase, rep.allocated, len(PHASES))):
+            if count:
+                phase_rows.append({"phase": PHASES[code] if code != NONE else "between", "entries": count,
                                    "peak_bytes": int(rep.allocated[i]), "peak_index": i})
                 points.append(i)
     iteration_rows = []
@@ -175,6 +186,23 @@ def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
         "phases": phase_rows,
         "iterations": iteration_rows,
     }
+
+
+def _phase_peaks(phase: np.ndarray, curve: np.ndarray, codes: int, chunk: int = 1 << 20) -> list[tuple[int, int]]:
+    """Per phase code: (its entries, the first entry where `curve` is highest among them), read a chunk at a
+    time, so that a 10M-entry trace makes no per-entry temporaries."""
+    out = [[0, -1] for _ in range(codes)]
+    for lo in range(0, len(phase), chunk):
+        ph, c = phase[lo:lo + chunk], curve[lo:lo + chunk]
+        for code in range(codes):
+            idx = np.flatnonzero(ph == code)
+            if len(idx):
+                j = lo + int(idx[np.argmax(c[idx])])
+                row = out[code]
+                if row[1] < 0 or curve[j] > curve[row[1]]:  # strictly higher: the first of equal peaks stays
+                    row[1] = j
+                row[0] += len(idx)
+    return [(count, i) for count, i in out]
 
 
 def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None, shape=None) -> list[dict]:

@@ -48,7 +48,7 @@ def transient_curve(rep: DeviceReplay, mask) -> np.ndarray:
     delta = np.zeros(rep.n + 1, np.int64)
     np.add.at(delta, al.alloc_index[mask], al.size[mask])
     np.add.at(delta, al.free_index[mask], -al.size[mask])
-    return np.cumsum(delta[:-1])
+    return np.cumsum(delta, out=delta)[:-1]  # in place: one curve's memory, not two
 
 
 def spike_findings(trace: Trace, device: int) -> list[dict]:
@@ -62,7 +62,7 @@ def spike_findings(trace: Trace, device: int) -> list[dict]:
     p = phases(trace)[device]
     runs = p.runs() if p.source != "none" else np.arange(rep.n) // max(16, rep.n // 100)
     # the highest point of transient bytes in each run, largest first
-    starts = np.flatnonzero(np.diff(runs, prepend=-1))
+    starts = np.flatnonzero(np.r_[True, runs[1:] != runs[:-1]])  # runs[0] >= 0: a run starts at 0
     tops = starts + np.array([int(np.argmax(c)) for c in np.split(curve, starts[1:])])
     tops = tops[curve[tops] >= floor]
     tops = tops[np.argsort(-curve[tops], kind="stable")]

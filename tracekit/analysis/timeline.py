@@ -104,13 +104,21 @@ def _allocation_steps(trace, device, rules):
     rep = replay(trace)[device]
     cats = categorize(trace, rules)[device]
     al = rep.allocations
-    a, f, size, lab = al.alloc_index, al.free_index, al.size.astype(np.int64), cats.labels
+    a, f, size, lab = al.alloc_index, al.free_index, np.asarray(al.size, np.int64), cats.labels
     out = {}
     for k, name in enumerate(cats.names):
         m = lab == k
         initial = int(size[m & (a < 0)].sum()) + (rep.unattributed_bytes if k == OTHER else 0)
         am, fm = m & (a >= 0), m & (f >= 0)
-        out[name] = _steps(np.concatenate([a[am], f[fm]]), np.concatenate([size[am], -size[fm]]), initial)
+        del m
+        pos = np.concatenate([a[am], f[fm]])
+        delta = np.concatenate([size[am], -size[fm]])
+        del am, fm
+        order = np.argsort(pos, kind="stable")  # as _steps, with each temporary let go once used
+        pos = pos[order]
+        delta = delta[order]
+        del order
+        out[name] = (initial, pos, np.cumsum(delta, out=delta))
     return out
 
 

@@ -11,7 +11,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from ..model import (ACTION, BLOCK_STATE, NO_TIME, OOM, OTHER, Blocks, Events, Segments, Trace)
+from ..model import (ACTION, BLOCK_STATE, NO_TIME, OOM, OTHER, Blocks, Events, Segments, Trace, constant_column)
 from .columns import MAX_DEVICE, MAX_SIZE, MAX_TIME, MAX_TOTAL, FramesError, Interner, check_sizes, int_column
 from .extras import check_extras
 from .limits import shown, text
@@ -193,7 +193,17 @@ def _concat_events(columns) -> Events:
         return Events(**empty)
     if len(columns) == 1:  # one device: its columns as they are (no copy of a large trace)
         return Events(**{k: np.asarray(columns[0][k], dtype=t) for k, t in _EVENT_DTYPES.items()})
-    return Events(**{k: np.concatenate([c[k] for c in columns]) for k in _EVENT_DTYPES})
+    return Events(**{k: _concat_column([c[k] for c in columns], t) for k, t in _EVENT_DTYPES.items()})
+
+
+def _concat_column(parts, dtype):
+    """The devices' columns end to end; one value throughout stays a constant column (no memory)."""
+    parts = [np.asarray(p) for p in parts]
+    if all(p.strides == (0,) for p in parts if len(p) > 1):
+        values = {p[0].item() for p in parts if len(p)}
+        if len(values) == 1 and len({p.dtype for p in parts}) == 1:
+            return constant_column(values.pop(), sum(len(p) for p in parts), parts[0].dtype)
+    return np.concatenate(parts)
 
 
 _EVENT_DTYPES = {

@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import TracekitError
-from ..model import ACTION, NO_TIME, OOM, OTHER, unique_ids
+from ..model import ACTION, NO_TIME, OOM, OTHER, compact_column, constant_column, unique_ids
 from .columns import MAX_SIZE, MAX_TIME, MAX_TOTAL, check_sizes
 from .limits import CappedReader, decompressed_cap, max_depth
 
@@ -279,8 +279,10 @@ class Tape:
         lut[names] = codes
         action = lut[c["action"]]
         what = f"device {device} entry"
-        col = {"device": np.full(n, device, dtype=np.int32), "index": np.arange(n, dtype=np.int64), "action": action,
-               "addr": c["addr"].view(np.uint64), "size": c["size"], "stream": c["stream"], "time_us": c["time_us"]}
+        # a column of one value throughout (device, most often stream, the texts, device_free) takes no memory
+        col = {"device": constant_column(device, n, np.int32), "index": np.arange(n, dtype=np.int64),
+               "action": action, "addr": c["addr"].view(np.uint64), "size": c["size"],
+               "stream": compact_column(c["stream"]), "time_us": c["time_us"]}
         check_sizes(col["size"], what)
         t = col["time_us"]
         if ((t != NO_TIME) & ((t >= MAX_TIME) | (t <= -MAX_TIME))).any():
@@ -300,6 +302,8 @@ class Tape:
         ids = np.array([it.strings.intern(self.strings[s] if s >= 0 else "") for s in distinct.tolist()], np.int32)
         if not len(sids):
             return ids[:0]
+        if used is None and len(distinct) == 1:
+            return constant_column(ids[0], len(sids), np.int32)
         lo = int(distinct[0]) if len(distinct) else 0
         if len(distinct) and int(distinct[-1]) - lo <= 4 * len(sids) + 65536:  # a table over the range
             table = np.zeros(int(distinct[-1]) - lo + 1, np.int32)
@@ -309,10 +313,12 @@ class Tape:
 
     def _device_free(self, action, first, n):
         """device_free of the oom entries (the last value set wins), 0 elsewhere."""
-        free = np.zeros(n, np.int64)
         e = self.entries
         r = e["df_row"].astype(np.int64) - first
         keep = (r >= 0) & (r < n)
+        if not keep.any():
+            return constant_column(0, n, np.int64)
+        free = np.zeros(n, np.int64)
         r, k, v = r[keep][::-1], e["df_kind"][keep][::-1], e["df_val"][keep][::-1]
         r, last = np.unique(r, return_index=True)  # reversed: the first of each row is the last one set
         k, v = k[last], v[last]
@@ -342,4 +348,6 @@ class Tape:
                 sid = it._stack_ids.get(key)
                 sid = self._stack_of[i] = sid if sid is not None else it._new_stack(key)
             lut[i] = sid
+        if len(used) == 1 and len(ids) > 1 and (ids == used[0]).all():  # e.g. no forward frames at all
+            return constant_column(lut[used[0]], len(ids), np.int32)
         return lut[ids]

@@ -103,6 +103,8 @@ def _replay(trace, device, config, stop=None):
     alloc = Allocator(config, Device(total_memory=total_memory(trace, device)))
     load(alloc, init)
     n = len(action)
+    if stop is not None and 0 <= stop < n - 1:  # the state after entry `stop`: only the entries up to it are read
+        n, action, sl = stop + 1, action[:stop + 1], slice(sl.start, sl.start + stop + 1)
     out_alloc, out_res, out_blk = (np.zeros(n, np.int64) for _ in range(3))
     placed, slack, counts, alloc0, res0, final = compiled_replay(
         action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),

@@ -25,6 +25,7 @@ import numpy as np
 
 from ...model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
+from ...model import isin_ints
 from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, expandable_pages
 from .core import Allocator, Block
 
@@ -142,7 +143,7 @@ def _initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initia
     live_states = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
     bmask = (blk.device == device) & np.isin(blk.state, live_states)
     b_addr = blk.addr[bmask].astype(np.int64)
-    untouched = ~np.isin(b_addr, uniq)
+    untouched = ~isin_ints(b_addr, uniq)
     for a, z, req, state, seg_row in zip(b_addr[untouched].tolist(), blk.size[bmask][untouched].tolist(),
                                           blk.requested_size[bmask][untouched].tolist(),
                                           blk.state[bmask][untouched].tolist(), blk.segment[bmask][untouched].tolist()):

@@ -104,28 +104,57 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
     entry)."""
     table, parts, end = {}, [], 0
     for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        raw = a.data.cast("B") if a.size else memoryview(b"")
+        col_sum, crc, length = _sums(a)
         offset = -(-end // ALIGN) * ALIGN
         table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
-                       (sums or {}).get(name, column_sum(raw)), a.ndim, _stats(a)]
-        parts.append((offset, raw, zlib.crc32(raw)))
-        end = offset + len(raw)
+                       (sums or {}).get(name, col_sum), a.ndim, _stats(a)]
+        parts.append((offset, length, crc))
+        end = offset + length
     body = json.dumps({**head, "columns": table, "data": end}).encode()
     start = _start(len(body))
     with open(fn, "wb") as f:
         f.write(_PRE.pack(MAGIC, len(body), zlib.crc32(body)) + body)
-        for offset, raw, _ in parts:
+        for (offset, _, _), a in zip(parts, arrays.values()):
             f.seek(start + offset)
-            f.write(raw)
+            for raw in _pieces(a):
+                f.write(raw)
         f.truncate(start + end)
     with open(fn, "rb") as f:
         if os.fstat(f.fileno()).st_size != start + end:
             raise Odd("short write")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            for offset, raw, crc in parts:
-                if zlib.crc32(mm[start + offset:start + offset + len(raw)]) != crc:
+            for offset, length, crc in parts:
+                if zlib.crc32(mm[start + offset:start + offset + length]) != crc:
                     raise Odd("a column differs once written")
+
+
+PIECE = 1 << 24  # bytes of a column handled at a time when it is written (a multiple of BLOCK)
+
+
+def _pieces(a):
+    """A column's bytes, PIECE at a time: a constant column (a zero-stride view, model.constant_column) is
+    made whole only a piece at a time."""
+    if a.ndim != 1:
+        a = np.ascontiguousarray(a)
+        yield memoryview(a).cast("B") if a.size else memoryview(b"")
+        return
+    step = PIECE // a.itemsize
+    for lo in range(0, len(a), step):
+        yield memoryview(np.ascontiguousarray(a[lo:lo + step])).cast("B")
+
+
+def _sums(a) -> tuple[int, int, int]:
+    """(column_sum, CRC-32, length) of a column's bytes, read PIECE at a time (the same figures as of the whole)."""
+    col_sum, crc, length = 0, 0, 0
+    for raw in _pieces(a):
+        whole = len(raw) // BLOCK * BLOCK  # only the last piece has a part block
+        if whole:
+            words = np.frombuffer(raw, np.uint64, count=whole // 8)
+            col_sum = zlib.crc32(words.reshape(-1, BLOCK // 8).sum(axis=1, dtype=np.uint64).tobytes(), col_sum)
+        col_sum = zlib.crc32(raw[whole:], col_sum)
+        crc = zlib.crc32(raw, crc)
+        length += len(raw)
+    return col_sum, crc, length
 
 
 def _stats(a):
@@ -191,7 +220,7 @@ def write(key, trace: Trace) -> None:
         for prefix, (attr, table) in _TABLES.items():
             obj = getattr(trace, attr)
             for name in table.__dataclass_fields__:
-                arrays[f"{prefix}_{name}"] = np.ascontiguousarray(getattr(obj, name), dtype=DTYPES[prefix][name])
+                arrays[f"{prefix}_{name}"] = np.asarray(getattr(obj, name), dtype=DTYPES[prefix][name])
         head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
                 "strings": trace.strings.items, "meta": encode(trace.meta)}
         os.makedirs(cache_dir(), exist_ok=True)
