@@ -11,7 +11,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.tracekit-installed
-want=$(cat pyproject.toml setup.py | sha256sum | cut -c1-16)
+# the compiled extensions are rebuilt when their C sources change too
+want=$(cat pyproject.toml setup.py tracekit/io/_pkscan.c tracekit/analysis/allocator/_replay.c tracekit/record/_cpuhook.c | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing tracekit and its dependencies into .venv (a few minutes the first time)" >&2
   .venv/bin/python -m pip install -q --upgrade pip >&2

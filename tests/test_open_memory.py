@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from tracekit.analysis.allocator import fast
+from tracekit.analysis.allocator import compiled as fast
 from tracekit.analysis.report import build_report
 from tracekit.io import load
 from tracekit.io.cache import traces
