@@ -29,7 +29,7 @@ def device_mode_class():
                 T.cuda: self._cuda, T.cpu: self._cpu, T.to: self._to, T.tolist: self._tolist, T.numpy: self._numpy,
                 T.record_stream: self._record_stream, T.pin_memory: self._pin_memory, T.is_pinned: self._is_pinned,
                 T.backward: self._backward, torch.autograd.backward: self._backward_fn,
-                torch.autograd.grad: self._grad_fn, T.__array__: self._array,
+                torch.autograd.grad: self._backward_fn, T.__array__: self._array,
             }
 
         # ------------------------------------------------------------------------------------------
@@ -194,18 +194,11 @@ def device_mode_class():
             with self.s.call(None, self.s.where_of(args[0])):
                 return func(*args, **kwargs)
 
-        def _backward_fn(self, func, args, kwargs):
-            tensors = args[0] if args else kwargs.get("tensors")
-            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or [])
-            self._start_backward(tensors)
-            with self.s.call(None, self._ambient([tensors])):
-                return func(*args, **kwargs)
-
-        def _grad_fn(self, func, args, kwargs):
-            outputs = args[0] if args else kwargs.get("outputs")
-            outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs or [])
-            self._start_backward(outputs)
-            with self.s.call(None, self._ambient([outputs])):
+        def _backward_fn(self, func, args, kwargs):  # torch.autograd.backward(tensors) / grad(outputs)
+            first = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+            roots = [first] if isinstance(first, torch.Tensor) else list(first or [])
+            self._start_backward(roots)
+            with self.s.call(None, self._ambient([roots])):
                 return func(*args, **kwargs)
 
     return DeviceMode
