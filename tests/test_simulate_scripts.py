@@ -184,6 +184,25 @@ def test_a_failing_script_fails_its_own_way(tmp_path):
     assert r.stderr.count("\n") <= 2 and "Traceback" not in r.stderr
 
 
+def test_a_checkout_on_the_path_answers_its_own_version(tmp_path):
+    """A project run from its checkout (no `pip install -e .`) that asks importlib.metadata for its own version at
+    import gets its pyproject.toml's version, and says so; a name that is nowhere still raises as it would."""
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "My-Proj"\nversion = "1.2.3"\n')
+    (tmp_path / "my_proj").mkdir()
+    (tmp_path / "my_proj" / "__init__.py").write_text(
+        "import importlib.metadata\n__version__ = importlib.metadata.version('my_proj')\n")
+    (tmp_path / "run.py").write_text(
+        "import importlib.metadata, json, torch, my_proj\n"
+        "try:\n    importlib.metadata.version('no-such-dist-anywhere')\n    missing = False\n"
+        "except importlib.metadata.PackageNotFoundError:\n    missing = True\n"
+        "x = torch.ones(1024, device='cuda')\n"
+        "print('RESULT ' + json.dumps({'v': my_proj.__version__, 'missing': missing,"
+        " 'alloc': torch.cuda.memory_allocated()}))\n")
+    res, r = simulate("--", "python", "run.py", cwd=str(tmp_path))
+    assert res == {"v": "1.2.3", "missing": True, "alloc": 4096}
+    assert "my_proj is the checkout on the path" in r.stderr
+
+
 def test_estimate_simulate_runs_a_mixtral_under_amp(tmp_path):
     """estimate --simulate is one user of the same machinery: an MoE under bf16 autocast runs (grouped_mm takes fp32
     weights on CUDA; its meta kernel asks for bf16), no fallback to the formulas."""

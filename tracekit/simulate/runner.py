@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 
 BOOTSTRAP = "from tracekit.simulate.runner import main; main()"
@@ -381,6 +382,21 @@ def policies(session):
             session.assume("DataLoader workers run in the main process (num_workers=0)")
         return dl_init(self, *a, **k)
 
+    import importlib.metadata as metadata
+    orig_version = metadata.version
+
+    def version(name):
+        try:
+            return orig_version(name)
+        except metadata.PackageNotFoundError:
+            found = _checkout_version(name)
+            if found is None:
+                raise
+            session.assume(f"{name} is the checkout on the path, as if installed (version {found} from its "
+                           "pyproject.toml)")
+            return found
+
+    put(metadata, "version", version)
     put(torch, "compile", compile_)
     put(torch.nn.Module, "compile", module_compile)
     put(torch, "save", save)
@@ -391,6 +407,35 @@ def policies(session):
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
+
+
+def _checkout_version(name):
+    """The version a project on sys.path but not installed would have: `project.version` of the
+    pyproject.toml at the root of a path entry whose `project.name` is `name` (PEP 503 names compare
+    equal). A script run from a checkout (PYTHONPATH=., no `pip install -e .`) that asks for its own
+    version at import would otherwise stop before it allocates anything; on its GPU machine it was
+    installed. None when no such project is on the path."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return None
+
+    def norm(n):
+        return re.sub(r"[-_.]+", "-", str(n)).lower()
+    want = norm(name)
+    for entry in sys.path:
+        path = os.path.join(entry or os.getcwd(), "pyproject.toml")
+        try:
+            if os.path.getsize(path) > 1 << 20:
+                continue
+            with open(path, "rb") as f:
+                project = tomllib.load(f).get("project") or {}
+        except (OSError, ValueError):
+            continue
+        if isinstance(project, dict) and norm(project.get("name", "")) == want:
+            v = project.get("version")
+            return str(v) if isinstance(v, str) else "0+checkout"
+    return None
 
 
 def _has_fake(obj) -> bool:
