@@ -987,6 +987,8 @@ def _tracker_class():
             except KeyError:
                 real = None
             x = args[0]
+            if real is None and getattr(func, "namespace", "aten") != "aten":
+                return self._custom_dynamic(func, args, kwargs)
             if real is None:
                 self.s.assume(f"a data-dependent size taken at its upper bound ({_what(func)})", self.where())
                 n = x.numel()
@@ -1016,6 +1018,24 @@ def _tracker_class():
                 if isinstance(f, torch.Tensor) and r.numel() <= MAX_SHADOW:
                     self.shadow[f] = r
             return out
+
+        def _custom_dynamic(self, func, args, kwargs):
+            """A custom op whose fake kernel asks for a data-dependent size (`ctx.new_dynamic_size()`, e.g.
+            bitsandbytes' int8 outlier columns): its own fake kernel again, the size its `max`, or without one the
+            largest dimension of its inputs."""
+            from torch._library.fake_impl import FakeImplCtx
+            dims = [int(d) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) for d in t.shape]
+            bound = max(dims, default=0)
+            ask = FakeImplCtx.new_dynamic_size
+
+            def new_dynamic_size(ctx, *, min=0, max=None):
+                return int(max) if max is not None else bound
+            self.s.assume(f"a data-dependent size taken at its upper bound ({_what(func)})", self.where())
+            FakeImplCtx.new_dynamic_size = new_dynamic_size
+            try:
+                return func(*args, **kwargs)
+            finally:
+                FakeImplCtx.new_dynamic_size = ask
 
         def _check_indices(self, func, args):
             """An index past the table is a device-side assert on CUDA: check the real indices we have."""

@@ -203,28 +203,6 @@ def _patch_import_utils(mod):
     mod.is_fake_tensor = lambda *a, **k: False
 
 
-def _patch_bnb(mod):
-    """bitsandbytes' quantized parameters are tensor subclasses made with Tensor._make_subclass over their data, which a
-    fake tensor cannot be: say so in one line instead of a traceback deep in bitsandbytes."""
-    from .engine import SimulationError
-    for name in ("Params4bit", "Int8Params"):
-        cls = getattr(mod, name, None)
-        if cls is None:
-            continue
-        new = cls.__new__
-
-        def refuse(klass, *a, _new=new, _name=name, **k):
-            try:
-                return _new(klass, *a, **k)
-            except RuntimeError as e:
-                if "FakeTensor" not in str(e):
-                    raise
-                raise SimulationError(f"bitsandbytes' {_name} (4-bit / 8-bit weights: QLoRA) cannot be simulated yet: "
-                                      "its tensor subclass cannot wrap a fake tensor; simulate the LoRA on 16-bit "
-                                      "weights and count the base weights at 4 or 8 bits") from None
-        cls.__new__ = refuse
-
-
 def _patch_safetensors(session):
     """safetensors' load_file(device="cuda") reads on the host (outside the fake tensors), then moves each tensor as
     the device says: fake tensors of the same shapes on the simulated card (its own CUDA path cannot run here)."""
@@ -242,6 +220,87 @@ def _patch_safetensors(session):
                 return {k: v.clone() for k, v in out.items()}
             return {k: v.to(f"cuda:{where}") for k, v in out.items()}
         mod.load_file = load
+    return patch
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
+                       "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _patch_safe_open(session):
+    """safetensors' safe_open (what from_pretrained reads through, tensor by tensor): the file is opened on the host;
+    a tensor of up to MAX_SHADOW elements is read as it is (its values kept: position tables, small buffers), a
+    bigger one is a fake tensor of its shape and dtype, nothing read (weights' values are unknown anyway); each then
+    goes where the file was opened for (`device=0` / "cuda": the simulated card)."""
+    def patch(mod):
+        real_open = getattr(mod, "safe_open", None)
+        if real_open is None or getattr(real_open, "_tracekit", False):
+            return
+        import math
+
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from .engine import MAX_SHADOW
+
+        def host():
+            stack = contextlib.ExitStack()
+            stack.enter_context(_disable_current_modes())
+            stack.enter_context(unset_fake_temporarily())
+            return stack
+
+        class Slice:
+            def __init__(self, inner, where):
+                self._s, self._where = inner, where
+
+            def __getattr__(self, name):
+                return getattr(self._s, name)
+
+            def __getitem__(self, index):
+                shape = list(self._s.get_shape())
+                dtype = getattr(torch, _SAFETENSORS_DTYPES.get(self._s.get_dtype(), ""), None)
+                if dtype is None or math.prod(shape) <= MAX_SHADOW:
+                    with host():
+                        out = self._s[index]
+                else:
+                    with host():
+                        cut = torch.empty(shape, dtype=dtype, device="meta")[index].shape
+                    out = torch.empty(cut, dtype=dtype)  # a fake host tensor: the shape, no values
+                    session.assume("weights read from safetensors files are not read (their values are unknown; "
+                                   "only tensors up to 1M elements are read)")
+                return out if self._where is None else out.to(torch.device("cuda", self._where))
+
+        class SafeOpen:
+            _tracekit = True
+
+            def __init__(self, filename, framework="pt", device="cpu", *a, **k):
+                where = device if isinstance(device, int) and not isinstance(device, bool) else \
+                    session.cuda_index(device) if isinstance(device, (str, torch.device)) else None
+                self._where = None if session.cpu_run else where
+                with host():
+                    self._f = real_open(filename, framework=framework, device="cpu", *a, **k)
+
+            def __enter__(self):
+                self._f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self._f.__exit__(*exc)
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+            def get_slice(self, name):
+                with host():
+                    inner = self._f.get_slice(name)
+                return Slice(inner, self._where)
+
+            def get_tensor(self, name):
+                return self.get_slice(name)[...]
+
+        mod.safe_open = SafeOpen
     return patch
 
 
@@ -397,6 +456,22 @@ def policies(session):
             return found
 
     put(metadata, "version", version)
+
+    import concurrent.futures as cf
+
+    def submit(self, fn, /, *args, **kwargs):
+        session.assume("thread pools run their work in the calling thread (torch's modes are per thread)")
+        future = cf.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                raise
+            future.set_exception(e)
+        return future
+
+    put(cf.ThreadPoolExecutor, "submit", submit)
+    put(torch.Tensor, "_make_subclass", staticmethod(_subclass_over_fake(torch.Tensor._make_subclass)))
     put(torch, "compile", compile_)
     put(torch.nn.Module, "compile", module_compile)
     put(torch, "save", save)
@@ -407,6 +482,38 @@ def policies(session):
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
+
+
+def _subclass_over_fake(make_subclass):
+    """`torch.Tensor._make_subclass(cls, data)` over a fake tensor: the fake tensor itself, its class a subclass of
+    both (FakeTensor first, so the fake mode still dispatches its ops; then `cls`, so its methods, attributes and
+    isinstance checks hold). bitsandbytes' Params4bit and Int8Params (QLoRA), and any Parameter subclass made this
+    way, then run as written: their quantization and 4-bit matmuls are custom ops with fake kernels."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    classes = {}
+
+    def make(cls, data, require_grad=False, *a, **k):
+        if not isinstance(data, FakeTensor) or issubclass(cls, FakeTensor) or a or k:
+            return make_subclass(cls, data, require_grad, *a, **k)
+        both = classes.get(cls)
+        if both is None:
+            both = classes[cls] = type(cls.__name__, (FakeTensor, cls), {"__module__": cls.__module__,
+                                                                         "detach": _detach_keeping_class})
+        t = data.detach()
+        t.requires_grad_(bool(require_grad))
+        t.__class__ = both
+        return t
+    return make
+
+
+def _detach_keeping_class(self):
+    """detach() of a subclass over a fake tensor keeps the class and its attributes, as nn.Parameter and Module._apply
+    (which swaps fake parameters) require."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    t = FakeTensor.detach(self)
+    t.__class__ = type(self)
+    t.__dict__.update(self.__dict__)
+    return t
 
 
 def _checkout_version(name):
@@ -471,8 +578,8 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
         session.current_device = rank % ndev
     hook = _PostImport({"transformers.utils.import_utils": _patch_import_utils,
                         "transformers.generation.stopping_criteria": _patch_stopping(session),
-                        "bitsandbytes.nn.modules": _patch_bnb,
                         "safetensors.torch": _patch_safetensors(session),
+                        "safetensors": _patch_safe_open(session),
                         "torch.distributed.tensor._api": _patch_dtensor(session),
                         "torch.distributed.tensor._sharding_prop": _patch_sharding_prop(session)})
     for name, fn in hook.patches.items():  # already imported (the built-in step): patch now
