@@ -859,7 +859,9 @@ def _tracker_class():
                 shape = [s for i, s in enumerate(moved) if i != d] + [k]
                 r = base.reshape(shape).movedim(-1, d).contiguous().to(idx.dtype)
             self.shadow[idx] = r
-            self.s.assume(f"routing over values nobody knows ({'every token to the first experts' if self.s.routing == 'worst' else 'tokens spread evenly over the experts'})", self.where())
+            self.s.assume("top-k over values nobody knows (MoE routing, sampling): "
+                          + ("every token to the first experts" if self.s.routing == "worst"
+                             else "tokens spread evenly over the experts"), self.where())
 
         # dispatch ----------------------------------------------------------------------------------
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
