@@ -378,6 +378,7 @@ class Session:
         self.alloc_conf = alloc_conf or ""
         self.routing = routing
         self.rank, self.world_size = rank, world_size
+        self.backends: dict = {}  # device type -> the process group's backend for it (distributed.py)
         self.ndevices = max(1, devices)
         self.frames = StackFrames()
         self.t0 = int(time.time() * 1e6)
