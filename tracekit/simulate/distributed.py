@@ -114,6 +114,7 @@ def gloo_staging(session, pg_class) -> dict:
     import torch
 
     S = session
+    GLOO = "ProcessGroupGloo.cpp"
     pending: dict = {}  # id(work) -> clones an asynchronous reduce-scatter keeps until its wait
     depth = [0]
 
@@ -162,18 +163,24 @@ def gloo_staging(session, pg_class) -> dict:
         return method
 
     # each plan makes the transient buffers (made and freed inside) and returns those kept for the collective
+    native = S.frames.native
+    CALLER = "c10d::ProcessGroupGloo::allgather"
+    WORKER = "c10d::(anonymous namespace)::AsyncAllgatherWork::allgather (newLikeFlat)"
+
     def all_gather(output, inp, *rest):
         if gloo_for(output) and on_host(output):
-            for _ in range(2):  # the calling thread's, then the worker's flat output (newLikeFlat)
-                tmp = output.new_empty(output.shape)
+            for where in (CALLER, WORKER):  # the calling thread's, then the worker's flat output
+                with native(GLOO, where):
+                    tmp = output.new_empty(output.shape)
                 del tmp
         return None
 
     def all_gather_list(outputs, inputs, *rest):
         outs = [o for group in outputs for o in group] if outputs and isinstance(outputs[0], (list, tuple)) else []
         if outs and gloo_for(outs[0]) and on_host(outs[0]):
-            for _ in range(2):
-                tmp = flat_like(outs[:len(outputs[0])])
+            for where in (CALLER, WORKER):
+                with native(GLOO, where):
+                    tmp = flat_like(outs[:len(outputs[0])])
                 del tmp
         return None
 
@@ -181,21 +188,24 @@ def gloo_staging(session, pg_class) -> dict:
         outs = [o for x in outputs for o in (x if isinstance(x, (list, tuple)) else [x])]
         ins = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
         if outs and gloo_for(outs[0]) and on_host(outs[0]):
-            held = [flat_like(ins)] if len(ins) > 1 else []
-            held.append(flat_like(outs))
+            with native(GLOO, "c10d::(anonymous namespace)::AsyncAllgatherCoalescedWork::allgather_coalesced"):
+                held = [flat_like(ins)] if len(ins) > 1 else []
+                held.append(flat_like(outs))
             del held
         return None
 
     def reduce_scatter(output, inp, *rest):
         ins = list(inp) if isinstance(inp, (list, tuple)) else [inp]
         if ins and gloo_for(ins[0]):
-            return [t.clone() for t in ins]
+            with native(GLOO, "c10d::ProcessGroupGloo::reduce_scatter_tensor_coalesced"):
+                return [t.clone() for t in ins]
         return None
 
     def allreduce_coalesced(tensors, *rest):
         ts = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if len(ts) > 1 and gloo_for(ts[0]) and on_host(ts[0]):
-            tmp = flat_like(ts)
+            with native(GLOO, "c10d::(anonymous namespace)::AsyncAllreduceCoalescedWork::allreduce_coalesced"):
+                tmp = flat_like(ts)
             del tmp
         return None
 
@@ -256,7 +266,9 @@ def ddp_class(session):
                 buckets.append(cur)
             self._views = {}
             self._buckets = []
-            with torch.no_grad():
+            # made by the reducer's C++ (as in a GPU snapshot): a c10d frame says they are collective buffers
+            with torch.no_grad(), session.frames.native(
+                    "reducer.cpp", "c10d::Reducer::initialize_buckets(std::vector<std::vector<unsigned long>>)"):
                 for group in buckets:
                     flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
                     self._buckets.append(flat)

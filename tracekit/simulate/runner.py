@@ -307,8 +307,8 @@ def _patch_fsdp_grads(session):
                             marks._tag("gradient", g, f"{getattr(fp, '_param_fqn', None) or 'param'}.grad "
                                                       "(unsharded, before its reduce-scatter)")
             return original(group, *args, **kwargs)
-        post_backward._tracekit_simulated = True  # type: ignore[attr-defined]
-        post_backward.__wrapped__ = original  # type: ignore[attr-defined]
+        post_backward._tracekit_simulated = True
+        post_backward.__wrapped__ = original
         cls.post_backward = post_backward
     return patch
 
