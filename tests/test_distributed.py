@@ -25,14 +25,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
 
 
-def _run_job(out, mode):
-    """torchrun, 2 ranks, gloo: `python -m torch.distributed.run ... -m tracekit record -o OUT -- python fsdp_train.py`."""
-    pytest.importorskip("torch.distributed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+
+
+def _run_job(out, mode, script="fsdp_train.py"):
+    """torchrun, 2 ranks, gloo: `python -m torch.distributed.run ... -m tracekit record -o OUT -- python SCRIPT MODE`."""
+    pytest.importorskip("torch.distributed")
+    env = _env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
            "-m", "tracekit", "record", "-o", os.path.join(out, f"{mode}.pickle"), "--",
-           sys.executable, os.path.join(HERE, "fsdp_train.py"), mode]
+           sys.executable, os.path.join(HERE, script), mode]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=out,
                          start_new_session=True)
     try:
@@ -216,6 +220,153 @@ def test_ddp_each_rank_holds_everything_and_its_buckets(ddp_job):
         levers = {f["technique"]: f for f in build_report(load(path))["findings"] if f["kind"] == "advice"}
         assert levers["DDP gradient_as_bucket_view"]["bytes"] == pytest.approx(4 * P, rel=0.05)
         assert "shard the optimizer state" in levers  # DDP keeps whole state: sharding is advice
+
+
+# -- the simulation of the same job (`tracekit simulate --gpu none --world-size 2`) against the recording ----------
+def _simulate_rank0(out, script, mode):
+    """`tracekit simulate --gpu none --world-size 2 -o OUT -- python SCRIPT MODE`: rank 0's file."""
+    path = os.path.join(out, f"{mode}.sim.pickle")
+    cmd = [sys.executable, "-m", "tracekit", "simulate", "--gpu", "none", "--world-size", str(WORLD), "-o", path,
+           "--", "python", os.path.join(HERE, script), mode]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=out)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "fake process group: rank 0 of 2" in r.stderr, r.stderr[-2000:]
+    return os.path.join(out, f"{mode}.sim.rank0.pickle")
+
+
+def _disagreements(recorded, simulated):
+    """Categories at rank 0's peak where the simulation is off: more than 5% of the recorded bytes, or, for
+    categories under 1% of the recorded peak, more than 0.5% of the peak; and the peaks themselves (5%)."""
+    rec, sim = _device(recorded), _device(simulated)
+    a, b = rec["categories_at_peak"], sim["categories_at_peak"]
+    peak = rec["peak_allocated_bytes"]
+    bad = []
+    for cat in sorted(set(a) | set(b)):
+        x, y = a.get(cat, 0), b.get(cat, 0)
+        limit = 0.05 * x if x >= 0.01 * peak else 0.005 * peak
+        if abs(y - x) > limit:
+            bad.append(f"{cat}: recorded {x:,} simulated {y:,}")
+    if abs(sim["peak_allocated_bytes"] - peak) > 0.05 * peak:
+        bad.append(f"peak: recorded {peak:,} simulated {sim['peak_allocated_bytes']:,}")
+    return bad, a
+
+
+def _late_gloo_release_at_peak(path):
+    """Did gloo's worker thread, not the training thread, free a buffer that the recording's peak holds?
+
+    gloo's worker drops its reference to a collective's buffers (a reduce-scatter's input clone, the all-gather
+    output its chunks view) when the OS next runs it; on a loaded machine that can be inside the training thread's
+    next collective, and then that recording's peak holds one more unit than a worker that keeps up would give
+    (measured here on 2 shared cores: 5 of 11 recordings). Such a buffer is one made by a collective (c10d's or
+    FSDP2's frames), live at the peak, made before the collective the peak is in and freed inside it (the training
+    thread waits there: only the worker frees)."""
+    from tracekit.analysis.replay import peak_of, replay
+
+    trace = load(path)
+    rep = replay(trace)[trace.devices[0]]
+    al = rep.allocations
+    _, p = peak_of(rep.allocated, rep.initial_allocated)
+    names, fr, st = trace.strings, trace.frames, trace.stacks
+    memo = {}
+
+    def where(sid):  # "c10d": made inside a c10d collective call; "fsdp": by FSDP2's collectives; "" else
+        if sid not in memo:
+            files = [names[int(fr.filename[f])] for f in st.frame_ids[st.offsets[sid]:st.offsets[sid + 1]]] \
+                if sid >= 0 else []
+            memo[sid] = ("c10d" if any(f.endswith("distributed_c10d.py") for f in files) else
+                         "fsdp" if any(f.endswith("_fsdp_collectives.py") for f in files) else "")
+        return memo[sid]
+
+    live = al.live_at(p)
+    c10d = [i for i in live.nonzero()[0] if where(int(al.stack_id[i])) == "c10d"]
+    if not c10d:
+        return False
+    start = max(int(al.alloc_index[i]) for i in c10d)  # the collective the peak is in (the latest)
+    later = sorted(int(a) for a, sid in zip(al.alloc_index.tolist(), al.stack_id.tolist())
+                   if a > p and where(int(sid)) != "c10d")
+    nxt = later[0] if later else len(rep.allocated)  # the training thread allocates again: the call has returned
+    call = (al.alloc_index >= start) & (al.alloc_index < nxt)
+    end = max(int(al.free_index[i]) for i in call.nonzero()[0] if where(int(al.stack_id[i])) == "c10d")
+    for i in live.nonzero()[0]:
+        if al.alloc_index[i] < start and start < al.free_index[i] <= end and where(int(al.stack_id[i])):
+            return True
+    return False
+
+
+ATTEMPTS = 3
+
+
+@pytest.mark.parametrize("script,mode", [("fsdp_train.py", "fsdp"), ("fsdp_transformer.py", "fp32")])
+def test_fsdp2_simulation_agrees_with_the_recording(script, mode, tmp_path, fsdp_job):
+    """The same FSDP2 script recorded on 2 gloo ranks and simulated (`--gpu none --world-size 2`): every category
+    at rank 0's peak within 5% (gloo's staging buffers, FSDP2's unsharded gradients, the shards, the activations).
+    A recording whose peak holds a buffer gloo's worker released late (a race the simulation does not model) is
+    taken again; a recording without it must agree."""
+    simulated = _simulate_rank0(str(tmp_path), script, mode)
+    raced = []
+    for attempt in range(ATTEMPTS):
+        if attempt == 0 and script == "fsdp_train.py":
+            facts, files = fsdp_job  # the module's recording of the same script
+        else:
+            (tmp_path / f"rec{attempt}").mkdir()
+            facts, files = _run_job(str(tmp_path / f"rec{attempt}"), mode, script=script)
+        bad, at = _disagreements(files[0], simulated)
+        # what the comparison rests on: a sharded job whose peak holds every kind of FSDP2 memory
+        P, N, unit = facts["params"], facts["world_size"], 4 * max(facts["units"])
+        assert at["parameter"] == pytest.approx(4 * P / N, rel=0.05), at
+        assert at["optimizer_state"] == pytest.approx(8 * P / N, rel=0.05), at
+        assert unit <= at["unsharded_parameter"] <= 3 * unit, at
+        assert at["communication"] > unit and at["gradient"] > 0 and at["activation"] > 0, at
+        if not bad:
+            return
+        assert _late_gloo_release_at_peak(files[0]), bad  # no race: the simulation is wrong
+        raced.append(bad)
+    pytest.skip(f"gloo's worker released a buffer late in all {ATTEMPTS} recordings (a loaded machine): {raced}")
+
+
+def test_simulated_gloo_staging_follows_the_backend(tmp_path):
+    """The same FSDP2 step simulated as asked for gloo and for NCCL: gloo's all-gather makes two buffers of the
+    output's size and its reduce-scatter a clone of the input; NCCL none."""
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "dist.init_process_group(sys.argv[1])\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))\n"
+        "mesh = init_device_mesh('cpu', (2,))\n"
+        "fully_shard(m[0], mesh=mesh); fully_shard(m[1], mesh=mesh); fully_shard(m, mesh=mesh)\n"
+        "m(torch.randn(8, 256)).sum().backward()\n")
+    unit = 4 * (256 * 256 + 256)
+    made = {}
+    for backend in ("gloo", "nccl"):
+        path = str(tmp_path / f"{backend}.pickle")
+        r = subprocess.run([sys.executable, "-m", "tracekit", "simulate", "--gpu", "none", "--world-size", "2", "-o",
+                            path, "--", "python", str(script), backend], capture_output=True, text=True, timeout=240,
+                           env=_env(), cwd=str(tmp_path))
+        assert r.returncode == 0, r.stderr[-3000:]
+        trace = load(str(tmp_path / f"{backend}.rank0.pickle"))
+        from tracekit.analysis.replay import replay
+
+        al = replay(trace)[0].allocations
+        names = trace.strings
+        st = trace.stacks
+        sizes = {"gather": [], "scatter": []}
+        for size, sid in zip(al.size.tolist(), al.stack_id.tolist()):
+            if sid < 0:
+                continue
+            frames = [names[int(trace.frames.name[f])] for f in st.frame_ids[st.offsets[sid]:st.offsets[sid + 1]]]
+            if "c10d::ProcessGroupGloo::allgather" in frames or any("AsyncAllgatherWork" in f for f in frames):
+                sizes["gather"].append(size)
+            if "c10d::ProcessGroupGloo::reduce_scatter_tensor_coalesced" in frames:
+                sizes["scatter"].append(size)
+        made[backend] = sizes
+    # two units' all-gathers (forward, and backward's re-gather of the first unit, as FSDP2 reshards after forward
+    # all but the root), two buffers each; one reduce-scatter per unit
+    assert made["gloo"]["gather"] and set(made["gloo"]["gather"]) == {unit}, made
+    assert len(made["gloo"]["gather"]) % 2 == 0, made
+    assert sorted(made["gloo"]["scatter"]) == [unit, unit], made
+    assert made["nccl"] == {"gather": [], "scatter": []}, made
 
 
 # -- frame rules on snapshots recorded anywhere (FSDP1, DeepSpeed, DDP, c10d) -----------------------

@@ -148,6 +148,9 @@ def gloo_staging(session, pg_class) -> dict:
                 release_pending()  # gloo's worker runs a group's collectives in order: an earlier one is done
                 with torch.no_grad():
                     kept = plan(*args)
+                if any(gloo_for(t) for t in _tensors(args)):
+                    S.assume("gloo's collectives stage through buffers of their own (ProcessGroupGloo), released as "
+                             "each collective returns (a worker thread the OS runs late releases them later)")
                 work = original(self, *args, **kwargs)
                 if kept:
                     opts = args[2] if len(args) > 2 else kwargs.get("opts")
@@ -230,6 +233,18 @@ def gloo_staging(session, pg_class) -> dict:
             out[name] = m
     if work_wait is not None:
         out["wait"] = (work_class, wait)
+    return out
+
+
+def _tensors(args) -> list:
+    """The tensors of a collective's arguments (tensors, lists of them, lists of lists)."""
+    import torch
+    out: list = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += _tensors(a)
     return out
 
 
