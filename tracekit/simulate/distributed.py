@@ -115,7 +115,7 @@ def gloo_staging(session, pg_class) -> dict:
 
     S = session
     GLOO = "ProcessGroupGloo.cpp"
-    pending: dict = {}  # id(work) -> clones an asynchronous reduce-scatter keeps until its wait
+    pending: dict = {}  # id(work) -> (id(group), clones an asynchronous reduce-scatter keeps until its wait)
     depth = [0]
 
     def gloo_for(t) -> bool:
@@ -132,8 +132,9 @@ def gloo_staging(session, pg_class) -> dict:
         n = sum(t.numel() for t in ts)
         return ts[0].new_empty((n,))
 
-    def release_pending():
-        pending.clear()
+    def release_pending(group):
+        for key in [k for k, (g, _) in pending.items() if g == group]:
+            del pending[key]
 
     def wrap(name, plan):
         original = getattr(pg_class, name, None)
@@ -145,7 +146,7 @@ def gloo_staging(session, pg_class) -> dict:
                 return original(self, *args, **kwargs)
             depth[0] += 1
             try:
-                release_pending()  # gloo's worker runs a group's collectives in order: an earlier one is done
+                release_pending(id(self))  # gloo's worker runs a group's collectives in order: earlier ones are done
                 with torch.no_grad():
                     kept = plan(*args)
                 if any(gloo_for(t) for t in _tensors(args)):
@@ -155,7 +156,7 @@ def gloo_staging(session, pg_class) -> dict:
                 if kept:
                     opts = args[2] if len(args) > 2 else kwargs.get("opts")
                     if getattr(opts, "asyncOp", False) and work is not None:
-                        pending[id(work)] = kept  # freed at its wait (or the next collective)
+                        pending[id(work)] = (id(self), kept)  # freed at its wait (or the group's next collective)
                     kept = None
                 return work
             finally:
