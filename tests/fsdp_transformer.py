@@ -7,8 +7,9 @@ scaled_dot_product_attention, LayerNorm, a GELU MLP 3x wide, an untied output he
 `fully_shard` unit and the root last; the last block is kept unsharded after forward (as FSDP2's own examples do),
 AdamW with weight decay, gradient clipping, two steps.
 
-MODE: `fp32` (default) or `bf16` (`MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`: units
-all-gathered in bf16, gradients reduce-scattered in fp32). Rank 0 prints one `TRACEKIT_FACTS {...}` line.
+MODE: `fp32` (default), `bf16` (`MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`: units
+all-gathered in bf16, gradients reduce-scattered in fp32) or `ckpt` (fp32, each block under non-reentrant activation
+checkpointing). Rank 0 prints one `TRACEKIT_FACTS {...}` line.
 """
 import json
 import math
@@ -51,8 +52,9 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, checkpointed=False):
         super().__init__()
+        self.checkpointed = checkpointed
         self.tok = nn.Embedding(VOCAB, D_MODEL)
         self.pos = nn.Embedding(SEQ, D_MODEL)
         self.blocks = nn.ModuleList(Block(D_MODEL, HEADS) for _ in range(LAYERS))
@@ -65,7 +67,12 @@ class Model(nn.Module):
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointed:
+                from torch.utils.checkpoint import checkpoint
+
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
 
 
@@ -77,7 +84,7 @@ def main():
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = Model()
+    model = Model(checkpointed=mode == "ckpt")
     params = sum(p.numel() for p in model.parameters())
     units = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     mesh = init_device_mesh("cpu", (world,))

@@ -327,7 +327,7 @@ def _disagreements(recorded, simulated):
 ATTEMPTS = 3  # recordings at most: a late release _kept_up cannot place (outside any collective) is rare (1 in ~10)
 
 
-@pytest.mark.parametrize("script,mode", [("fsdp_train.py", "fsdp"), ("fsdp_transformer.py", "fp32")])
+@pytest.mark.parametrize("script,mode", [("fsdp_train.py", "fsdp"), ("fsdp_transformer.py", "ckpt")])
 def test_fsdp2_simulation_agrees_with_the_recording(script, mode, tmp_path, fsdp_job):
     """The same FSDP2 script recorded on 2 gloo ranks and simulated (`--gpu none --world-size 2`): every category
     at rank 0's peak within 5% (gloo's staging buffers, FSDP2's unsharded gradients, the shards, the activations),

@@ -84,7 +84,10 @@ class SimulatedMarks:
         import torch
         from torch.nn.modules import module as mm
         from torch.optim import optimizer as om
-        self.handles = [mm.register_module_forward_pre_hook(self._pre), mm.register_module_forward_hook(self._post),
+        # always_call: a forward that raises still ends (non-reentrant checkpointing's early stop ends its recomputation
+        # by raising), so the outermost call is told apart again
+        self.handles = [mm.register_module_forward_pre_hook(self._pre),
+                        mm.register_module_forward_hook(self._post, always_call=True),
                         om.register_optimizer_step_pre_hook(self._opt_pre),
                         om.register_optimizer_step_post_hook(self._opt_post)]
         self._torch = torch
@@ -106,7 +109,7 @@ class SimulatedMarks:
                 self._tag_module(module)
         self.depth += 1
 
-    def _post(self, module, args, out):
+    def _post(self, module, args, *out):
         self.depth = max(0, self.depth - 1)
 
     def _tag_module(self, module):
