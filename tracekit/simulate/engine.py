@@ -75,6 +75,7 @@ class StackFrames:
     def __init__(self):
         self._frames = {}
         self.op_stack = []  # names of the ops being run (innermost last)
+        self.native_stack: list = []  # C++ frames of a library's own code being modelled (innermost last)
         self.cast = 0  # > 0 while autocast casts
         self.weight_cast = 0  # > 0 while autocast makes its cached copy of a weight
 
@@ -114,6 +115,7 @@ class StackFrames:
             names.append(op)
         for n in reversed(names):
             out.append(self.frame("", 0, f"at::_ops::{n}::call"))
+        out.extend(reversed(self.native_stack))  # the library's C++ that runs the ops (c10d's Reducer...)
         node = torch._C._current_autograd_node()
         if node is not None:
             name = node.name()
@@ -125,6 +127,15 @@ class StackFrames:
 
     def stack(self, op=None) -> list:
         return self.cpp(op) + self.python()
+
+    @contextlib.contextmanager
+    def native(self, filename, name):
+        """Allocations made inside a library's C++ function (c10d's Reducer, gloo's work): its frame in their stacks."""
+        self.native_stack.append(self.frame(filename, 0, name))
+        try:
+            yield
+        finally:
+            self.native_stack.pop()
 
     def on_cast(self, active, weight):
         self.cast += 1 if active else -1
@@ -378,6 +389,7 @@ class Session:
         self.alloc_conf = alloc_conf or ""
         self.routing = routing
         self.rank, self.world_size = rank, world_size
+        self.backends: dict = {}  # device type -> the process group's backend for it (distributed.py)
         self.ndevices = max(1, devices)
         self.frames = StackFrames()
         self.t0 = int(time.time() * 1e6)

@@ -85,7 +85,10 @@ class SimulatedMarks:
         import torch
         from torch.nn.modules import module as mm
         from torch.optim import optimizer as om
-        self.handles = [mm.register_module_forward_pre_hook(self._pre), mm.register_module_forward_hook(self._post),
+        # always_call: a forward that raises still ends (non-reentrant checkpointing's early stop ends its recomputation
+        # by raising), so the outermost call is told apart again
+        self.handles = [mm.register_module_forward_pre_hook(self._pre),
+                        mm.register_module_forward_hook(self._post, always_call=True),
                         om.register_optimizer_step_pre_hook(self._opt_pre),
                         om.register_optimizer_step_post_hook(self._opt_post)]
         self._torch = torch
@@ -107,7 +110,7 @@ class SimulatedMarks:
                 self._tag_module(module)
         self.depth += 1
 
-    def _post(self, module, args, out):
+    def _post(self, module, args, *out):
         self.depth = max(0, self.depth - 1)
 
     def _tag_module(self, module):
@@ -342,6 +345,38 @@ def _patch_sharding_prop(session):
                 session.untracked -= 1
         cls._propagate_tensor_meta_non_cached = wrapped
     return patch
+
+
+def _patch_fsdp_grads(session):
+    """FSDP2 keeps each unit's full (unsharded) gradients from backward until the unit's `post_backward`
+    reduce-scatters and frees them: tag them `gradient` there, as the recorder does (record/hooks.patch_fsdp), else
+    they read as temporaries made and freed in backward. The wrapper calls the original and returns what it returns."""
+    def patch(mod):
+        cls = getattr(mod, "FSDPParamGroup", None)
+        original = getattr(cls, "post_backward", None)
+        if original is None or getattr(original, "_tracekit_simulated", False):
+            return
+
+        def post_backward(group, *args, **kwargs):
+            marks = _ACTIVE[-1].marks if _ACTIVE else None
+            if marks is not None:
+                for fp in getattr(group, "fsdp_params", ()):
+                    try:
+                        grad = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+                    except Exception:
+                        grad = None
+                    for g in (grad, getattr(fp, "unsharded_accumulated_grad", None)):
+                        if g is not None:
+                            marks._tag("gradient", g, f"{getattr(fp, '_param_fqn', None) or 'param'}.grad "
+                                                      "(unsharded, before its reduce-scatter)")
+            return original(group, *args, **kwargs)
+        post_backward._tracekit_simulated = True
+        post_backward.__wrapped__ = original
+        cls.post_backward = post_backward
+    return patch
+
+
+_ACTIVE: list = []  # the sessions running (innermost last): patches made once per process find theirs here
 
 
 def _patch_stopping(session):
@@ -581,7 +616,8 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
                         "safetensors.torch": _patch_safetensors(session),
                         "safetensors": _patch_safe_open(session),
                         "torch.distributed.tensor._api": _patch_dtensor(session),
-                        "torch.distributed.tensor._sharding_prop": _patch_sharding_prop(session)})
+                        "torch.distributed.tensor._sharding_prop": _patch_sharding_prop(session),
+                        "torch.distributed.fsdp._fully_shard._fsdp_param_group": _patch_fsdp_grads(session)})
     for name, fn in hook.patches.items():  # already imported (the built-in step): patch now
         if name in sys.modules:
             fn(sys.modules[name])
@@ -592,6 +628,7 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
     composites = kernels.CudaComposites(tuple(card.sm), session.frames.op)
     session.tracker, session.marks, session.composites = tracker, mk, composites
     old_grad = torch.is_grad_enabled()
+    _ACTIVE.append(session)
     try:
         with contextlib.ExitStack() as stack:
             if not cpu:  # --gpu none: the script's own CPU run, torch.cuda as this machine has it
@@ -612,6 +649,8 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
             yield session
     finally:
         torch.set_grad_enabled(old_grad)
+        if session in _ACTIVE:
+            _ACTIVE.remove(session)
         try:
             sys.meta_path.remove(hook)
         except ValueError:
