@@ -52,6 +52,25 @@ static int grow(Buf *b, Py_ssize_t more) {
 #define AT(b, T, i) (((T *)(b).p)[i])
 #define APPEND(b, T, v) (grow(&(b), 1) ? -1 : (AT(b, T, (b).n++) = (v), 0))
 
+/* -- the pickle memo, compact ------------------------------------------------------------------------
+ * Every memoized value (a 4-bit kind, a 28-bit id) may be referred back to by a later BINGET, so the
+ * memo lives as long as the file is read: about 2.7 slots per trace entry in PyTorch's own pickles (the
+ * entry dict, its per-entry strings such as compile_context, its frames list), 4 bytes each as a plain
+ * array, the largest thing a windowed read of a long file keeps. Here the slots are kept in blocks of
+ * MEMO_BLOCK: the newest block as it is, every full one encoded, each slot as a varint of its kind and
+ * the zigzag difference from the previous slot of the same kind in its block (an entry slot as its kind
+ * alone: a trace entry is never referred back to, see BINGET), about 1-2 bytes a slot; a slot changed
+ * after its block was encoded (a frame or frames list finished late, a BINPUT to an old index) goes to
+ * a small table of changes, looked at first. */
+#define MEMO_BLOCK 64
+typedef struct {
+    Py_ssize_t n;                 /* slots so far; slots [n - n % MEMO_BLOCK, n) are in tail */
+    uint32_t tail[MEMO_BLOCK];
+    Buf arena, boff;              /* encoded blocks back to back; int64 offset of each block */
+    Buf pkey, pval, ptable;       /* changed slots: index, value; open-addressing table of their rows + 1 */
+} Memo;
+
+
 typedef struct { int32_t fname, name; int64_t line; uint8_t have; int32_t fid; Py_ssize_t memo; } PFrame;
 typedef struct { Py_ssize_t start, len, memo; int32_t stack; } PList;  /* stack: -2 while open */
 typedef struct {
@@ -69,7 +88,8 @@ typedef struct {
     Py_ssize_t buf_cap, base;  /* base: file offset of buf[0] */
     int eof;
     /* machine */
-    Buf stack, marks, memo;
+    Buf stack, marks;
+    Memo memo;
     /* tape of everything else */
     Buf nkind, nfirst, nlast, ncount, eparent, ekey, ekind, eval;
     int json;
@@ -217,6 +237,90 @@ static int rehash(S *s, Buf *table, Py_ssize_t n, uint64_t (*hash)(S *, int32_t)
     return 0;
 }
 
+static void memo_free(Memo *m) {
+    PyMem_RawFree(m->arena.p); PyMem_RawFree(m->boff.p);
+    PyMem_RawFree(m->pkey.p); PyMem_RawFree(m->pval.p); PyMem_RawFree(m->ptable.p);
+    memset(m, 0, sizeof *m);
+}
+
+static void memo_init(Memo *m) {
+    memset(m, 0, sizeof *m);
+    m->arena.size = 1; m->boff.size = 8; m->pkey.size = 8; m->pval.size = 4; m->ptable.size = 4;
+}
+
+static int memo_encode_tail(Memo *m) {  /* the tail is full: encode it as the next block */
+    if (grow(&m->arena, MEMO_BLOCK * 6) || APPEND(m->boff, int64_t, (int64_t)m->arena.n)) return -1;
+    uint32_t prev[16] = {0};
+    unsigned char *o = (unsigned char *)m->arena.p + m->arena.n;
+    for (int j = 0; j < MEMO_BLOCK; j++) {
+        uint32_t v = m->tail[j], kind = v >> 28, val = kind == K_ENTRY ? 0 : v & 0x0fffffff;
+        int64_t d = (int64_t)val - (int64_t)prev[kind];
+        prev[kind] = val;
+        uint64_t u = (((uint64_t)(d << 1) ^ (uint64_t)(d >> 63)) << 4) | kind;
+        while (u >= 0x80) { *o++ = (unsigned char)(u | 0x80); u >>= 7; }
+        *o++ = (unsigned char)u;
+    }
+    m->arena.n = (char *)o - m->arena.p;
+    return 0;
+}
+
+static uint64_t memo_hash(int64_t i) { return mix((uint64_t)i); }
+
+/* The row + 1 of slot i in the table of changes, or 0; *h: where it is or would go. */
+static int32_t memo_find(Memo *m, int64_t i, uint64_t *h) {
+    if (!m->ptable.n) return 0;
+    Py_ssize_t mask = m->ptable.n - 1;
+    int32_t *t = (int32_t *)m->ptable.p;
+    for (*h = memo_hash(i) & mask; t[*h]; *h = (*h + 1) & mask)
+        if (AT(m->pkey, int64_t, t[*h] - 1) == i) return t[*h];
+    return 0;
+}
+
+static uint32_t memo_get(Memo *m, Py_ssize_t i) {
+    Py_ssize_t b = i / MEMO_BLOCK, r = i % MEMO_BLOCK;
+    if (b >= m->boff.n) return m->tail[r];
+    uint64_t h;
+    int32_t row = m->pkey.n ? memo_find(m, i, &h) : 0;
+    if (row) return AT(m->pval, uint32_t, row - 1);
+    const unsigned char *p = (const unsigned char *)m->arena.p + AT(m->boff, int64_t, b);
+    uint32_t prev[16] = {0};
+    for (Py_ssize_t j = 0;; j++) {
+        uint64_t u = 0;
+        int shift = 0;
+        do { u |= (uint64_t)(*p & 0x7f) << shift; shift += 7; } while (*p++ & 0x80);
+        uint32_t kind = (uint32_t)(u & 15);
+        uint64_t z = u >> 4;
+        int64_t d = (int64_t)(z >> 1) ^ -(int64_t)(z & 1);
+        uint32_t val = (uint32_t)((int64_t)prev[kind] + d);
+        prev[kind] = val;
+        if (j == r) return (kind << 28) | val;
+    }
+}
+
+static uint64_t memo_phash(S *s, int32_t row) { return memo_hash(AT(s->memo.pkey, int64_t, row)); }
+
+/* Set slot i (i < n: change it; i == n: a new slot). */
+static int memo_put(S *s, Memo *m, Py_ssize_t i, uint32_t v) {
+    Py_ssize_t b = i / MEMO_BLOCK;
+    if (i == m->n) {
+        m->tail[i % MEMO_BLOCK] = v;
+        m->n++;
+        return m->n % MEMO_BLOCK ? 0 : memo_encode_tail(m);
+    }
+    if (b >= m->boff.n) { m->tail[i % MEMO_BLOCK] = v; return 0; }
+    uint64_t h = 0;
+    int32_t row = memo_find(m, i, &h);
+    if (row) { AT(m->pval, uint32_t, row - 1) = v; return 0; }
+    if ((m->pkey.n + 1) * 2 > m->ptable.n) {
+        if (rehash(s, &m->ptable, m->pkey.n, memo_phash)) return -1;
+        memo_find(m, i, &h);
+    }
+    if (m->pkey.n >= 0x7ffffff0) return refuse(s, "too many memo changes");
+    if (APPEND(m->pkey, int64_t, (int64_t)i) || APPEND(m->pval, uint32_t, v)) return -1;
+    AT(m->ptable, int32_t, h) = (int32_t)m->pkey.n;
+    return 0;
+}
+
 static uint64_t frame_hash3(int32_t fname, int32_t name, int64_t line) {
     return mix((uint64_t)fname * 0x100000001B3ull ^ mix((uint64_t)name) ^ mix((uint64_t)line + 7));
 }
@@ -279,8 +383,8 @@ static int32_t intern_stack(S *s, const int32_t *f, Py_ssize_t n) {
 }
 
 /* Set the memo entry `i` (when there is one) to a finished frame or stack. */
-static void memo_set(S *s, Py_ssize_t i, uint8_t kind, int64_t val) {
-    if (i >= 0) AT(s->memo, uint32_t, i) = ((uint32_t)kind << 28) | (uint32_t)val;
+static int memo_set(S *s, Py_ssize_t i, uint8_t kind, int64_t val) {
+    return i >= 0 ? memo_put(s, &s->memo, i, ((uint32_t)kind << 28) | (uint32_t)val) : 0;
 }
 
 static int set_frame_fields(S *s, PFrame *f, Value k, Value v);
@@ -333,7 +437,7 @@ static int32_t frame_of(S *s, Value v) {
     int32_t id = intern_frame(s, f);
     if (id < 0) return id;
     f->fid = id;
-    memo_set(s, f->memo, K_FRAME, id);
+    if (memo_set(s, f->memo, K_FRAME, id)) return -2;
     if (--s->open_frames == 0) s->pframes.n = 0;
     return id;
 }
@@ -370,7 +474,7 @@ static int64_t stack_of(S *s, Value v) {
         int32_t id = intern_stack(s, &AT(s->pfids, int32_t, l->start), l->len);
         if (id <= -2) return id == -2 ? -2 : -1;
         l->stack = id;
-        memo_set(s, l->memo, K_STACK, id + 1);
+        if (memo_set(s, l->memo, K_STACK, id + 1)) return -2;
         if (--s->open_lists == 0) s->plists.n = s->pfids.n = 0;
     }
     return l->stack + 1;
@@ -739,7 +843,7 @@ static PyObject *take(Buf *b) {
 #define TRY(x) do { if ((x) < 0) goto fail_or_error; } while (0)
 
 static void release(S *s) {
-    Buf *all[] = {&s->stack, &s->marks, &s->memo, &s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent,
+    Buf *all[] = {&s->stack, &s->marks, &s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent,
                   &s->ekey, &s->ekind, &s->eval, &s->field_of, &s->present, &s->action, &s->addr, &s->size,
                   &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat, &s->mod, &s->df_row,
                   &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
@@ -750,6 +854,7 @@ static void release(S *s) {
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
+    memo_free(&s->memo);
     Py_CLEAR(s->strings); Py_CLEAR(s->index); Py_CLEAR(s->keys); Py_CLEAR(s->escaped);
 }
 
@@ -785,7 +890,7 @@ static int setup(S *s, PyObject *args) {
         if (s->w_thr == -1 && PyErr_Occurred()) return -1;
     }
     s->root = -1;
-    s->stack.size = sizeof(Value); s->marks.size = sizeof(Py_ssize_t); s->memo.size = 4;
+    s->stack.size = sizeof(Value); s->marks.size = sizeof(Py_ssize_t); memo_init(&s->memo);
     s->nkind.size = 1; s->nfirst.size = 4; s->nlast.size = 4; s->ncount.size = 4;
     s->eparent.size = 4; s->ekey.size = 4; s->ekind.size = 1; s->eval.size = 8;
     s->field_of.size = s->present.size = 1;
@@ -835,8 +940,9 @@ static PyObject *finish(S *s, Value top) {
         if (!t || PyList_Append(devices, t)) { Py_XDECREF(t); Py_DECREF(devices); return NULL; }
         Py_DECREF(t);
     }
-    PyMem_RawFree(s->stack.p); PyMem_RawFree(s->memo.p); PyMem_RawFree(s->buf);
-    s->stack.p = s->memo.p = s->buf = NULL;
+    PyMem_RawFree(s->stack.p); PyMem_RawFree(s->buf);
+    s->stack.p = s->buf = NULL;
+    memo_free(&s->memo);
     Buf *outs[] = {&s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent, &s->ekey, &s->ekind, &s->eval,
                    &s->action, &s->addr, &s->size, &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc,
                    &s->cat, &s->mod, &s->df_row, &s->df_kind, &s->df_val, &s->present, &s->f_file, &s->f_line,
@@ -966,17 +1072,16 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 if (*m >= 0 || i < s.memo.n) { s.err = "a frame or frames list memoized twice"; goto fail; }
                 *m = i;
             }
-            if (i == s.memo.n && grow(&s.memo, 1)) goto error;
-            if (i == s.memo.n) s.memo.n++;
-            memo_set(&s, i, v.kind, v.val);
+            TRY(memo_set(&s, i, v.kind, v.val));
             break;
         }
         case 'h': case 'j': {  /* BINGET, LONG_BINGET */
             Py_ssize_t i;
             if (op == 'h') { NEED(1); i = p[0]; p += 1; } else { NEED(4); uint32_t v; memcpy(&v, p, 4); i = v; p += 4; }
             if (i >= s.memo.n) { s.err = "a memo index never set"; goto fail; }
-            uint32_t m = AT(s.memo, uint32_t, i);
-            if (s.windowed && (m >> 28) == K_ENTRY) { s.err = "a trace entry used twice"; goto fail; }
+            uint32_t m = memo_get(&s.memo, i);
+            /* never in a snapshot, and the memo keeps no entry's row: the Python reader reads such a file */
+            if ((m >> 28) == K_ENTRY) { s.err = "a trace entry used twice"; goto fail; }
             TRY(push(&s, (uint8_t)(m >> 28), m & 0x0fffffff));
             break;
         }
