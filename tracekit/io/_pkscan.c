@@ -68,7 +68,10 @@ typedef struct {
     uint32_t tail[MEMO_BLOCK];
     Buf arena, boff;              /* encoded blocks back to back; int64 offset of each block */
     Buf pkey, pval, ptable;       /* changed slots: index, value; open-addressing table of their rows + 1 */
+    int64_t *ckey;                /* a cache of decoded slots (the keys, actions and frames met again and */
+    uint32_t *cval;               /* again), MEMO_CACHE of them by index, direct-mapped; ckey -1: empty */
 } Memo;
+#define MEMO_CACHE 8192
 
 
 typedef struct { int32_t fname, name; int64_t line; uint8_t have; int32_t fid; Py_ssize_t memo; } PFrame;
@@ -240,6 +243,7 @@ static int rehash(S *s, Buf *table, Py_ssize_t n, uint64_t (*hash)(S *, int32_t)
 static void memo_free(Memo *m) {
     PyMem_RawFree(m->arena.p); PyMem_RawFree(m->boff.p);
     PyMem_RawFree(m->pkey.p); PyMem_RawFree(m->pval.p); PyMem_RawFree(m->ptable.p);
+    PyMem_RawFree(m->ckey); PyMem_RawFree(m->cval);
     memset(m, 0, sizeof *m);
 }
 
@@ -279,9 +283,17 @@ static int32_t memo_find(Memo *m, int64_t i, uint64_t *h) {
 static uint32_t memo_get(Memo *m, Py_ssize_t i) {
     Py_ssize_t b = i / MEMO_BLOCK, r = i % MEMO_BLOCK;
     if (b >= m->boff.n) return m->tail[r];
+    Py_ssize_t c = i & (MEMO_CACHE - 1);
+    if (m->ckey && m->ckey[c] == i) return m->cval[c];
     uint64_t h;
     int32_t row = m->pkey.n ? memo_find(m, i, &h) : 0;
     if (row) return AT(m->pval, uint32_t, row - 1);
+    if (!m->ckey) {
+        m->ckey = PyMem_RawMalloc(MEMO_CACHE * sizeof(int64_t));
+        m->cval = PyMem_RawMalloc(MEMO_CACHE * sizeof(uint32_t));
+        if (m->ckey) memset(m->ckey, 0xff, MEMO_CACHE * sizeof(int64_t));
+        if (!m->ckey || !m->cval) { PyMem_RawFree(m->ckey); PyMem_RawFree(m->cval); m->ckey = NULL; m->cval = NULL; }
+    }
     const unsigned char *p = (const unsigned char *)m->arena.p + AT(m->boff, int64_t, b);
     uint32_t prev[16] = {0};
     for (Py_ssize_t j = 0;; j++) {
@@ -293,7 +305,10 @@ static uint32_t memo_get(Memo *m, Py_ssize_t i) {
         int64_t d = (int64_t)(z >> 1) ^ -(int64_t)(z & 1);
         uint32_t val = (uint32_t)((int64_t)prev[kind] + d);
         prev[kind] = val;
-        if (j == r) return (kind << 28) | val;
+        if (j == r) {
+            if (m->ckey) { m->ckey[c] = i; m->cval[c] = (kind << 28) | val; }
+            return (kind << 28) | val;
+        }
     }
 }
 
@@ -308,6 +323,7 @@ static int memo_put(S *s, Memo *m, Py_ssize_t i, uint32_t v) {
         return m->n % MEMO_BLOCK ? 0 : memo_encode_tail(m);
     }
     if (b >= m->boff.n) { m->tail[i % MEMO_BLOCK] = v; return 0; }
+    if (m->ckey && m->ckey[i & (MEMO_CACHE - 1)] == i) m->cval[i & (MEMO_CACHE - 1)] = v;
     uint64_t h = 0;
     int32_t row = memo_find(m, i, &h);
     if (row) { AT(m->pval, uint32_t, row - 1) = v; return 0; }
