@@ -193,6 +193,21 @@ def _check_not_empty(trace, window, spans):
         raise TracekitError(f"{trace.path}: no entries are inside the window ({window.describe()})")
 
 
+def _among(addr, touched):
+    """Which of the (few) block addresses `addr` are in `touched` (the addresses a trace touches, as many
+    as its allocations, unsorted): a pass over `touched` in pieces, so no copy of it is ever made."""
+    import numpy as np
+
+    keys, inverse = np.unique(addr, return_inverse=True)
+    found = np.zeros(len(keys), bool)
+    if len(keys):
+        for i in range(0, len(touched), 1 << 20):
+            part = touched[i:i + (1 << 20)]
+            at = np.minimum(np.searchsorted(keys, part), len(keys) - 1)
+            found[at[keys[at] == part]] = True
+    return found[inverse.reshape(-1)]
+
+
 def _finish(trace: Trace, window: Window) -> Trace:
     """`select` of a trace the streaming reader cut while reading (see the module docstring)."""
     import numpy as np
@@ -214,7 +229,7 @@ def _finish(trace: Trace, window: Window) -> Trace:
     for d in devices:  # as replay() of the whole trace has it just before the window's first entry
         f = folds.get(d, {"cum_lo": 0, "rcum_lo": 0, "rcum": 0, "lone": 0, "touched": np.zeros(0, np.uint64)})
         mine = live & (blk.device == d)
-        untouched = mine & ~np.isin(blk.addr, f["touched"])
+        untouched = mine & ~_among(blk.addr, f["touched"])
         initial_allocated[d] = int(blk.size[untouched].sum()) + f["lone"] + f["cum_lo"]
         initial_reserved[d] = int(seg.total_size[seg.device == d].sum()) - f["rcum"] + f["rcum_lo"]
     if not all(spans[d][1] == n[d] for d in devices):  # the final segments: see select

@@ -19,6 +19,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 
 enum { K_NONE, K_FALSE, K_TRUE, K_INT, K_FLOAT, K_STR, K_LIST, K_DICT, K_TUPLE,
        /* special kinds, never in the tape */
@@ -80,6 +81,7 @@ typedef struct {
     Py_ssize_t first, count; int appended;
     /* a window (scan(..., window)): every entry is folded here, only those inside it are kept */
     int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax, rec_start;
+    Py_ssize_t fz_start, fz_n, fz_sorted;  /* its addresses moved out of the address table (see am_compact) */
     int lo_found, started;
     double sizesum;
 } DList;
@@ -114,6 +116,8 @@ typedef struct {
     Py_ssize_t last_dl;
     Buf role;  /* per string id: 1 alloc, 2 free_completed, 3 segment grows, 4 segment shrinks, else 0 */
     Buf am_key, am_dev, am_state, am_table;  /* (device, address) of every alloc/free: 1 last was alloc */
+    Buf fz;  /* addresses freed in the trace, moved out of that table: per device list a segment */
+    Py_ssize_t am_compact_at, am_min;  /* am_min: AM_COMPACT, or $TRACEKIT_SCAN_COMPACT_ROWS (for tests) */
     /* per device list, the stacks (frames, forward frames) and strings (user_metadata, compile_context,
      * category, module) its entries use, each once, in order of first use: so the window's Trace numbers
      * them as a read of the whole file does (the set above holds them under device -1 - list) */
@@ -614,6 +618,67 @@ static Buf *row_columns(S *s, int i) {
     return i < 11 ? c[i] : NULL;
 }
 
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The address table holds every address the trace allocates or frees (for its state, and for the
+ * addresses the trace touches), so it grows with the file when addresses are not reused. When it holds
+ * AM_COMPACT rows, or twice what it held after the last compaction, the addresses of device list `dl`
+ * whose last action was a free (state 2: only "touched" matters now; a free there again counts as
+ * lone, as an absent address does) move to the list `fz` (8 bytes each, sorted and deduplicated when
+ * its segment doubles), and the table is rebuilt with the rest. */
+#define AM_COMPACT (1 << 20)
+static int am_compact(S *s, Py_ssize_t dl) {
+    DList *d = &AT(s->dlists, DList, dl);
+    Py_ssize_t w = 0, n = s->am_key.n;
+    if (!d->fz_n) d->fz_start = s->fz.n;
+    if (d->fz_start + d->fz_n != s->fz.n) return refuse(s, "a device trace's entries interleaved");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (AT(s->am_dev, int32_t, i) == (int32_t)dl && AT(s->am_state, uint8_t, i) == 2) {
+            if (APPEND(s->fz, uint64_t, AT(s->am_key, uint64_t, i))) return -1;
+            d->fz_n++;
+            continue;
+        }
+        AT(s->am_key, uint64_t, w) = AT(s->am_key, uint64_t, i);
+        AT(s->am_dev, int32_t, w) = AT(s->am_dev, int32_t, i);
+        AT(s->am_state, uint8_t, w) = AT(s->am_state, uint8_t, i);
+        w++;
+    }
+    s->am_key.n = s->am_dev.n = s->am_state.n = w;
+    Py_ssize_t cap = 1024;
+    while (cap < 2 * (w + 1)) cap *= 2;
+    s->am_table.n = cap / 2;  /* rehash makes a table twice this size */
+    if (rehash(s, &s->am_table, w, am_hash)) return -1;
+    s->am_compact_at = 2 * w > s->am_min ? 2 * w : s->am_min;
+    if (d->fz_n > 2 * d->fz_sorted + s->am_min) {  /* addresses freed again since: once each */
+        uint64_t *z = &AT(s->fz, uint64_t, d->fz_start);
+        qsort(z, (size_t)d->fz_n, sizeof *z, cmp_u64);
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < d->fz_n; i++)
+            if (!k || z[i] != z[k - 1]) z[k++] = z[i];
+        d->fz_n = d->fz_sorted = k;
+        s->fz.n = d->fz_start + k;
+    }
+    return 0;
+}
+
+/* The addresses device list `dl` allocates or frees (duplicates possible), as a bytearray of uint64. */
+static PyObject *am_touched(S *s, Py_ssize_t dl) {
+    DList *d = &AT(s->dlists, DList, dl);
+    Py_ssize_t n = d->fz_n;
+    for (Py_ssize_t i = 0; i < s->am_key.n; i++) n += AT(s->am_dev, int32_t, i) == (int32_t)dl;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * 8);
+    if (!out) return NULL;
+    uint64_t *o = (uint64_t *)PyByteArray_AS_STRING(out);
+    if (d->fz_n) memcpy(o, &AT(s->fz, uint64_t, d->fz_start), (size_t)d->fz_n * 8);
+    o += d->fz_n;
+    for (Py_ssize_t i = 0; i < s->am_key.n; i++)
+        if (AT(s->am_dev, int32_t, i) == (int32_t)dl) *o++ = AT(s->am_key, uint64_t, i);
+    return out;
+}
+
 /* Entry `row` is appended to device list `dl` (at its next position): fold it, then keep or drop it. */
 static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
     if (d->pos && s->last_dl != dl) return refuse(s, "a device trace's entries interleaved");
@@ -647,6 +712,7 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
     }
     uint8_t role = AT(s->role, uint8_t, a);
     if (role == 1 || role == 2) {
+        if (s->am_key.n >= s->am_compact_at && am_compact(s, dl)) return -1;
         uint8_t *st = am_slot(s, (int32_t)dl, addr);
         if (!st) return -1;
         d->cum += role == 1 ? size : -size;
@@ -710,8 +776,12 @@ static PyObject *window_result(S *s) {
                                     "kept", d->count, "cum_lo", (long long)cum_lo, "rcum_lo", (long long)rcum_lo,
                                     "rcum", (long long)d->rcum, "lone", (long long)d->lone,
                                     "tmin", (long long)d->tmin, "tmax", (long long)d->tmax);
-        if (!t || PyList_Append(out, t)) { Py_XDECREF(t); Py_DECREF(out); return NULL; }
+        PyObject *touched = t ? am_touched(s, dl) : NULL;
+        int bad = !touched || PyDict_SetItemString(t, "touched", touched);
+        Py_XDECREF(touched);
+        if (bad || PyList_Append(out, t)) { Py_XDECREF(t); Py_DECREF(out); return NULL; }
         Py_DECREF(t);
+        if (i == s->order.n - 1) { PyMem_RawFree(s->fz.p); s->fz.p = NULL; s->fz.n = s->fz.cap = 0; }
     }
     return out;
 }
@@ -865,7 +935,7 @@ static void release(S *s) {
                   &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
                   &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena,
-                  &s->role, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
+                  &s->role, &s->fz, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
                   &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
@@ -881,6 +951,10 @@ static int setup(S *s, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OL|O", &s->read, &no_time, &window)) return -1;
     s->no_time = no_time;
     s->role.size = 1; s->am_key.size = 8; s->am_dev.size = 4; s->am_state.size = 1; s->am_table.size = 4;
+    s->fz.size = 8;
+    const char *rows = getenv("TRACEKIT_SCAN_COMPACT_ROWS");
+    s->am_min = rows && atol(rows) > 0 ? (Py_ssize_t)atol(rows) : AM_COMPACT;
+    s->am_compact_at = s->am_min;
     s->fu_dl.size = s->fu_id.size = 4; s->fu_col.size = 1; s->fu_last_dl = -1;
     s->w_ranges.size = 8; s->rec_um.size = 4; s->rec_t.size = 8;
     if (window != Py_None) {  /* (first, hi, threshold or None, max size, max time[, ranges, record]) */

@@ -147,7 +147,7 @@ class Tape:
         self.f_line = np.frombuffer(f_line, np.int64)
         self.s_off, self.s_fids = np.frombuffer(s_off, np.int64), np.frombuffer(s_fids, np.int32)
         self.folds = out[33]  # per device list: what the window's scan folded (None: no window)
-        self.touched = (np.frombuffer(out[34], np.int32), np.frombuffer(out[35], np.uint64))
+        # out[34:36]: the scanner's address table (its folds say which addresses each device touched)
         # a window: per device list, the stacks and strings its entries use, in order of first use
         self._uses = (np.frombuffer(out[36], np.int32), np.frombuffer(out[37], np.uint8),
                       np.frombuffer(out[38], np.int32))
@@ -227,12 +227,9 @@ class Tape:
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
             raise Unsupported(f"conversion: {type(e).__name__}: {e}") from None
         if self.folds is not None:
-            dev, addr = self.touched
-            order = np.argsort(dev, kind="stable")
-            dev, addr = dev[order], addr[order]
             u_dl, u_col, u_id = self._uses
             trace.meta["streamed_window"] = {
-                d: {**f, "touched": addr[np.searchsorted(dev, f["dl"]):np.searchsorted(dev, f["dl"], "right")],
+                d: {**f, "touched": np.frombuffer(f["touched"], np.uint64),  # unsorted, repeats possible
                     "user_metadata": sorted(self.strings[i] for i in set(u_id[(u_dl == f["dl"]) & (u_col == 2)]
                                                                          .tolist()) if i >= 0)}
                 for d, f in enumerate(self.folds)}
