@@ -59,8 +59,8 @@ static int grow(Buf *b, Py_ssize_t more) {
  * entry dict, its per-entry strings such as compile_context, its frames list), 4 bytes each as a plain
  * array, the largest thing a windowed read of a long file keeps. Here the slots are kept in blocks of
  * MEMO_BLOCK: the newest block as it is, every full one encoded, each slot as a varint of its kind and
- * the zigzag difference from the previous slot of the same kind in its block (an entry slot as its kind
- * alone: a trace entry is never referred back to, see BINGET), about 1-2 bytes a slot; a slot changed
+ * its place among the last values of its kind in its block (an entry slot as its kind
+ * alone: a trace entry is never referred back to, see BINGET; see memo_code), about a byte a slot; a slot changed
  * after its block was encoded (a frame or frames list finished late, a BINPUT to an old index) goes to
  * a small table of changes, looked at first. */
 #define MEMO_BLOCK 64
@@ -256,15 +256,41 @@ static void memo_init(Memo *m) {
     m->arena.size = 1; m->boff.size = 8; m->pkey.size = 8; m->pval.size = 4; m->ptable.size = 4;
 }
 
+/* A slot's value against the last MEMO_MRU distinct values of its kind in its block (most recent
+ * first, updated here): their position when it is one of them, else MEMO_MRU + the zigzag difference
+ * from the most recent (so the entry, 'N/A', metadata and frames-list slots of each entry take a byte). */
+#define MEMO_MRU 4
+static void memo_front(uint32_t *mru, int k, uint32_t val) {
+    for (; k > 0; k--) mru[k] = mru[k - 1];
+    mru[0] = val;
+}
+static uint64_t memo_code(uint32_t *mru, uint32_t val) {
+    for (int k = 0; k < MEMO_MRU; k++)
+        if (mru[k] == val) { memo_front(mru, k, val); return (uint64_t)k; }
+    int64_t d = (int64_t)val - (int64_t)mru[0];
+    memo_front(mru, MEMO_MRU - 1, val);
+    return MEMO_MRU + (((uint64_t)d << 1) ^ (uint64_t)(d >> 63));
+}
+static uint32_t memo_value(uint32_t *mru, uint64_t code) {
+    if (code < MEMO_MRU) {
+        uint32_t val = mru[code];
+        memo_front(mru, (int)code, val);
+        return val;
+    }
+    uint64_t z = code - MEMO_MRU;
+    uint32_t val = (uint32_t)((int64_t)mru[0] + ((int64_t)(z >> 1) ^ -(int64_t)(z & 1)));
+    memo_front(mru, MEMO_MRU - 1, val);
+    return val;
+}
+
 static int memo_encode_tail(Memo *m) {  /* the tail is full: encode it as the next block */
     if (grow(&m->arena, MEMO_BLOCK * 6) || APPEND(m->boff, int64_t, (int64_t)m->arena.n)) return -1;
-    uint32_t prev[16] = {0};
+    uint32_t mru[16][MEMO_MRU] = {{0}};
     unsigned char *o = (unsigned char *)m->arena.p + m->arena.n;
     for (int j = 0; j < MEMO_BLOCK; j++) {
         uint32_t v = m->tail[j], kind = v >> 28, val = kind == K_ENTRY ? 0 : v & 0x0fffffff;
-        int64_t d = (int64_t)val - (int64_t)prev[kind];
-        prev[kind] = val;
-        uint64_t u = (((uint64_t)(d << 1) ^ (uint64_t)(d >> 63)) << 4) | kind;
+        uint64_t code = memo_code(mru[kind], val);
+        uint64_t u = (code << 4) | kind;
         while (u >= 0x80) { *o++ = (unsigned char)(u | 0x80); u >>= 7; }
         *o++ = (unsigned char)u;
     }
@@ -299,16 +325,13 @@ static uint32_t memo_get(Memo *m, Py_ssize_t i) {
         if (!m->ckey || !m->cval) { PyMem_RawFree(m->ckey); PyMem_RawFree(m->cval); m->ckey = NULL; m->cval = NULL; }
     }
     const unsigned char *p = (const unsigned char *)m->arena.p + AT(m->boff, int64_t, b);
-    uint32_t prev[16] = {0};
+    uint32_t mru[16][MEMO_MRU] = {{0}};
     for (Py_ssize_t j = 0;; j++) {
         uint64_t u = 0;
         int shift = 0;
         do { u |= (uint64_t)(*p & 0x7f) << shift; shift += 7; } while (*p++ & 0x80);
         uint32_t kind = (uint32_t)(u & 15);
-        uint64_t z = u >> 4;
-        int64_t d = (int64_t)(z >> 1) ^ -(int64_t)(z & 1);
-        uint32_t val = (uint32_t)((int64_t)prev[kind] + d);
-        prev[kind] = val;
+        uint32_t val = memo_value(mru[kind], u >> 4);
         if (j == r) {
             if (m->ckey) { m->ckey[c] = i; m->cval[c] = (kind << 28) | val; }
             return (kind << 28) | val;
