@@ -45,22 +45,23 @@ class Window:
         iterations holds, as `ranges` finds them, from the streaming reader's pass that kept each entry's
         user_metadata and time (io/stream.py's MARKS); None when a device's iterations are not our
         recorder's marks (inferred from the stacks, or none: the whole trace is needed)."""
-        from .phases import marked_phases
+        from ..model import NO_TIME
+        from .phases import marked_iterations
 
         out = {}
         for f in first_pass.meta["streamed_window"].values():
             n = f["n"]
             if not n:
                 continue
-            codes, texts, times = f["marks"]
-            ph = marked_phases(codes, texts, times, first_pass.recorder)
-            if ph is None:
+            starts, codes, texts, times = f["marks"]
+            its = marked_iterations(starts, codes, texts, n, times, f["tmin"] != int(NO_TIME), first_pass.recorder)
+            if its is None:
                 return None
             lo = 0 if self.first is None else min(self.first, n)
             hi = n if self.last is None else min(n, self.last + 1)
             assert self.iterations is not None  # a streamed window is read by iterations only
             a, b = self.iterations
-            spans = [(s, e) for i, s, e in ph.iterations() if a <= i <= b]
+            spans = [(s, e) for i, s, e in its if a <= i <= b]
             lo, hi = (max(lo, spans[0][0]), min(hi, spans[-1][1] + 1)) if spans else (n, n)
             out[f["dl"]] = (lo, max(lo, hi))
         return out

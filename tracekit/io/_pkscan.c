@@ -80,7 +80,8 @@ typedef struct { Py_ssize_t start, len, memo; int32_t stack; } PList;  /* stack:
 typedef struct {
     Py_ssize_t first, count; int appended;
     /* a window (scan(..., window)): every entry is folded here, only those inside it are kept */
-    int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax, rec_start;
+    int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax, rec_start, rec_runs, rec_tstart, rec_tn;
+    int32_t rec_last;
     Py_ssize_t fz_start, fz_n, fz_sorted;  /* its addresses moved out of the address table (see am_compact) */
     int lo_found, started;
     double sizesum;
@@ -110,8 +111,12 @@ typedef struct {
     int windowed, w_has_thr;
     int64_t w_first, w_hi, w_thr, max_size, max_time;
     Buf w_ranges;  /* per device list (in the order they are made): its own [first, hi), else the above */
-    int w_record;  /* also keep every entry's user_metadata and time (rec_um, rec_t) */
-    Buf rec_um, rec_t;
+    /* record: also keep each device's runs of one user_metadata (their first position, rec_pos, and the
+     * string, rec_um) and the time of every entry whose user_metadata is not our recorder's mark (does
+     * not start with "tracekit:iter="; rec_t): what finds the iterations our recorder marked, in memory
+     * that grows with the runs, not the entries (see tracekit.analysis.phases.marked_iterations) */
+    int w_record;
+    Buf rec_um, rec_t, rec_pos, ours;  /* ours: per string id, 1 when it starts with "tracekit:iter=" */
     Py_ssize_t w_row;  /* the next kept row: kept entries are moved down to it, the rest dropped */
     Py_ssize_t last_dl;
     Buf role;  /* per string id: 1 alloc, 2 free_completed, 3 segment grows, 4 segment shrinks, else 0 */
@@ -204,7 +209,16 @@ static Py_ssize_t intern_str(S *s, PyObject *u) {
     uint8_t r = 0;
     for (int k = 0; k < 6; k++)
         if (PyUnicode_CompareWithASCIIString(u, ROLES[k]) == 0) r = ROLE_OF[k];
-    if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0) || APPEND(s->role, uint8_t, r)) return -1;
+    uint8_t ours = 0;
+    if (PyUnicode_GET_LENGTH(u) >= 14) {
+        PyObject *head = PyUnicode_Substring(u, 0, 14);
+        if (!head) return -1;
+        ours = PyUnicode_CompareWithASCIIString(head, "tracekit:iter=") == 0;
+        Py_DECREF(head);
+    }
+    if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0) || APPEND(s->role, uint8_t, r) ||
+        APPEND(s->ours, uint8_t, ours))
+        return -1;
     return i;
 }
 
@@ -727,8 +741,17 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
         hi = AT(s->w_ranges, int64_t, 2 * dl + 1);
     }
     if (s->w_record) {
-        if (!pos) d->rec_start = s->rec_t.n;
-        if (APPEND(s->rec_um, int32_t, AT(s->um, int32_t, row)) || APPEND(s->rec_t, int64_t, t)) return -1;
+        int32_t um = AT(s->um, int32_t, row);
+        if (!pos) { d->rec_start = s->rec_pos.n; d->rec_tstart = s->rec_t.n; }
+        if (!pos || um != d->rec_last) {
+            if (APPEND(s->rec_pos, int64_t, pos) || APPEND(s->rec_um, int32_t, um)) return -1;
+            d->rec_last = um;
+            d->rec_runs++;
+        }
+        if (um < 0 || !AT(s->ours, uint8_t, um)) {
+            if (APPEND(s->rec_t, int64_t, t)) return -1;
+            d->rec_tn++;
+        }
     }
     if (!d->lo_found && d->started && pos >= first) {
         d->lo_found = 1; d->lo = pos; d->cum_lo = d->cum; d->rcum_lo = d->rcum;
@@ -795,7 +818,9 @@ static PyObject *window_result(S *s) {
         DList *d = &AT(s->dlists, DList, dl);
         int64_t lo = d->lo_found ? d->lo : d->pos;
         int64_t cum_lo = d->lo_found ? d->cum_lo : d->cum, rcum_lo = d->lo_found ? d->rcum_lo : d->rcum;
-        PyObject *t = Py_BuildValue("{sLsisLsLsnsLsLsLsLsLsL}", "rec_start", (long long)d->rec_start, "dl", (int)dl, "n", (long long)d->pos, "lo", (long long)lo,
+        PyObject *t = Py_BuildValue("{sLsLsLsLsisLsLsnsLsLsLsLsLsL}", "rec_start", (long long)d->rec_start,
+                                    "rec_runs", (long long)d->rec_runs, "rec_tstart", (long long)d->rec_tstart,
+                                    "rec_tn", (long long)d->rec_tn, "dl", (int)dl, "n", (long long)d->pos, "lo", (long long)lo,
                                     "kept", d->count, "cum_lo", (long long)cum_lo, "rcum_lo", (long long)rcum_lo,
                                     "rcum", (long long)d->rcum, "lone", (long long)d->lone,
                                     "tmin", (long long)d->tmin, "tmax", (long long)d->tmax);
@@ -959,7 +984,7 @@ static void release(S *s) {
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
                   &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena,
                   &s->role, &s->fz, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
-                  &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t};
+                  &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t, &s->rec_pos, &s->ours};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
@@ -979,7 +1004,7 @@ static int setup(S *s, PyObject *args) {
     s->am_min = rows && atol(rows) > 0 ? (Py_ssize_t)atol(rows) : AM_COMPACT;
     s->am_compact_at = s->am_min;
     s->fu_dl.size = s->fu_id.size = 4; s->fu_col.size = 1; s->fu_last_dl = -1;
-    s->w_ranges.size = 8; s->rec_um.size = 4; s->rec_t.size = 8;
+    s->w_ranges.size = 8; s->rec_um.size = 4; s->rec_t.size = 8; s->rec_pos.size = 8; s->ours.size = 1;
     if (window != Py_None) {  /* (first, hi, threshold or None, max size, max time[, ranges, record]) */
         PyObject *thr;
         long long first, hi, max_size, max_time;
@@ -1063,7 +1088,7 @@ static PyObject *finish(S *s, Value top) {
     enum { NO = sizeof outs / sizeof *outs };
     PyObject *folds = s->windowed ? window_result(s) : Py_NewRef(Py_None);
     if (!folds) { Py_DECREF(devices); return NULL; }
-    PyObject *tuple = PyTuple_New(NO + 13);
+    PyObject *tuple = PyTuple_New(NO + 14);
     if (!tuple) { Py_DECREF(folds); Py_DECREF(devices); return NULL; }
     PyTuple_SET_ITEM(tuple, NO + 5, folds);
     PyTuple_SET_ITEM(tuple, NO + 6, take(&s->am_dev));
@@ -1073,13 +1098,14 @@ static PyObject *finish(S *s, Value top) {
     PyTuple_SET_ITEM(tuple, NO + 10, take(&s->fu_id));
     PyTuple_SET_ITEM(tuple, NO + 11, take(&s->rec_um));
     PyTuple_SET_ITEM(tuple, NO + 12, take(&s->rec_t));
+    PyTuple_SET_ITEM(tuple, NO + 13, take(&s->rec_pos));
     PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
     PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
     PyTuple_SET_ITEM(tuple, 2, Py_NewRef(s->strings));
     PyTuple_SET_ITEM(tuple, 3, Py_NewRef(s->keys));
     PyTuple_SET_ITEM(tuple, 4, devices);
     int ok = 1;
-    for (int i = NO + 6; i < NO + 13; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
+    for (int i = NO + 6; i < NO + 14; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
     for (int i = 0; i < NO; i++) {
         PyObject *b = take(outs[i]);
         ok &= b != NULL;
