@@ -196,8 +196,9 @@ def _check_not_empty(trace, window, spans):
 
 # What a windowed read holds for each entry of the file beyond the window's own (the scanner's compact memo,
 # the addresses freed in the trace, the runs of user_metadata): measured on make_huge.py's files (3.7
-# memo slots and 0.2 new addresses per entry) with report --json --no-cache on 10M and 100M entries.
-READ_BYTES_PER_ENTRY = 5
+# memo slots and 0.06 new addresses per entry): report --json --no-cache --last 1s grows from 114 MiB at 10M
+# entries to 611 MiB at 100M (README).
+READ_BYTES_PER_ENTRY = 6
 
 
 def read_note(cut: dict) -> str:
