@@ -85,6 +85,10 @@ def test_iterations_of_a_file_without_marks_are_inferred_from_it_whole(tmp_path)
     plain = make_huge(tmp_path, "plain.pickle", 6000)
     cut, streamed = cut_both_ways(plain, Window(iterations=(0, 0)), streamed=False)
     assert_same(cut, streamed)
+    from tracekit.analysis.window import read_note
+
+    assert "not marked by tracekit's recorder" in read_note(streamed.meta["window"])  # and it says so
+    assert read_note(cut.meta["window"]) == ""
 
 
 def _u(s):

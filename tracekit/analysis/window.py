@@ -152,6 +152,11 @@ def select(trace: Trace, window: Window) -> Trace:
 
     if "streamed_window" in trace.meta:
         return _finish(trace, window)
+    if "read_whole" in trace.meta:  # said below, when the window is cut
+        trace = replace(trace, meta=dict(trace.meta))
+        why = trace.meta.pop("read_whole")
+    else:
+        why = None
     if not window:
         return trace
     spans = ranges(trace, window)
@@ -185,6 +190,8 @@ def select(trace: Trace, window: Window) -> Trace:
     meta["window"] = {"description": window.describe(),
                       "devices": {d: [lo, hi, ev.device_slice(d).stop - ev.device_slice(d).start]
                                   for d, (lo, hi) in spans.items()}}
+    if why:  # a big file whose window could not be read alone (io/reading.py)
+        meta["window"]["read"] = {"only_window": False, "why": why}
     devices = sorted(set(np.unique(events.device).tolist()) | set(np.unique(segments.device).tolist()))
     return replace(trace, devices=devices, events=events, segments=segments, blocks=blocks, meta=meta)
 
@@ -206,7 +213,7 @@ def read_note(cut: dict) -> str:
     file was read and cut)."""
     read = cut.get("read") or {}
     if not read.get("only_window"):
-        return ""
+        return f"the whole file was read: {read['why']}" if read.get("why") else ""
     passes = "two passes over the file" if read.get("passes") == 2 else "one pass over the file"
     return (f"only its {read['kept_entries']:,} entries of the file's {read['file_entries']:,} were kept ({passes}, "
             f"the rest folded into a few sums per device): memory grows with the window, plus about "
