@@ -10,6 +10,8 @@ FILE: e.g. one made by `bench/make_huge.py SOURCE OUT --entries 100000000 --mark
   report --json --no-cache --from N --to M       one pass
   --survey: the viewer's quick pass before its window picker (tracekit.analysis.survey.survey)
   --view: tracekit view --no-cache --iterations A..B --screenshot (offscreen), the viewer opening that window
+  --picker: the viewer's File > Open (offscreen, an empty cache): the first pass, the window picker answered
+            with iterations A..B, the window opened and drawn
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def main():
     ap.add_argument("--last", default="1s")
     ap.add_argument("--view", action="store_true")
     ap.add_argument("--survey", action="store_true")
+    ap.add_argument("--picker", action="store_true")
     args = ap.parse_args()
     rows = [["report", "--json", "--no-cache", "--last", args.last, args.file]]
     if args.iterations:
@@ -58,6 +61,8 @@ def main():
                 "print(s, file=sys.stderr)")
         wall, rss, rc, err = run([sys.executable, "-c", code, args.file])
         print(f"  survey (the window picker's first pass): {wall:.1f} s, peak {rss:,.0f} MiB, exit {rc}", flush=True)
+    if args.picker and args.iterations:
+        picker(args)
     if args.view and args.iterations:
         with tempfile.TemporaryDirectory() as tmp:
             png = os.path.join(tmp, "view.png")
@@ -67,6 +72,42 @@ def main():
             ok = os.path.exists(png) and os.path.getsize(png) > 0
             print(f"  tracekit {' '.join(argv[:-1])}: {wall:.1f} s, peak {rss:,.0f} MiB, exit {rc}, "
                   f"screenshot {'written' if ok else 'missing'} {err}", flush=True)
+
+
+PICKER = """
+import sys, time
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+from tracekit_gui.app import MainWindow, wait_loaded
+app = QApplication([])
+window = MainWindow(remember=False)
+a, b = map(int, sys.argv[2].split(".."))
+asked = []
+
+def answer():
+    d = QApplication.activeModalWidget()
+    if d is None:
+        return QTimer.singleShot(50, answer)
+    asked.append(True)
+    d.iters.setChecked(True)
+    d.it_first.setValue(a)
+    d.it_last.setValue(b)
+    d.open_button.click()
+
+QTimer.singleShot(0, answer)
+assert window.open_picking_window(sys.argv[1]) is not None and asked, "the picker was not shown"
+assert wait_loaded(window, 3000)
+view = window.current_view()
+print(view.summary.text(), file=sys.stderr)
+"""
+
+
+def picker(args):
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "TRACEKIT_CACHE_DIR": tmp}
+        wall, rss, rc, err = run([sys.executable, "-c", PICKER, args.file, args.iterations], env=env)
+        print(f"  viewer File > Open, picker answered iterations {args.iterations}: {wall:.1f} s, peak {rss:,.0f} MiB, "
+              f"exit {rc} {err}", flush=True)
 
 
 if __name__ == "__main__":
