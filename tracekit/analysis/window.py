@@ -42,9 +42,9 @@ class Window:
 
     def marked_ranges(self, first_pass) -> dict[int, tuple[int, int]] | None:
         """Per device list of the file (the scanner's "dl"), the entries [lo, hi) this window of
-        iterations holds, as `ranges` finds them, from the streaming reader's pass that kept the runs of one
-        user_metadata and the unmarked entries' times (io/stream.py's MARKS); None when a device's iterations are not our
-        recorder's marks (inferred from the stacks, or none: the whole trace is needed)."""
+        iterations holds, as `ranges` finds them, from the streaming reader's pass that kept the runs of
+        one user_metadata and the unmarked entries' times (io/stream.py's MARKS); None when a device's
+        iterations are not our recorder's marks (inferred from the stacks, or none: the whole trace is needed)."""
         from ..model import NO_TIME
         from .phases import marked_iterations
 
