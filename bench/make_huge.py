@@ -227,6 +227,11 @@ class Output:
         self.f.close()
 
 
+def fail(message):
+    print(f"make_huge: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def phase_names(source_path, trace_len):
     """Per entry of the source's device-0 trace, the phase tracekit finds for it (for --marks)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -248,14 +253,24 @@ def main(argv=None):
     ap.add_argument("--reuse-addresses", type=int, default=0, metavar="K")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    with open(args.source, "rb") as f:
-        snap = _Restricted(f).load()
-    if not isinstance(snap, dict) or not snap.get("device_traces"):
-        raise SystemExit(f"{args.source}: not a snapshot with device traces")
+    if args.entries < 1:
+        fail(f"--entries {args.entries}: expected a positive number of entries")
+    if args.reuse_addresses < 0:
+        fail(f"--reuse-addresses {args.reuse_addresses}: expected 0 (never) or a number of repetitions")
+    try:
+        with open(args.source, "rb") as f:
+            snap = _Restricted(f).load()
+    except Exception as e:  # any unreadable source: one line
+        fail(f"{args.source}: not a readable snapshot pickle ({type(e).__name__}: {e})")
+    if not isinstance(snap, dict) or not snap.get("device_traces") or not isinstance(snap["device_traces"][0], list):
+        fail(f"{args.source}: not a snapshot with device traces")
     trace = snap["device_traces"][0]
-    unit = balanced_prefix(trace)
+    try:
+        unit = balanced_prefix(trace)
+    except (AttributeError, KeyError, TypeError) as e:
+        fail(f"{args.source}: a trace entry of an unusual shape ({type(e).__name__}: {e})")
     if not unit:
-        raise SystemExit("source has no balanced alloc/free pairs on device 0")
+        fail(f"{args.source}: no balanced alloc/free pairs on device 0")
     times = [e["time_us"] for e in unit if "time_us" in e]
     span = (max(times) - min(times) + 1) if times else 0
     reps = -(-args.entries // len(unit))

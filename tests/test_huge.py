@@ -81,6 +81,18 @@ def test_windows_of_a_made_file_are_the_whole_file_cut(marked, rows, monkeypatch
         assert streamed.meta["reader"] == stream.COMPILED_WINDOW
 
 
+def test_a_made_file_reusing_addresses_replays_and_reads_through_a_window(tmp_path, monkeypatch):
+    from tracekit.analysis.replay import replay
+
+    path = make_huge(tmp_path, "reuse.pickle", 8000, "--marks", "--reuse-addresses", "2")
+    whole = load(path, use_cache=False)
+    assert replay(whole)[whole.devices[0]].invariant.ok
+    monkeypatch.setenv("TRACEKIT_SCAN_COMPACT_ROWS", "5")
+    for window in (Window(iterations=(1, 2)), Window(first=3000, last=6000)):
+        cut, streamed = cut_both_ways(path, window)
+        assert_same(cut, streamed)
+
+
 def test_iterations_of_a_file_without_marks_are_inferred_from_it_whole(tmp_path):
     plain = make_huge(tmp_path, "plain.pickle", 6000)
     cut, streamed = cut_both_ways(plain, Window(iterations=(0, 0)), streamed=False)
