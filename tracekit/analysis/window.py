@@ -152,11 +152,6 @@ def select(trace: Trace, window: Window) -> Trace:
 
     if "streamed_window" in trace.meta:
         return _finish(trace, window)
-    if "read_whole" in trace.meta:  # said below, when the window is cut
-        trace = replace(trace, meta=dict(trace.meta))
-        why = trace.meta.pop("read_whole")
-    else:
-        why = None
     if not window:
         return trace
     spans = ranges(trace, window)
@@ -190,10 +185,24 @@ def select(trace: Trace, window: Window) -> Trace:
     meta["window"] = {"description": window.describe(),
                       "devices": {d: [lo, hi, ev.device_slice(d).stop - ev.device_slice(d).start]
                                   for d, (lo, hi) in spans.items()}}
-    if why:  # a big file whose window could not be read alone (io/reading.py)
+    why = _whole_why(trace, window)
+    if why:  # a window a big file's read cannot pick alone (io/reading.py): said by read_note
         meta["window"]["read"] = {"only_window": False, "why": why}
     devices = sorted(set(np.unique(events.device).tolist()) | set(np.unique(segments.device).tolist()))
     return replace(trace, devices=devices, events=events, segments=segments, blocks=blocks, meta=meta)
+
+
+def _whole_why(trace, window) -> str | None:
+    """Why this window needs the whole trace (so a big file is read whole for it), or None."""
+    if window.iterations is None:
+        return None
+    if window.last_us is not None:
+        return "--iterations with --last is cut from the whole trace"
+    from .phases import phases
+
+    if any(p.source not in ("metadata", "recorder") for p in phases(trace).values() if p.n):
+        return "its iterations are not marked by tracekit's recorder, so they are inferred from the whole trace"
+    return None
 
 
 def _check_not_empty(trace, window, spans):
@@ -213,7 +222,7 @@ def read_note(cut: dict) -> str:
     file was read and cut)."""
     read = cut.get("read") or {}
     if not read.get("only_window"):
-        return f"the whole file was read: {read['why']}" if read.get("why") else ""
+        return f"the whole trace was read: {read['why']}" if read.get("why") else ""
     passes = "two passes over the file" if read.get("passes") == 2 else "one pass over the file"
     return (f"only its {read['kept_entries']:,} entries of the file's {read['file_entries']:,} were kept ({passes}, "
             f"the rest folded into a few sums per device): memory grows with the window, plus about "

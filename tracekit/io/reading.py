@@ -58,20 +58,16 @@ def load(path, progress=None, use_cache=True, window=None) -> Trace:
     try:
         with memory_limit(budget):
             big = st.st_size * (10 if zipped else 1) >= WINDOW_READ_BYTES
-            whole_why = None
-            if window and (big or not key):
-                trace, whole_why = _windowed(path, st, progress, window)
-                if trace is not None:
-                    cut_long_names(trace)
-                    return trace  # a part of the file: not cached
+            trace = _windowed(path, st, progress, window) if window and (big or not key) else None
+            if trace is not None:
+                cut_long_names(trace)
+                return trace  # a part of the file: not cached
             trace = _read_and_convert(path, st, progress)
             cut_long_names(trace)
     except MemoryError:
         raise LoadError(path, over_memory_message(budget, why)) from None
     if key:
         _cache.write(key, trace)
-    if whole_why:  # why the window could not be read alone (the window's cut says so: analysis/window.py)
-        trace.meta["read_whole"] = whole_why
     return trace
 
 
@@ -146,16 +142,15 @@ WINDOW_READ_BYTES = 256 << 20
 
 
 def _windowed(path, st, progress, window):
-    """(The window's entries from the streaming reader, None) or (None, why it cannot pick them: read it all).
+    """The window's entries from the streaming reader (None: it cannot pick them, read it all).
 
     --from/--to are known before reading: one pass. --last needs the file's last time first: a pass
     that keeps nothing, then the one that keeps the window. --iterations: a pass that keeps the runs of
-    one user_metadata and the unmarked entries' times only, from which `window.marked_ranges` finds each device's
-    entries (not when our recorder did not mark the iterations: the file is read whole, and says why)."""
-    if not _stream.enabled():
-        return None, None
-    if window.iterations is not None and window.last_us is not None:
-        return None, "--iterations and --last together are cut from the whole trace"
+    one user_metadata and the unmarked entries' times only, from which `window.marked_ranges` finds each
+    device's entries (None when our recorder did not mark the iterations: the file is read whole; the
+    cut says so)."""
+    if not _stream.enabled() or (window.iterations is not None and window.last_us is not None):
+        return None
     _stream.return_large_frees()
     first = window.first or 0
     hi = 2**62 if window.last is None else window.last + 1
@@ -164,8 +159,7 @@ def _windowed(path, st, progress, window):
         marks = _streamed(path, st, progress, _stream.MARKS, (0.0, 0.45))
         found = window.marked_ranges(marks) if marks is not None else None
         if found is None:
-            return None, ("its iterations are not marked by tracekit's recorder, so they are inferred from "
-                          "the whole trace" if marks is not None else None)
+            return None
         del marks
         top = max(found, default=-1)
         pairs = [found.get(dl, (2**62, 0)) for dl in range(top + 1)]  # lists without entries keep nothing
@@ -175,9 +169,9 @@ def _windowed(path, st, progress, window):
         folds = counted.meta["streamed_window"].values() if counted is not None else ()
         times = [f["tmax"] for f in folds if f["tmax"] != int(NO_TIME)]
         if not times:  # no times (the cut says so) or not streamable: the whole file
-            return None, None
+            return None
         threshold, span = max(times) - window.last_us, (0.45, 0.95)
-    return _streamed(path, st, progress, (first, hi, threshold, ranges), span), None
+    return _streamed(path, st, progress, (first, hi, threshold, ranges), span)
 
 
 def first_pass(path) -> Trace | None:
