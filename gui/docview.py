@@ -208,8 +208,13 @@ class DocumentView(QWidget):
 
     def _window_text(self) -> str:
         """" · window: the last 10 s" when the file was opened cut to a window."""
+        from tracekit.analysis.window import read_note
+
         cut = self.doc.trace.meta.get("window")
-        return f" · window: {html.escape(cut['description'])}" if cut else ""
+        if not cut:
+            return ""
+        note = read_note(cut)
+        return f" · window: {html.escape(cut['description'])}" + (f" ({html.escape(note)})" if note else "")
 
     def status_text(self, extra=""):
         name = os.path.basename(self.doc.path)

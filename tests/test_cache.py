@@ -4,6 +4,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -413,7 +414,10 @@ def test_the_cached_report_is_the_computed_one(cache_dir, name, options):
     assert _report("--json", path, *options, cache_dir=cache_dir) == fresh_json  # computed, then stored
     assert len(list(cache_dir.glob("*-*.json"))) == 1
     assert _report("--json", path, *options, cache_dir=cache_dir) == fresh_json  # from the store
-    assert _report(path, *options, cache_dir=cache_dir) == fresh_text
+    # the window line's note on how the file was read (only the window, streamed, with --no-cache) is all
+    # that may differ
+    unread = lambda text: re.sub(r"; only its .*$", "", text, flags=re.M)  # noqa: E731
+    assert unread(_report(path, *options, cache_dir=cache_dir)) == unread(fresh_text)
     if options:
         assert '"window"' in fresh_json
 

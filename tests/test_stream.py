@@ -32,7 +32,7 @@ def decoded(t):
         v = getattr(t.segments, k)
         out[f"segments.{k}"] = [s[i] for i in v.tolist()] if k in ("segment_type", "pool_id") else v
     out.update({f"blocks.{k}": getattr(t.blocks, k) for k in t.blocks.__dataclass_fields__})
-    out["meta"] = {k: v for k, v in t.meta.items() if k != "reader"}
+    out["meta"] = {k: ({**v, "read": None} if k == "window" else v) for k, v in t.meta.items() if k != "reader"}
     out["devices"], out["format"] = t.devices, t.format
     return out
 

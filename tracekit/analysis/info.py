@@ -5,6 +5,7 @@ import numpy as np
 
 from ..model import ACTIONS, ALLOC, FREE_COMPLETED, NO_TIME, Trace
 from .replay import BEFORE_TRACE, replay
+from .window import read_note
 
 # Typical max_entries values people pass to _record_memory_history; a trace of
 # exactly one of these many entries has probably dropped older ones.
@@ -28,6 +29,7 @@ def file_info(trace: Trace) -> dict:
         "unknown_actions": meta.get("unknown_actions", []),
         "external_annotations": len(meta.get("external_annotations") or []),
         "window": (meta.get("window") or {}).get("description"),
+        "window_read": read_note(meta["window"]) if meta.get("window") else "",
         "devices": [],
     }
     ev = trace.events

@@ -347,6 +347,57 @@ def _from_recorder(t, recorder):
     return DevicePhases(phase=phase, iteration=iteration, source="recorder")
 
 
+def marked_iterations(starts, codes, texts, n, unmarked_times, timed, recorder) -> list | None:
+    """`marked_phases(...).iterations()` of a device's `n` entries, from what the streaming reader's MARKS
+    pass keeps (io/stream.py): the runs of one user_metadata (first positions `starts`, their texts
+    `texts[codes]`) and the times of the entries whose text does not start with "tracekit:iter=", in
+    order; `timed`: whether any entry has a time. Memory grows with the runs and those entries only.
+    None where marked_phases is None (no marks: the iterations are inferred from the whole trace), or
+    needs times this pass did not keep (a text starting so that is no mark, with the recorder's table)."""
+    rec = recorder or {}
+    table = bool((rec.get("phases") or rec.get("iterations")) and n and timed)
+    iter_of = np.full(len(texts), -1, np.int32)
+    stamped = np.zeros(len(texts), bool)
+    for i, text in enumerate(texts):
+        m = _RE_METADATA.fullmatch(text)
+        if m:
+            stamped[i] = True
+            iter_of[i] = int(m.group(1))
+    if not stamped.any() and not table:
+        return None
+    if table and any(not stamped[i] and texts[i].startswith("tracekit:iter=") for i in np.unique(codes).tolist()):
+        return None
+    starts = np.asarray(starts, np.int64)
+    ends = np.r_[starts[1:], n].astype(np.int64)
+    run_stamped = stamped[codes]
+    seg_start, seg_iter = [starts[run_stamped]], [iter_of[codes][run_stamped]]
+    blank = np.flatnonzero(~run_stamped)
+    if len(blank):
+        if not table:
+            seg_start.append(starts[blank])
+            seg_iter.append(np.full(len(blank), -1, np.int32))
+        else:  # each unmarked entry's iteration from the recorder's table, as _from_recorder gives it
+            t = np.asarray(unmarked_times, np.int64)
+            it = _from_recorder(t, {"iterations": rec.get("iterations") or []}) if len(t) else None
+            it_blank = it.iteration if it is not None else np.full(len(t), -1, np.int32)
+            lengths = ends[blank] - starts[blank]
+            if int(lengths.sum()) != len(t):
+                return None
+            b0 = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)  # each blank run's start among them
+            cp = np.union1d(b0[lengths > 0], np.flatnonzero(np.diff(it_blank)) + 1)
+            r = np.searchsorted(b0, cp, "right") - 1
+            seg_start.append(starts[blank][r] + (cp - b0[r]))
+            seg_iter.append(it_blank[cp])
+    s_all = np.concatenate(seg_start)
+    i_all = np.concatenate(seg_iter).astype(np.int64)
+    order = np.argsort(s_all, kind="stable")
+    s_all, i_all = s_all[order], i_all[order]
+    keep = np.r_[True, i_all[1:] != i_all[:-1]] if len(i_all) else np.zeros(0, bool)
+    s_all, i_all = s_all[keep], i_all[keep]
+    e_all = np.r_[s_all[1:] - 1, n - 1]
+    return [(int(i), int(a), int(b)) for i, a, b in zip(i_all.tolist(), s_all.tolist(), e_all.tolist()) if i >= 0]
+
+
 # Evidence codes per entry (0: none, inherit the phase before it).
 _E_NONE, _E_FORWARD, _E_BACKWARD, _E_OPTIM, _E_ZERO, _E_USER, _E_FRAMELESS, _E_FACTORY, _E_RECOMPUTE = range(9)
 

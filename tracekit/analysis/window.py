@@ -42,25 +42,26 @@ class Window:
 
     def marked_ranges(self, first_pass) -> dict[int, tuple[int, int]] | None:
         """Per device list of the file (the scanner's "dl"), the entries [lo, hi) this window of
-        iterations holds, as `ranges` finds them, from the streaming reader's pass that kept each entry's
-        user_metadata and time (io/stream.py's MARKS); None when a device's iterations are not our
-        recorder's marks (inferred from the stacks, or none: the whole trace is needed)."""
-        from .phases import marked_phases
+        iterations holds, as `ranges` finds them, from the streaming reader's pass that kept the runs of
+        one user_metadata and the unmarked entries' times (io/stream.py's MARKS); None when a device's
+        iterations are not our recorder's marks (inferred from the stacks, or none: the whole trace is needed)."""
+        from ..model import NO_TIME
+        from .phases import marked_iterations
 
         out = {}
         for f in first_pass.meta["streamed_window"].values():
             n = f["n"]
             if not n:
                 continue
-            codes, texts, times = f["marks"]
-            ph = marked_phases(codes, texts, times, first_pass.recorder)
-            if ph is None:
+            starts, codes, texts, times = f["marks"]
+            its = marked_iterations(starts, codes, texts, n, times, f["tmin"] != int(NO_TIME), first_pass.recorder)
+            if its is None:
                 return None
             lo = 0 if self.first is None else min(self.first, n)
             hi = n if self.last is None else min(n, self.last + 1)
             assert self.iterations is not None  # a streamed window is read by iterations only
             a, b = self.iterations
-            spans = [(s, e) for i, s, e in ph.iterations() if a <= i <= b]
+            spans = [(s, e) for i, s, e in its if a <= i <= b]
             lo, hi = (max(lo, spans[0][0]), min(hi, spans[-1][1] + 1)) if spans else (n, n)
             out[f["dl"]] = (lo, max(lo, hi))
         return out
@@ -184,13 +185,63 @@ def select(trace: Trace, window: Window) -> Trace:
     meta["window"] = {"description": window.describe(),
                       "devices": {d: [lo, hi, ev.device_slice(d).stop - ev.device_slice(d).start]
                                   for d, (lo, hi) in spans.items()}}
+    why = _whole_why(trace, window)
+    if why:  # a window a big file's read cannot pick alone (io/reading.py): said by read_note
+        meta["window"]["read"] = {"only_window": False, "why": why}
     devices = sorted(set(np.unique(events.device).tolist()) | set(np.unique(segments.device).tolist()))
     return replace(trace, devices=devices, events=events, segments=segments, blocks=blocks, meta=meta)
+
+
+def _whole_why(trace, window) -> str | None:
+    """Why this window needs the whole trace (so a big file is read whole for it), or None."""
+    if window.iterations is None:
+        return None
+    if window.last_us is not None:
+        return "--iterations with --last is cut from the whole trace"
+    from .phases import phases
+
+    if any(p.source not in ("metadata", "recorder") for p in phases(trace).values() if p.n):
+        return "its iterations are not marked by tracekit's recorder, so they are inferred from the whole trace"
+    return None
 
 
 def _check_not_empty(trace, window, spans):
     if all(lo >= hi for lo, hi in spans.values()):
         raise TracekitError(f"{trace.path}: no entries are inside the window ({window.describe()})")
+
+
+# What a windowed read holds for each entry of the file beyond the window's own (the scanner's compact memo,
+# the addresses freed in the trace, the runs of user_metadata): measured on make_huge.py's files (3.7
+# memo slots and 0.06 new addresses per entry): report --json --no-cache --last 1s grows from 114 MiB at 10M
+# entries to 611 MiB at 100M (README).
+READ_BYTES_PER_ENTRY = 6
+
+
+def read_note(cut: dict) -> str:
+    """How a window was read, for the report's window line, `info` and the viewer ("" when the whole
+    file was read and cut)."""
+    read = cut.get("read") or {}
+    if not read.get("only_window"):
+        return f"the whole trace was read: {read['why']}" if read.get("why") else ""
+    passes = "two passes over the file" if read.get("passes") == 2 else "one pass over the file"
+    return (f"only its {read['kept_entries']:,} entries of the file's {read['file_entries']:,} were kept ({passes}, "
+            f"the rest folded into a few sums per device): memory grows with the window, plus about "
+            f"{read['held_bytes_per_file_entry']} bytes per entry of the file")
+
+
+def _among(addr, touched):
+    """Which of the (few) block addresses `addr` are in `touched` (the addresses a trace touches, as many
+    as its allocations, unsorted): a pass over `touched` in pieces, so no copy of it is ever made."""
+    import numpy as np
+
+    keys, inverse = np.unique(addr, return_inverse=True)
+    found = np.zeros(len(keys), bool)
+    if len(keys):
+        for i in range(0, len(touched), 1 << 20):
+            part = touched[i:i + (1 << 20)]
+            at = np.minimum(np.searchsorted(keys, part), len(keys) - 1)
+            found[at[keys[at] == part]] = True
+    return found[inverse.reshape(-1)]
 
 
 def _finish(trace: Trace, window: Window) -> Trace:
@@ -214,7 +265,7 @@ def _finish(trace: Trace, window: Window) -> Trace:
     for d in devices:  # as replay() of the whole trace has it just before the window's first entry
         f = folds.get(d, {"cum_lo": 0, "rcum_lo": 0, "rcum": 0, "lone": 0, "touched": np.zeros(0, np.uint64)})
         mine = live & (blk.device == d)
-        untouched = mine & ~np.isin(blk.addr, f["touched"])
+        untouched = mine & ~_among(blk.addr, f["touched"])
         initial_allocated[d] = int(blk.size[untouched].sum()) + f["lone"] + f["cum_lo"]
         initial_reserved[d] = int(seg.total_size[seg.device == d].sum()) - f["rcum"] + f["rcum_lo"]
     if not all(spans[d][1] == n[d] for d in devices):  # the final segments: see select
@@ -222,7 +273,11 @@ def _finish(trace: Trace, window: Window) -> Trace:
         blk = Blocks(**{k: v[:0] for k, v in vars(blk).items()})
     meta.update(has_segments=False, initial_allocated=initial_allocated, initial_reserved=initial_reserved)
     meta["window"] = {"description": window.describe(),
-                      "devices": {d: [lo, hi, n[d]] for d, (lo, hi) in spans.items()}}
+                      "devices": {d: [lo, hi, n[d]] for d, (lo, hi) in spans.items()},
+                      "read": {"only_window": True, "file_entries": sum(n.values()),
+                               "kept_entries": sum(hi - lo for lo, hi in spans.values()),
+                               "passes": 1 if window.last_us is None and window.iterations is None else 2,
+                               "held_bytes_per_file_entry": READ_BYTES_PER_ENTRY}}
     ev = trace.events
     kept = sorted(set(np.unique(ev.device).tolist()) | set(np.unique(seg.device).tolist()))
     return replace(trace, devices=kept, segments=seg, blocks=blk, meta=meta)

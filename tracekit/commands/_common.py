@@ -70,9 +70,13 @@ def window_of(opts: dict):
 
 def window_line(trace) -> str:
     """'window: iterations 1..2; entry 0 here is entry 2644 of the file (cpu)' for a cut trace."""
+    from ..analysis.window import read_note
+
     cut = trace.meta["window"]
     starts = ", ".join(f"entry {lo} of the file ({trace.device_label(d)})" for d, (lo, _, _) in cut["devices"].items())
-    return f"window: {cut['description']}; entries are renumbered from 0, entry 0 here is {starts}"
+    note = read_note(cut)
+    return (f"window: {cut['description']}; entries are renumbered from 0, entry 0 here is {starts}"
+            + (f"; {note}" if note else ""))
 
 
 def open_trace(path, no_cache=False, window=None):

@@ -19,6 +19,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 
 enum { K_NONE, K_FALSE, K_TRUE, K_INT, K_FLOAT, K_STR, K_LIST, K_DICT, K_TUPLE,
        /* special kinds, never in the tape */
@@ -52,12 +53,36 @@ static int grow(Buf *b, Py_ssize_t more) {
 #define AT(b, T, i) (((T *)(b).p)[i])
 #define APPEND(b, T, v) (grow(&(b), 1) ? -1 : (AT(b, T, (b).n++) = (v), 0))
 
+/* -- the pickle memo, compact ------------------------------------------------------------------------
+ * Every memoized value (a 4-bit kind, a 28-bit id) may be referred back to by a later BINGET, so the
+ * memo lives as long as the file is read: about 2.7 slots per trace entry in PyTorch's own pickles (the
+ * entry dict, its per-entry strings such as compile_context, its frames list), 4 bytes each as a plain
+ * array, the largest thing a windowed read of a long file keeps. Here the slots are kept in blocks of
+ * MEMO_BLOCK: the newest block as it is, every full one encoded, each slot as a varint of its kind and
+ * its place among the last values of its kind in its block (an entry slot as its kind
+ * alone: a trace entry is never referred back to, see BINGET; see memo_code), about a byte a slot; a slot changed
+ * after its block was encoded (a frame or frames list finished late, a BINPUT to an old index) goes to
+ * a small table of changes, looked at first. */
+#define MEMO_BLOCK 64
+typedef struct {
+    Py_ssize_t n;                 /* slots so far; slots [n - n % MEMO_BLOCK, n) are in tail */
+    uint32_t tail[MEMO_BLOCK];
+    Buf arena, boff;              /* encoded blocks back to back; int64 offset of each block */
+    Buf pkey, pval, ptable;       /* changed slots: index, value; open-addressing table of their rows + 1 */
+    int64_t *ckey;                /* a cache of decoded slots (the keys, actions and frames met again and */
+    uint32_t *cval;               /* again), MEMO_CACHE of them by index, direct-mapped; ckey -1: empty */
+} Memo;
+#define MEMO_CACHE 8192
+
+
 typedef struct { int32_t fname, name; int64_t line; uint8_t have; int32_t fid; Py_ssize_t memo; } PFrame;
 typedef struct { Py_ssize_t start, len, memo; int32_t stack; } PList;  /* stack: -2 while open */
 typedef struct {
     Py_ssize_t first, count; int appended;
     /* a window (scan(..., window)): every entry is folded here, only those inside it are kept */
-    int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax, rec_start;
+    int64_t pos, lo, cum, cum_lo, rcum, rcum_lo, lone, tmin, tmax, rec_start, rec_runs, rec_tstart, rec_tn;
+    int32_t rec_last;
+    Py_ssize_t fz_start, fz_n, fz_sorted;  /* its addresses moved out of the address table (see am_compact) */
     int lo_found, started;
     double sizesum;
 } DList;
@@ -69,7 +94,8 @@ typedef struct {
     Py_ssize_t buf_cap, base;  /* base: file offset of buf[0] */
     int eof;
     /* machine */
-    Buf stack, marks, memo;
+    Buf stack, marks;
+    Memo memo;
     /* tape of everything else */
     Buf nkind, nfirst, nlast, ncount, eparent, ekey, ekind, eval;
     int json;
@@ -85,12 +111,18 @@ typedef struct {
     int windowed, w_has_thr;
     int64_t w_first, w_hi, w_thr, max_size, max_time;
     Buf w_ranges;  /* per device list (in the order they are made): its own [first, hi), else the above */
-    int w_record;  /* also keep every entry's user_metadata and time (rec_um, rec_t) */
-    Buf rec_um, rec_t;
+    /* record: also keep each device's runs of one user_metadata (their first position, rec_pos, and the
+     * string, rec_um) and the time of every entry whose user_metadata is not our recorder's mark (does
+     * not start with "tracekit:iter="; rec_t): what finds the iterations our recorder marked, in memory
+     * that grows with the runs, not the entries (see tracekit.analysis.phases.marked_iterations) */
+    int w_record;
+    Buf rec_um, rec_t, rec_pos, ours;  /* ours: per string id, 1 when it starts with "tracekit:iter=" */
     Py_ssize_t w_row;  /* the next kept row: kept entries are moved down to it, the rest dropped */
     Py_ssize_t last_dl;
     Buf role;  /* per string id: 1 alloc, 2 free_completed, 3 segment grows, 4 segment shrinks, else 0 */
     Buf am_key, am_dev, am_state, am_table;  /* (device, address) of every alloc/free: 1 last was alloc */
+    Buf fz;  /* addresses freed in the trace, moved out of that table: per device list a segment */
+    Py_ssize_t am_compact_at, am_min;  /* am_min: AM_COMPACT, or $TRACEKIT_SCAN_COMPACT_ROWS (for tests) */
     /* per device list, the stacks (frames, forward frames) and strings (user_metadata, compile_context,
      * category, module) its entries use, each once, in order of first use: so the window's Trace numbers
      * them as a read of the whole file does (the set above holds them under device -1 - list) */
@@ -177,7 +209,16 @@ static Py_ssize_t intern_str(S *s, PyObject *u) {
     uint8_t r = 0;
     for (int k = 0; k < 6; k++)
         if (PyUnicode_CompareWithASCIIString(u, ROLES[k]) == 0) r = ROLE_OF[k];
-    if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0) || APPEND(s->role, uint8_t, r)) return -1;
+    uint8_t ours = 0;
+    if (PyUnicode_GET_LENGTH(u) >= 14) {
+        PyObject *head = PyUnicode_Substring(u, 0, 14);
+        if (!head) return -1;
+        ours = PyUnicode_CompareWithASCIIString(head, "tracekit:iter=") == 0;
+        Py_DECREF(head);
+    }
+    if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0) || APPEND(s->role, uint8_t, r) ||
+        APPEND(s->ours, uint8_t, ours))
+        return -1;
     return i;
 }
 
@@ -214,6 +255,126 @@ static int rehash(S *s, Buf *table, Py_ssize_t n, uint64_t (*hash)(S *, int32_t)
     PyMem_RawFree(table->p);
     table->p = (char *)t;
     table->n = table->cap = cap;
+    return 0;
+}
+
+static void memo_free(Memo *m) {
+    PyMem_RawFree(m->arena.p); PyMem_RawFree(m->boff.p);
+    PyMem_RawFree(m->pkey.p); PyMem_RawFree(m->pval.p); PyMem_RawFree(m->ptable.p);
+    PyMem_RawFree(m->ckey); PyMem_RawFree(m->cval);
+    memset(m, 0, sizeof *m);
+}
+
+static void memo_init(Memo *m) {
+    memset(m, 0, sizeof *m);
+    m->arena.size = 1; m->boff.size = 8; m->pkey.size = 8; m->pval.size = 4; m->ptable.size = 4;
+}
+
+/* A slot's value against the last MEMO_MRU distinct values of its kind in its block (most recent
+ * first, updated here): their position when it is one of them, else MEMO_MRU + the zigzag difference
+ * from the most recent (so the entry, 'N/A', metadata and frames-list slots of each entry take a byte). */
+#define MEMO_MRU 4
+static void memo_front(uint32_t *mru, int k, uint32_t val) {
+    for (; k > 0; k--) mru[k] = mru[k - 1];
+    mru[0] = val;
+}
+static uint64_t memo_code(uint32_t *mru, uint32_t val) {
+    for (int k = 0; k < MEMO_MRU; k++)
+        if (mru[k] == val) { memo_front(mru, k, val); return (uint64_t)k; }
+    int64_t d = (int64_t)val - (int64_t)mru[0];
+    memo_front(mru, MEMO_MRU - 1, val);
+    return MEMO_MRU + (((uint64_t)d << 1) ^ (uint64_t)(d >> 63));
+}
+static uint32_t memo_value(uint32_t *mru, uint64_t code) {
+    if (code < MEMO_MRU) {
+        uint32_t val = mru[code];
+        memo_front(mru, (int)code, val);
+        return val;
+    }
+    uint64_t z = code - MEMO_MRU;
+    uint32_t val = (uint32_t)((int64_t)mru[0] + ((int64_t)(z >> 1) ^ -(int64_t)(z & 1)));
+    memo_front(mru, MEMO_MRU - 1, val);
+    return val;
+}
+
+static int memo_encode_tail(Memo *m) {  /* the tail is full: encode it as the next block */
+    if (grow(&m->arena, MEMO_BLOCK * 6) || APPEND(m->boff, int64_t, (int64_t)m->arena.n)) return -1;
+    uint32_t mru[16][MEMO_MRU] = {{0}};
+    unsigned char *o = (unsigned char *)m->arena.p + m->arena.n;
+    for (int j = 0; j < MEMO_BLOCK; j++) {
+        uint32_t v = m->tail[j], kind = v >> 28, val = kind == K_ENTRY ? 0 : v & 0x0fffffff;
+        uint64_t code = memo_code(mru[kind], val);
+        uint64_t u = (code << 4) | kind;
+        while (u >= 0x80) { *o++ = (unsigned char)(u | 0x80); u >>= 7; }
+        *o++ = (unsigned char)u;
+    }
+    m->arena.n = (char *)o - m->arena.p;
+    return 0;
+}
+
+static uint64_t memo_hash(int64_t i) { return mix((uint64_t)i); }
+
+/* The row + 1 of slot i in the table of changes, or 0; *h: where it is or would go. */
+static int32_t memo_find(Memo *m, int64_t i, uint64_t *h) {
+    if (!m->ptable.n) return 0;
+    Py_ssize_t mask = m->ptable.n - 1;
+    int32_t *t = (int32_t *)m->ptable.p;
+    for (*h = memo_hash(i) & mask; t[*h]; *h = (*h + 1) & mask)
+        if (AT(m->pkey, int64_t, t[*h] - 1) == i) return t[*h];
+    return 0;
+}
+
+static uint32_t memo_get(Memo *m, Py_ssize_t i) {
+    Py_ssize_t b = i / MEMO_BLOCK, r = i % MEMO_BLOCK;
+    if (b >= m->boff.n) return m->tail[r];
+    Py_ssize_t c = i & (MEMO_CACHE - 1);
+    if (m->ckey && m->ckey[c] == i) return m->cval[c];
+    uint64_t h;
+    int32_t row = m->pkey.n ? memo_find(m, i, &h) : 0;
+    if (row) return AT(m->pval, uint32_t, row - 1);
+    if (!m->ckey) {
+        m->ckey = PyMem_RawMalloc(MEMO_CACHE * sizeof(int64_t));
+        m->cval = PyMem_RawMalloc(MEMO_CACHE * sizeof(uint32_t));
+        if (m->ckey) memset(m->ckey, 0xff, MEMO_CACHE * sizeof(int64_t));
+        if (!m->ckey || !m->cval) { PyMem_RawFree(m->ckey); PyMem_RawFree(m->cval); m->ckey = NULL; m->cval = NULL; }
+    }
+    const unsigned char *p = (const unsigned char *)m->arena.p + AT(m->boff, int64_t, b);
+    uint32_t mru[16][MEMO_MRU] = {{0}};
+    for (Py_ssize_t j = 0;; j++) {
+        uint64_t u = 0;
+        int shift = 0;
+        do { u |= (uint64_t)(*p & 0x7f) << shift; shift += 7; } while (*p++ & 0x80);
+        uint32_t kind = (uint32_t)(u & 15);
+        uint32_t val = memo_value(mru[kind], u >> 4);
+        if (j == r) {
+            if (m->ckey) { m->ckey[c] = i; m->cval[c] = (kind << 28) | val; }
+            return (kind << 28) | val;
+        }
+    }
+}
+
+static uint64_t memo_phash(S *s, int32_t row) { return memo_hash(AT(s->memo.pkey, int64_t, row)); }
+
+/* Set slot i (i < n: change it; i == n: a new slot). */
+static int memo_put(S *s, Memo *m, Py_ssize_t i, uint32_t v) {
+    Py_ssize_t b = i / MEMO_BLOCK;
+    if (i == m->n) {
+        m->tail[i % MEMO_BLOCK] = v;
+        m->n++;
+        return m->n % MEMO_BLOCK ? 0 : memo_encode_tail(m);
+    }
+    if (b >= m->boff.n) { m->tail[i % MEMO_BLOCK] = v; return 0; }
+    if (m->ckey && m->ckey[i & (MEMO_CACHE - 1)] == i) m->cval[i & (MEMO_CACHE - 1)] = v;
+    uint64_t h = 0;
+    int32_t row = memo_find(m, i, &h);
+    if (row) { AT(m->pval, uint32_t, row - 1) = v; return 0; }
+    if ((m->pkey.n + 1) * 2 > m->ptable.n) {
+        if (rehash(s, &m->ptable, m->pkey.n, memo_phash)) return -1;
+        memo_find(m, i, &h);
+    }
+    if (m->pkey.n >= 0x7ffffff0) return refuse(s, "too many memo changes");
+    if (APPEND(m->pkey, int64_t, (int64_t)i) || APPEND(m->pval, uint32_t, v)) return -1;
+    AT(m->ptable, int32_t, h) = (int32_t)m->pkey.n;
     return 0;
 }
 
@@ -279,8 +440,8 @@ static int32_t intern_stack(S *s, const int32_t *f, Py_ssize_t n) {
 }
 
 /* Set the memo entry `i` (when there is one) to a finished frame or stack. */
-static void memo_set(S *s, Py_ssize_t i, uint8_t kind, int64_t val) {
-    if (i >= 0) AT(s->memo, uint32_t, i) = ((uint32_t)kind << 28) | (uint32_t)val;
+static int memo_set(S *s, Py_ssize_t i, uint8_t kind, int64_t val) {
+    return i >= 0 ? memo_put(s, &s->memo, i, ((uint32_t)kind << 28) | (uint32_t)val) : 0;
 }
 
 static int set_frame_fields(S *s, PFrame *f, Value k, Value v);
@@ -333,7 +494,7 @@ static int32_t frame_of(S *s, Value v) {
     int32_t id = intern_frame(s, f);
     if (id < 0) return id;
     f->fid = id;
-    memo_set(s, f->memo, K_FRAME, id);
+    if (memo_set(s, f->memo, K_FRAME, id)) return -2;
     if (--s->open_frames == 0) s->pframes.n = 0;
     return id;
 }
@@ -370,7 +531,7 @@ static int64_t stack_of(S *s, Value v) {
         int32_t id = intern_stack(s, &AT(s->pfids, int32_t, l->start), l->len);
         if (id <= -2) return id == -2 ? -2 : -1;
         l->stack = id;
-        memo_set(s, l->memo, K_STACK, id + 1);
+        if (memo_set(s, l->memo, K_STACK, id + 1)) return -2;
         if (--s->open_lists == 0) s->plists.n = s->pfids.n = 0;
     }
     return l->stack + 1;
@@ -494,6 +655,67 @@ static Buf *row_columns(S *s, int i) {
     return i < 11 ? c[i] : NULL;
 }
 
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The address table holds every address the trace allocates or frees (for its state, and for the
+ * addresses the trace touches), so it grows with the file when addresses are not reused. When it holds
+ * AM_COMPACT rows, or twice what it held after the last compaction, the addresses of device list `dl`
+ * whose last action was a free (state 2: only "touched" matters now; a free there again counts as
+ * lone, as an absent address does) move to the list `fz` (8 bytes each, sorted and deduplicated when
+ * its segment doubles), and the table is rebuilt with the rest. */
+#define AM_COMPACT (1 << 20)
+static int am_compact(S *s, Py_ssize_t dl) {
+    DList *d = &AT(s->dlists, DList, dl);
+    Py_ssize_t w = 0, n = s->am_key.n;
+    if (!d->fz_n) d->fz_start = s->fz.n;
+    if (d->fz_start + d->fz_n != s->fz.n) return refuse(s, "a device trace's entries interleaved");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (AT(s->am_dev, int32_t, i) == (int32_t)dl && AT(s->am_state, uint8_t, i) == 2) {
+            if (APPEND(s->fz, uint64_t, AT(s->am_key, uint64_t, i))) return -1;
+            d->fz_n++;
+            continue;
+        }
+        AT(s->am_key, uint64_t, w) = AT(s->am_key, uint64_t, i);
+        AT(s->am_dev, int32_t, w) = AT(s->am_dev, int32_t, i);
+        AT(s->am_state, uint8_t, w) = AT(s->am_state, uint8_t, i);
+        w++;
+    }
+    s->am_key.n = s->am_dev.n = s->am_state.n = w;
+    Py_ssize_t cap = 1024;
+    while (cap < 2 * (w + 1)) cap *= 2;
+    s->am_table.n = cap / 2;  /* rehash makes a table twice this size */
+    if (rehash(s, &s->am_table, w, am_hash)) return -1;
+    s->am_compact_at = 2 * w > s->am_min ? 2 * w : s->am_min;
+    if (d->fz_n > 2 * d->fz_sorted + s->am_min) {  /* addresses freed again since: once each */
+        uint64_t *z = &AT(s->fz, uint64_t, d->fz_start);
+        qsort(z, (size_t)d->fz_n, sizeof *z, cmp_u64);
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < d->fz_n; i++)
+            if (!k || z[i] != z[k - 1]) z[k++] = z[i];
+        d->fz_n = d->fz_sorted = k;
+        s->fz.n = d->fz_start + k;
+    }
+    return 0;
+}
+
+/* The addresses device list `dl` allocates or frees (duplicates possible), as a bytearray of uint64. */
+static PyObject *am_touched(S *s, Py_ssize_t dl) {
+    DList *d = &AT(s->dlists, DList, dl);
+    Py_ssize_t n = d->fz_n;
+    for (Py_ssize_t i = 0; i < s->am_key.n; i++) n += AT(s->am_dev, int32_t, i) == (int32_t)dl;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * 8);
+    if (!out) return NULL;
+    uint64_t *o = (uint64_t *)PyByteArray_AS_STRING(out);
+    if (d->fz_n) memcpy(o, &AT(s->fz, uint64_t, d->fz_start), (size_t)d->fz_n * 8);
+    o += d->fz_n;
+    for (Py_ssize_t i = 0; i < s->am_key.n; i++)
+        if (AT(s->am_dev, int32_t, i) == (int32_t)dl) *o++ = AT(s->am_key, uint64_t, i);
+    return out;
+}
+
 /* Entry `row` is appended to device list `dl` (at its next position): fold it, then keep or drop it. */
 static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
     if (d->pos && s->last_dl != dl) return refuse(s, "a device trace's entries interleaved");
@@ -519,14 +741,24 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
         hi = AT(s->w_ranges, int64_t, 2 * dl + 1);
     }
     if (s->w_record) {
-        if (!pos) d->rec_start = s->rec_t.n;
-        if (APPEND(s->rec_um, int32_t, AT(s->um, int32_t, row)) || APPEND(s->rec_t, int64_t, t)) return -1;
+        int32_t um = AT(s->um, int32_t, row);
+        if (!pos) { d->rec_start = s->rec_pos.n; d->rec_tstart = s->rec_t.n; }
+        if (!pos || um != d->rec_last) {
+            if (APPEND(s->rec_pos, int64_t, pos) || APPEND(s->rec_um, int32_t, um)) return -1;
+            d->rec_last = um;
+            d->rec_runs++;
+        }
+        if (um < 0 || !AT(s->ours, uint8_t, um)) {
+            if (APPEND(s->rec_t, int64_t, t)) return -1;
+            d->rec_tn++;
+        }
     }
     if (!d->lo_found && d->started && pos >= first) {
         d->lo_found = 1; d->lo = pos; d->cum_lo = d->cum; d->rcum_lo = d->rcum;
     }
     uint8_t role = AT(s->role, uint8_t, a);
     if (role == 1 || role == 2) {
+        if (s->am_key.n >= s->am_compact_at && am_compact(s, dl)) return -1;
         uint8_t *st = am_slot(s, (int32_t)dl, addr);
         if (!st) return -1;
         d->cum += role == 1 ? size : -size;
@@ -586,12 +818,18 @@ static PyObject *window_result(S *s) {
         DList *d = &AT(s->dlists, DList, dl);
         int64_t lo = d->lo_found ? d->lo : d->pos;
         int64_t cum_lo = d->lo_found ? d->cum_lo : d->cum, rcum_lo = d->lo_found ? d->rcum_lo : d->rcum;
-        PyObject *t = Py_BuildValue("{sLsisLsLsnsLsLsLsLsLsL}", "rec_start", (long long)d->rec_start, "dl", (int)dl, "n", (long long)d->pos, "lo", (long long)lo,
+        PyObject *t = Py_BuildValue("{sLsLsLsLsisLsLsnsLsLsLsLsLsL}", "rec_start", (long long)d->rec_start,
+                                    "rec_runs", (long long)d->rec_runs, "rec_tstart", (long long)d->rec_tstart,
+                                    "rec_tn", (long long)d->rec_tn, "dl", (int)dl, "n", (long long)d->pos, "lo", (long long)lo,
                                     "kept", d->count, "cum_lo", (long long)cum_lo, "rcum_lo", (long long)rcum_lo,
                                     "rcum", (long long)d->rcum, "lone", (long long)d->lone,
                                     "tmin", (long long)d->tmin, "tmax", (long long)d->tmax);
-        if (!t || PyList_Append(out, t)) { Py_XDECREF(t); Py_DECREF(out); return NULL; }
+        PyObject *touched = t ? am_touched(s, dl) : NULL;
+        int bad = !touched || PyDict_SetItemString(t, "touched", touched);
+        Py_XDECREF(touched);
+        if (bad || PyList_Append(out, t)) { Py_XDECREF(t); Py_DECREF(out); return NULL; }
         Py_DECREF(t);
+        if (i == s->order.n - 1) { PyMem_RawFree(s->fz.p); s->fz.p = NULL; s->fz.n = s->fz.cap = 0; }
     }
     return out;
 }
@@ -739,17 +977,18 @@ static PyObject *take(Buf *b) {
 #define TRY(x) do { if ((x) < 0) goto fail_or_error; } while (0)
 
 static void release(S *s) {
-    Buf *all[] = {&s->stack, &s->marks, &s->memo, &s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent,
+    Buf *all[] = {&s->stack, &s->marks, &s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent,
                   &s->ekey, &s->ekind, &s->eval, &s->field_of, &s->present, &s->action, &s->addr, &s->size,
                   &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat, &s->mod, &s->df_row,
                   &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
                   &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena,
-                  &s->role, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
-                  &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t};
+                  &s->role, &s->fz, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
+                  &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t, &s->rec_pos, &s->ours};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
+    memo_free(&s->memo);
     Py_CLEAR(s->strings); Py_CLEAR(s->index); Py_CLEAR(s->keys); Py_CLEAR(s->escaped);
 }
 
@@ -760,8 +999,12 @@ static int setup(S *s, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OL|O", &s->read, &no_time, &window)) return -1;
     s->no_time = no_time;
     s->role.size = 1; s->am_key.size = 8; s->am_dev.size = 4; s->am_state.size = 1; s->am_table.size = 4;
+    s->fz.size = 8;
+    const char *rows = getenv("TRACEKIT_SCAN_COMPACT_ROWS");
+    s->am_min = rows && atol(rows) > 0 ? (Py_ssize_t)atol(rows) : AM_COMPACT;
+    s->am_compact_at = s->am_min;
     s->fu_dl.size = s->fu_id.size = 4; s->fu_col.size = 1; s->fu_last_dl = -1;
-    s->w_ranges.size = 8; s->rec_um.size = 4; s->rec_t.size = 8;
+    s->w_ranges.size = 8; s->rec_um.size = 4; s->rec_t.size = 8; s->rec_pos.size = 8; s->ours.size = 1;
     if (window != Py_None) {  /* (first, hi, threshold or None, max size, max time[, ranges, record]) */
         PyObject *thr;
         long long first, hi, max_size, max_time;
@@ -785,7 +1028,7 @@ static int setup(S *s, PyObject *args) {
         if (s->w_thr == -1 && PyErr_Occurred()) return -1;
     }
     s->root = -1;
-    s->stack.size = sizeof(Value); s->marks.size = sizeof(Py_ssize_t); s->memo.size = 4;
+    s->stack.size = sizeof(Value); s->marks.size = sizeof(Py_ssize_t); memo_init(&s->memo);
     s->nkind.size = 1; s->nfirst.size = 4; s->nlast.size = 4; s->ncount.size = 4;
     s->eparent.size = 4; s->ekey.size = 4; s->ekind.size = 1; s->eval.size = 8;
     s->field_of.size = s->present.size = 1;
@@ -835,8 +1078,9 @@ static PyObject *finish(S *s, Value top) {
         if (!t || PyList_Append(devices, t)) { Py_XDECREF(t); Py_DECREF(devices); return NULL; }
         Py_DECREF(t);
     }
-    PyMem_RawFree(s->stack.p); PyMem_RawFree(s->memo.p); PyMem_RawFree(s->buf);
-    s->stack.p = s->memo.p = s->buf = NULL;
+    PyMem_RawFree(s->stack.p); PyMem_RawFree(s->buf);
+    s->stack.p = s->buf = NULL;
+    memo_free(&s->memo);
     Buf *outs[] = {&s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent, &s->ekey, &s->ekind, &s->eval,
                    &s->action, &s->addr, &s->size, &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc,
                    &s->cat, &s->mod, &s->df_row, &s->df_kind, &s->df_val, &s->present, &s->f_file, &s->f_line,
@@ -844,7 +1088,7 @@ static PyObject *finish(S *s, Value top) {
     enum { NO = sizeof outs / sizeof *outs };
     PyObject *folds = s->windowed ? window_result(s) : Py_NewRef(Py_None);
     if (!folds) { Py_DECREF(devices); return NULL; }
-    PyObject *tuple = PyTuple_New(NO + 13);
+    PyObject *tuple = PyTuple_New(NO + 14);
     if (!tuple) { Py_DECREF(folds); Py_DECREF(devices); return NULL; }
     PyTuple_SET_ITEM(tuple, NO + 5, folds);
     PyTuple_SET_ITEM(tuple, NO + 6, take(&s->am_dev));
@@ -854,13 +1098,14 @@ static PyObject *finish(S *s, Value top) {
     PyTuple_SET_ITEM(tuple, NO + 10, take(&s->fu_id));
     PyTuple_SET_ITEM(tuple, NO + 11, take(&s->rec_um));
     PyTuple_SET_ITEM(tuple, NO + 12, take(&s->rec_t));
+    PyTuple_SET_ITEM(tuple, NO + 13, take(&s->rec_pos));
     PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
     PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
     PyTuple_SET_ITEM(tuple, 2, Py_NewRef(s->strings));
     PyTuple_SET_ITEM(tuple, 3, Py_NewRef(s->keys));
     PyTuple_SET_ITEM(tuple, 4, devices);
     int ok = 1;
-    for (int i = NO + 6; i < NO + 13; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
+    for (int i = NO + 6; i < NO + 14; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
     for (int i = 0; i < NO; i++) {
         PyObject *b = take(outs[i]);
         ok &= b != NULL;
@@ -966,17 +1211,16 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 if (*m >= 0 || i < s.memo.n) { s.err = "a frame or frames list memoized twice"; goto fail; }
                 *m = i;
             }
-            if (i == s.memo.n && grow(&s.memo, 1)) goto error;
-            if (i == s.memo.n) s.memo.n++;
-            memo_set(&s, i, v.kind, v.val);
+            TRY(memo_set(&s, i, v.kind, v.val));
             break;
         }
         case 'h': case 'j': {  /* BINGET, LONG_BINGET */
             Py_ssize_t i;
             if (op == 'h') { NEED(1); i = p[0]; p += 1; } else { NEED(4); uint32_t v; memcpy(&v, p, 4); i = v; p += 4; }
             if (i >= s.memo.n) { s.err = "a memo index never set"; goto fail; }
-            uint32_t m = AT(s.memo, uint32_t, i);
-            if (s.windowed && (m >> 28) == K_ENTRY) { s.err = "a trace entry used twice"; goto fail; }
+            uint32_t m = memo_get(&s.memo, i);
+            /* never in a snapshot, and the memo keeps no entry's row: the Python reader reads such a file */
+            if ((m >> 28) == K_ENTRY) { s.err = "a trace entry used twice"; goto fail; }
             TRY(push(&s, (uint8_t)(m >> 28), m & 0x0fffffff));
             break;
         }

@@ -5,9 +5,12 @@ from typing import Any, Callable
 Window = tuple[Any, ...]
 
 def scan(read: Callable[[int], bytes], no_time: int, window: Window | None = ..., /) -> tuple[Any, ...]:
-    """The columns and tape of a plain-data snapshot pickle read with read(n): 28 byte buffers (the tape's nodes and
-    edges, the entries' columns, the frame and stack tables), then the strings, the devices and, with a window, its
-    folds; ValueError('unsupported: ...') for anything but plain data."""
+    """The columns and tape of a plain-data snapshot pickle read with read(n): the root, the strings, the keys, the
+    devices, 28 byte buffers (the tape's nodes and edges, the entries' columns, the frame and stack tables), then, with
+    a window, its folds (one dict per device list, with the addresses it touched, "touched", as uint64 bytes) and
+    byte buffers: the address table's devices and addresses, the stacks and strings each device list uses, and with
+    `record` the runs of one user_metadata (their strings and first positions) and the unmarked entries' times (42
+    items in all); ValueError('unsupported: ...') for anything but plain data."""
 
 def scan_json(read: Callable[[int], bytes], no_time: int, window: Window | None = ..., /) -> tuple[Any, ...]:
     """The same of a snapshot written as JSON (UTF-8)."""

@@ -145,9 +145,10 @@ def _windowed(path, st, progress, window):
     """The window's entries from the streaming reader (None: it cannot pick them, read it all).
 
     --from/--to are known before reading: one pass. --last needs the file's last time first: a pass
-    that keeps nothing, then the one that keeps the window. --iterations: a pass that keeps each
-    entry's user_metadata and time only, from which `window.marked_ranges` finds each device's
-    entries (None when our recorder did not mark the iterations: the file is read whole)."""
+    that keeps nothing, then the one that keeps the window. --iterations: a pass that keeps the runs of
+    one user_metadata and the unmarked entries' times only, from which `window.marked_ranges` finds each
+    device's entries (None when our recorder did not mark the iterations: the file is read whole; the
+    cut says so)."""
     if not _stream.enabled() or (window.iterations is not None and window.last_us is not None):
         return None
     _stream.return_large_frees()

@@ -113,7 +113,7 @@ def read(path, raw, zipped, size, snapshot_to_trace, keep=None):
 
 
 NOTHING = (2**62, 0, None)  # a window that keeps no entry: a pass that only counts and times them
-MARKS = (2**62, 0, None, b"", True)  # the same, recording each entry's user_metadata and time (12 bytes)
+MARKS = (2**62, 0, None, b"", True)  # the same, recording the runs of user_metadata (see _pkscan.c's w_record)
 
 
 # a memory_viz-style JSON snapshot: an object whose first key is one of a snapshot's
@@ -147,11 +147,13 @@ class Tape:
         self.f_line = np.frombuffer(f_line, np.int64)
         self.s_off, self.s_fids = np.frombuffer(s_off, np.int64), np.frombuffer(s_fids, np.int32)
         self.folds = out[33]  # per device list: what the window's scan folded (None: no window)
-        self.touched = (np.frombuffer(out[34], np.int32), np.frombuffer(out[35], np.uint64))
+        # out[34:36]: the scanner's address table (its folds say which addresses each device touched)
         # a window: per device list, the stacks and strings its entries use, in order of first use
         self._uses = (np.frombuffer(out[36], np.int32), np.frombuffer(out[37], np.uint8),
                       np.frombuffer(out[38], np.int32))
-        self._marks = (np.frombuffer(out[39], np.int32), np.frombuffer(out[40], np.int64))
+        # MARKS: runs of one user_metadata (string, first position) and the unmarked entries' times
+        self._marks = (np.frombuffer(out[39], np.int32), np.frombuffer(out[40], np.int64),
+                       np.frombuffer(out[41], np.int64))
         self._made = {}
         self._depth = max_depth()
         self._stack_of = {}  # scanner stack id -> the Interner's
@@ -227,23 +229,21 @@ class Tape:
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
             raise Unsupported(f"conversion: {type(e).__name__}: {e}") from None
         if self.folds is not None:
-            dev, addr = self.touched
-            order = np.argsort(dev, kind="stable")
-            dev, addr = dev[order], addr[order]
             u_dl, u_col, u_id = self._uses
             trace.meta["streamed_window"] = {
-                d: {**f, "touched": addr[np.searchsorted(dev, f["dl"]):np.searchsorted(dev, f["dl"], "right")],
+                d: {**f, "touched": np.frombuffer(f["touched"], np.uint64),  # unsorted, repeats possible
                     "user_metadata": sorted(self.strings[i] for i in set(u_id[(u_dl == f["dl"]) & (u_col == 2)]
                                                                          .tolist()) if i >= 0)}
                 for d, f in enumerate(self.folds)}
-            um, t = self._marks
-            if len(t):  # MARKS: per device, user_metadata as ids into its texts, and times
+            um, t, pos = self._marks
+            if len(pos):  # MARKS: per device, its runs of one user_metadata and the unmarked entries' times
                 for f in trace.meta["streamed_window"].values():
-                    sl = slice(f["rec_start"], f["rec_start"] + f["n"]) if f["n"] else slice(0, 0)
-                    ids = um[sl]
+                    runs = slice(f["rec_start"], f["rec_start"] + f["rec_runs"])
+                    ids = um[runs]
                     texts = np.unique(ids)
-                    f["marks"] = (np.searchsorted(texts, ids).astype(np.int32),
-                                  [self.strings[i] if i >= 0 else "" for i in texts.tolist()], t[sl])
+                    f["marks"] = (pos[runs], np.searchsorted(texts, ids).astype(np.int32),
+                                  [self.strings[i] if i >= 0 else "" for i in texts.tolist()],
+                                  t[f["rec_tstart"]:f["rec_tstart"] + f["rec_tn"]])
                 self._marks = None
         return trace
 

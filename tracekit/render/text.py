@@ -240,6 +240,8 @@ def info_text(info: dict) -> str:
     ]
     if info.get("window"):
         pairs.append(("window", info["window"] + " (entries renumbered from 0)"))
+        if info.get("window_read"):
+            pairs.append(("read", info["window_read"]))
     if info["unknown_actions"]:
         pairs.append(("unknown actions", ", ".join(info["unknown_actions"]) + " (skipped)"))
     out = _rows(pairs, indent="")

@@ -49,7 +49,9 @@ def file_report(path, open_trace, analyse, use_cache=True, window=None, rules=No
     trace = open_trace(path, not use_cache, window)
     report = analyse(trace, rules=rules, estimate=estimate)
     cut = trace.meta.get("window")
-    out = {**report, "window": cut} if cut else report
+    # how the window was read (window.read: only its entries, or the whole file and why) is said by the text
+    # report, info and the viewer; the JSON report is the same however the file was read (and cached)
+    out = {**report, "window": {k: v for k, v in cut.items() if k != "read"}} if cut else report
     if trace.meta.get("names_cut"):  # the report served from the cache says so too (the warning line)
         out = {**out, "names_cut": trace.meta["names_cut"]}
     if key and _key(path) == key:  # the file did not change while it was read
