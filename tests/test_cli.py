@@ -208,3 +208,15 @@ def test_installed_under_names_of_its_own():
     dist = distribution("torch-tracekit")
     assert sorted(dist.read_text("top_level.txt").split()) == ["tracekit", "tracekit_gui"]
     assert any(e.name == "tracekit" and e.value == "tracekit.cli:main" for e in dist.entry_points)
+
+
+def test_a_reader_that_goes_away_is_no_bug():
+    """`tracekit report --json FILE | head -c 1`: the pipe closes before the report is written; tracekit stops
+    quietly (no 'this is a bug', no traceback) with a non-zero status, as click's own commands do."""
+    from .conftest import SAMPLES
+    p = subprocess.Popen([sys.executable, "-m", "tracekit", "report", "--json", str(SAMPLES / "gpt_adamw.pickle")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # closed before anything is written: the first write fails with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait() in (1, 141), err
+    assert "bug" not in err and "Traceback" not in err, err

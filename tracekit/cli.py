@@ -74,7 +74,8 @@ def guard(callback):
     def run(*args, **kwargs):
         try:
             return callback(*args, **kwargs)
-        except (TracekitError, click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        except (TracekitError, click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort,
+                BrokenPipeError):
             raise
         except Exception as e:
             if os.environ.get("TRACEKIT_DEBUG"):
@@ -126,6 +127,15 @@ def main(argv=None):
     except MemoryError:
         click.echo("tracekit: out of memory while reading the file", err=True)
         sys.exit(2)
+    except BrokenPipeError:
+        # the reader went away (`tracekit report FILE | head`): what it wanted was written; stop quietly, as
+        # `cat` does, and keep the interpreter from complaining again when it flushes stdout at exit
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        sys.exit(141)
 
 
 if __name__ == "__main__":
