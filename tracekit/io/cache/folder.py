@@ -57,7 +57,7 @@ def key_for(path, stat=None) -> str | None:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             fp = _fingerprint(f, st)
-            known = _remembered(fp) if fp else None
+            known = (_hashed.get(fp) or _remembered(fp)) if fp else None
             if known:
                 return known
             f.seek(0)
@@ -67,9 +67,16 @@ def key_for(path, stat=None) -> str | None:
             key = h.hexdigest()[:40]
             if fp and os.fstat(f.fileno()).st_ctime_ns == st.st_ctime_ns:  # not written to while hashed
                 _remember(fp, key)
+                _hashed[fp] = key
             return key
     except (OSError, ValueError):
         return None
+
+
+# fingerprint -> content key, for this process: a first open asks for the key before and after reading
+# (whether the report or the trace is cached, whether the file changed meanwhile) before the entry that
+# makes the remembered fingerprint count is written; the file is hashed once.
+_hashed: dict[str, str] = {}
 
 
 def known_key(path) -> str | None:

@@ -123,9 +123,13 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
         if os.fstat(f.fileno()).st_size != start + end:
             raise Odd("short write")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            for offset, length, crc in parts:
-                if zlib.crc32(mm[start + offset:start + offset + length]) != crc:
-                    raise Odd("a column differs once written")
+            view = memoryview(mm)  # the columns read in place, not copied out
+            try:
+                for offset, length, crc in parts:
+                    if zlib.crc32(view[start + offset:start + offset + length]) != crc:
+                        raise Odd("a column differs once written")
+            finally:
+                view.release()
 
 
 PIECE = 1 << 24  # bytes of a column handled at a time when it is written (a multiple of BLOCK)
