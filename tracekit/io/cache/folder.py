@@ -4,6 +4,7 @@ cached trace, and the stamp of tracekit's own code that results are keyed on. Li
 `report --json` served from the cache imports only this and reports.py."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -57,7 +58,7 @@ def key_for(path, stat=None) -> str | None:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             fp = _fingerprint(f, st)
-            known = (_hashed.get(fp) or _remembered(fp)) if fp else None
+            known = ((_once or {}).get(fp) or _remembered(fp)) if fp else None
             if known:
                 return known
             f.seek(0)
@@ -67,16 +68,29 @@ def key_for(path, stat=None) -> str | None:
             key = h.hexdigest()[:40]
             if fp and os.fstat(f.fileno()).st_ctime_ns == st.st_ctime_ns:  # not written to while hashed
                 _remember(fp, key)
-                _hashed[fp] = key
+                if _once is not None:
+                    _once[fp] = key
             return key
     except (OSError, ValueError):
         return None
 
 
-# fingerprint -> content key, for this process: a first open asks for the key before and after reading
-# (whether the report or the trace is cached, whether the file changed meanwhile) before the entry that
-# makes the remembered fingerprint count is written; the file is hashed once.
-_hashed: dict[str, str] = {}
+_once: dict[str, str] | None = None  # fingerprint -> key, inside hashed_once()
+
+
+@contextlib.contextmanager
+def hashed_once():
+    """Inside it, key_for hashes a file (by its fingerprint) at most once: a first `report` asks for the key
+    before reading (is the report or the trace cached?), again in load, and after (did the file change
+    meanwhile?), all before the entry that makes the remembered fingerprint count is written."""
+    global _once
+    outer = _once
+    if outer is None:
+        _once = {}
+    try:
+        yield
+    finally:
+        _once = outer
 
 
 def known_key(path) -> str | None:

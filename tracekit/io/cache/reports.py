@@ -39,6 +39,11 @@ def file_report(path, open_trace, analyse, use_cache=True, window=None, rules=No
     trace it is about (None when the report came from the cache and `want_trace` is false).
     `open_trace(path, no_cache, window)` loads and cuts the trace; `analyse(trace, rules=, estimate=)`
     makes the report (tracekit.analysis.report.build_report)."""
+    with folder.hashed_once():  # a file not seen before is hashed once, not before and in load
+        return _file_report(path, open_trace, analyse, use_cache, window, rules, estimate, want_trace)
+
+
+def _file_report(path, open_trace, analyse, use_cache, window, rules, estimate, want_trace):
     name = result_name(window, rules, estimate) if use_cache else None
     key = _key(path) if name else None
     if key:
