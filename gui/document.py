@@ -55,7 +55,7 @@ class Document:
                 progress(fraction, message)
 
         whole = trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache,
-                                      window=window)
+                                      window=window, write_behind=True)  # the entry written beside the analysis
         streamed = "streamed_window" in whole.meta  # only the window was read (a big file, not cached)
         stored = memo.restore(whole, path) if use_cache and not streamed else None
         if window:

@@ -40,13 +40,14 @@ import os
 import stat as _stat
 import struct
 import tempfile
+import threading
 import zlib
 from typing import Any
 
 import numpy as np
 
 from .folder import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _unlink, cache_dir,  # noqa: F401
-                          key_for, open_regular, result, store_result)
+                          key_for, open_regular, result, store_result, writing)
 from ...model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 from ..limits import env_number
 
@@ -218,15 +219,40 @@ def unpack(fn) -> tuple[dict, dict]:
 
 def write(key, trace: Trace) -> None:
     """Store a trace; failures are ignored (the cache is an optimisation)."""
+    try:
+        arrays, head = _entry_of(key, trace)
+    except (OSError, TypeError, ValueError, RecursionError, MemoryError, Odd):
+        return
+    _store(key, arrays, head)
+
+
+def write_soon(key, trace: Trace) -> None:
+    """write() on a thread of its own, which the caller's analysis runs beside (writing and the checksums let
+    go of the GIL): the strings and meta are taken now, the columns (never changed once read) as they are.
+    The thread is not a daemon, so the entry is finished before the process exits; folder.wait_written() waits."""
+    try:
+        arrays, head = _entry_of(key, trace)
+    except (OSError, TypeError, ValueError, RecursionError, MemoryError, Odd):
+        return
+    t = threading.Thread(target=_store, args=(key, arrays, head), name="tracekit-cache-write")
+    writing.append(t)
+    t.start()
+
+
+def _entry_of(key, trace: Trace) -> tuple[dict, dict]:
+    arrays = {}
+    for prefix, (attr, table) in _TABLES.items():
+        obj = getattr(trace, attr)
+        for name in table.__dataclass_fields__:
+            arrays[f"{prefix}_{name}"] = np.asarray(getattr(obj, name), dtype=DTYPES[prefix][name])
+    head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
+            "strings": list(trace.strings.items), "meta": encode(trace.meta)}
+    return arrays, head
+
+
+def _store(key, arrays: dict, head: dict) -> None:
     tmp = None
     try:
-        arrays = {}
-        for prefix, (attr, table) in _TABLES.items():
-            obj = getattr(trace, attr)
-            for name in table.__dataclass_fields__:
-                arrays[f"{prefix}_{name}"] = np.asarray(getattr(obj, name), dtype=DTYPES[prefix][name])
-        head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
-                "strings": trace.strings.items, "meta": encode(trace.meta)}
         os.makedirs(cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
         os.close(fd)
