@@ -120,17 +120,23 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
             for raw in _pieces(a):
                 f.write(raw)
         f.truncate(start + end)
-    with open(fn, "rb") as f:
+    with open(fn, "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != start + end:
             raise Odd("short write")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)  # the columns read in place, not copied out
-            try:
-                for offset, length, crc in parts:
-                    if zlib.crc32(view[start + offset:start + offset + length]) != crc:
-                        raise Odd("a column differs once written")
-            finally:
-                view.release()
+        # read back a piece at a time into one buffer (a map of the file would count in the process's memory
+        # while the analysis runs beside the writing: load(write_behind=True))
+        buf = memoryview(bytearray(min(PIECE, max((length for _, length, _ in parts), default=0)) or 1))
+        for offset, length, crc in parts:
+            f.seek(start + offset)
+            got, read_crc = 0, 0
+            while got < length:
+                n = f.readinto(buf[:min(len(buf), length - got)])
+                if not n:
+                    raise Odd("short read")
+                read_crc = zlib.crc32(buf[:n], read_crc)
+                got += n
+            if read_crc != crc:
+                raise Odd("a column differs once written")
 
 
 PIECE = 1 << 24  # bytes of a column handled at a time when it is written (a multiple of BLOCK)
