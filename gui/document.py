@@ -8,6 +8,7 @@ the file has no times). It computes no analysis of its own.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,14 @@ from tracekit.errors import Cancelled
 from tracekit.model import NO_TIME
 
 _CODE = " viewer=" + code_stamp(os.path.dirname(os.path.abspath(__file__)))  # what the stored extras depend on
+KEEP_BEHIND_BYTES = 64 << 20  # a file this big keeps its analysis for the next open after the first paint
+_keeping: list[threading.Thread] = []  # the threads keeping a document's analysis (not daemons: finished at exit)
+
+
+def wait_kept() -> None:
+    """Wait for the analyses being kept for the next open (Document.open of a big file)."""
+    while _keeping:
+        _keeping.pop().join()
 
 
 
@@ -54,8 +63,9 @@ class Document:
             if progress:
                 progress(fraction, message)
 
+        wait_kept()  # an analysis still being kept from the last open (of this file, maybe)
         whole = trace = tracekit.load(path, progress=lambda f, m: tell(0.7 * float(f), m), use_cache=use_cache,
-                                      window=window)
+                                      window=window, write_behind=True)  # the entry written beside the analysis
         streamed = "streamed_window" in whole.meta  # only the window was read (a big file, not cached)
         stored = memo.restore(whole, path) if use_cache and not streamed else None
         if window:
@@ -78,17 +88,28 @@ class Document:
             doc.where_table(d)
             doc.phase_spans(d), doc.iteration_starts(d)
         if use_cache and stored is None:
-            for d in trace.devices:  # what the first paint asks for, to be kept with the analysis
-                for points in (1024, 2048, 4096, 8192):
-                    doc.series(d, max_points=points)
-                doc.table_order(d, "size", replays[d].allocations.size)
-                doc.has_timeline(d)
-            tell(0.97, "keeping the analysis for the next open")
-            if window:
-                memo.store(whole, path)
-            extra = {"report": report, "xs": doc._xs, "kept": doc._kept, "where": doc._where}
-            memo.store(trace, path, window, extra=extra, code=_CODE)
+            if os.path.getsize(path) >= KEEP_BEHIND_BYTES:  # a big file: on a thread, beside the first paint
+                t = threading.Thread(target=doc._keep, args=(whole, window), name="tracekit-keep")
+                _keeping.append(t)
+                t.start()
+            else:
+                tell(0.97, "keeping the analysis for the next open")
+                doc._keep(whole, window)
         return doc
+
+    def _keep(self, whole, window) -> None:
+        """Store the analysis (memo.store) with what the first paint asks for, for the next open."""
+        trace, path = self.trace, self.path
+        for d in trace.devices:
+            for points in (1024, 2048, 4096, 8192):
+                self.series(d, max_points=points)
+            self.table_order(d, "size", self.replays[d].allocations.size)
+            self.has_timeline(d)
+        if window:
+            memo.store(whole, path)
+        # copies: the GUI thread may add to them meanwhile
+        extra = {"report": self.report, "xs": dict(self._xs), "kept": dict(self._kept), "where": dict(self._where)}
+        memo.store(trace, path, window, extra=extra, code=_CODE)
 
     # ---- devices and report ----------------------------------------------
 

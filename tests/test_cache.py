@@ -449,3 +449,30 @@ def test_the_stored_report_is_what_is_served(tmp_path, cache_dir):
         f.write(b"\n")  # bytes after the pickle's STOP: the same trace, another file
     assert json.loads(_report("--json", q, cache_dir=cache_dir))["findings"] == first["findings"]
     assert cachefiles.result("0" * 40, "x") is None
+
+
+def test_a_first_report_of_a_big_file_hashes_it_once(tmp_path, cache_dir, not_racy, monkeypatch):
+    """Issue 35: `report --json` asks for the key before reading (a kept report?), in load (a cached trace?) and
+    after (did the file change?); a file at least HASH_AHEAD_BYTES big is hashed once, on a thread while it is
+    read, and its report and entry are the ones a plain open makes."""
+    from tracekit.analysis.report import build_report
+    from tracekit.commands._common import open_trace
+    from tracekit.io.cache import folder as cachefiles
+    from tracekit.io.cache.reports import file_report
+
+    data = fixture("snapshot_newest_format_windows_paths.pickle").read_bytes()
+    p = tmp_path / "big.pickle"
+    p.write_bytes(data)
+    monkeypatch.setattr(cachefiles, "HASH_AHEAD_BYTES", 1024)
+    seen = _hashed_bytes(monkeypatch)
+
+    def opened(path, no_cache, window):
+        return open_trace(path, no_cache, window, write_behind=True)
+
+    report, _ = file_report(str(p), opened, build_report)
+    assert sum(n for n in seen if n > cache.SAMPLE) == len(data)  # once (not before and again in load), and
+    # the fingerprints' ends, 64 KiB at a time
+    assert not cachefiles.writing and os.path.isfile(_entry(p))  # the entry written behind is whole
+    assert json.dumps(report) == json.dumps(build_report(tracekit.load(p, use_cache=False)))
+    again, trace = file_report(str(p), opened, build_report)
+    assert again == report and trace is None  # the kept report

@@ -48,3 +48,21 @@ def test_module_rows_packed_as_numpy_sorts_rows():
     wide = np.array([[2**40, 1], [3, 2**30], [3, 2**30]])  # too wide to pack: numpy's row sort
     u, inv = _unique_rows(wide)
     assert u.tolist() == [[3, 2**30], [2**40, 1]] and inv.tolist() == [1, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint32, np.uint64])
+@pytest.mark.parametrize("shape", [(0, 3), (1, 1), (4000, 1), (4000, 3), (4000, 5)])
+@pytest.mark.parametrize("spread", [2, 1000, 2**40])
+def test_unique_rows_is_numpys_unique_of_rows(dtype, shape, spread):
+    """model.unique_rows (the library lines' groups, issue 35): np.unique(axis=0, return_inverse=True)'s rows,
+    in their dtype and order, and its inverse, flat."""
+    from tracekit.model import unique_rows
+
+    rng = np.random.default_rng(spread + shape[0])
+    lo = -3 if np.dtype(dtype).kind == "i" else 0
+    hi = min(spread, np.iinfo(dtype).max)
+    key = rng.integers(lo, hi, shape).astype(dtype)
+    want_rows, want_inv = np.unique(key, axis=0, return_inverse=True)
+    rows, inv = unique_rows(key)
+    assert rows.dtype == want_rows.dtype and np.array_equal(rows, want_rows)
+    assert np.array_equal(inv, want_inv.reshape(-1))

@@ -18,11 +18,13 @@ __version__ = "0.1.0"
 
 
 def load(path: str | os.PathLike[str], progress: Callable[[float, str], None] | None = None, use_cache: bool = True,
-         window: Window | None = None) -> Recording:
-    """Open a snapshot or profiler trace as a `tracekit.api.Recording` (a `tracekit.model.Trace`)."""
+         window: Window | None = None, write_behind: bool = False) -> Recording:
+    """Open a snapshot or profiler trace as a `tracekit.api.Recording` (a `tracekit.model.Trace`).
+    `write_behind`: a first open writes the cache's entry on a thread beside what the caller does next
+    (tracekit.io.load)."""
     from .api import load as _load
 
-    return _load(path, progress=progress, use_cache=use_cache, window=window)
+    return _load(path, progress=progress, use_cache=use_cache, window=window, write_behind=write_behind)
 
 
 def load_ipython_extension(ipython) -> None:

@@ -118,8 +118,8 @@ class Recording(Trace):
 
 
 def load(path: str | os.PathLike[str], progress: Callable[[float, str], None] | None = None, use_cache: bool = True,
-         window: Window | None = None) -> Recording:
+         window: Window | None = None, write_behind: bool = False) -> Recording:
     """Open a snapshot or profiler trace (see `tracekit.io.load` for the options)."""
     from .io import load as _load
 
-    return Recording.of(_load(path, progress=progress, use_cache=use_cache, window=window))
+    return Recording.of(_load(path, progress=progress, use_cache=use_cache, window=window, write_behind=write_behind))

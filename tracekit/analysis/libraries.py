@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import Trace
+from ..model import Trace, unique_rows
 from .frames import package_of, stack_roles
 from .memo import per_trace
 
@@ -210,8 +210,7 @@ def library_sites(trace: Trace, device: int, mask: np.ndarray, rules=None, limit
     key = np.stack([libs.frame[rows].astype(np.int64), libs.inner[rows].astype(np.int64),
                     libs.user[rows].astype(np.int64),
                     cats.labels[rows].astype(np.int64), libs.backward[rows].astype(np.int64)], axis=1)
-    uniq, inv = np.unique(key, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
+    uniq, inv = unique_rows(key)
     nbytes = np.bincount(inv, weights=al.size[rows].astype(np.float64))
     count = np.bincount(inv)
     roles = stack_roles(trace)
@@ -253,7 +252,7 @@ def allocation_library_where(trace: Trace, device: int) -> tuple[np.ndarray, np.
     key = np.stack([libs.frame.astype(np.int64), libs.inner.astype(np.int64), libs.backward.astype(np.int64)], axis=1)
     if not len(key):
         return np.array([""], dtype=object), np.zeros(len(al), np.int32)
-    uniq, inv = np.unique(key, axis=0, return_inverse=True)
+    uniq, inv = unique_rows(key)
     strings = np.empty(len(uniq), dtype=object)
     for k, (lib, inn, bwd) in enumerate(uniq.tolist()):
         if lib < 0:

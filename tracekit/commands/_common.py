@@ -79,14 +79,15 @@ def window_line(trace) -> str:
             + (f"; {note}" if note else ""))
 
 
-def open_trace(path, no_cache=False, window=None):
-    """Load a file, drawing progress on stderr if it takes more than a second; cut to `window` if given."""
+def open_trace(path, no_cache=False, window=None, write_behind=False):
+    """Load a file, drawing progress on stderr if it takes more than a second; cut to `window` if given.
+    `write_behind`: see tracekit.io.load (the caller waits with cache.folder.wait_written())."""
     from ..io import load
     from ..io.progress import StderrProgress
 
     progress = StderrProgress(f"opening {path}")
     try:
-        trace = load(path, progress=progress, use_cache=not no_cache, window=window)
+        trace = load(path, progress=progress, use_cache=not no_cache, window=window, write_behind=write_behind)
     finally:
         progress.close()
     from ..io.limits import names_cut_line

@@ -38,7 +38,8 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
     from ..io.cache.reports import file_report
 
     spec = report_spec(estimate_knobs)
-    report, trace = file_report(files[0], open_trace, _analyse, not no_cache, window, rules, spec, want_trace=not as_json)
+    report, trace = file_report(files[0], _open_writing_behind, _analyse, not no_cache, window, rules, spec,
+                                want_trace=not as_json)
     if trace is None and isinstance(report.get("names_cut"), int):  # served from the cache: open_trace did not say
         from ..io.limits import names_cut_line
 
@@ -49,6 +50,11 @@ def command(files, as_json, rules, no_cache, jobs, no_summaries, **estimate_knob
         if trace.meta.get("window"):
             click.echo(window_line(trace))
         show("report", {k: v for k, v in report.items() if k not in ("window", "names_cut")}, trace=trace)
+
+
+def _open_writing_behind(path, no_cache, window):
+    """open_trace, the cache's entry written beside the analysis (file_report waits for it)."""
+    return open_trace(path, no_cache, window, write_behind=True)
 
 
 def _analyse(trace, **options):

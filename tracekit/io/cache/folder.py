@@ -4,12 +4,14 @@ cached trace, and the stamp of tracekit's own code that results are keyed on. Li
 `report --json` served from the cache imports only this and reports.py."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import stat as _stat
 import sys
 import tempfile
+import threading
 import time
 import zlib
 
@@ -17,6 +19,7 @@ VERSION = 7  # bump whenever Trace, meta or the entry layout changes (5: origins
 # 7: a checksum over each whole column, a CRC-32 over each stored result)
 SUFFIX = ".tkc"
 SAMPLE = 64 * 1024  # bytes read at each end of a file for its fingerprint
+HASH_AHEAD_BYTES = 64 << 20  # a file this big or bigger, not opened before, is hashed while it is read
 RACY_S = 2.0  # a file whose times are this close to now is hashed every time (a clock tick may hide an edit)
 
 
@@ -53,11 +56,20 @@ def key_for(path, stat=None) -> str | None:
     """Identity of the file's current content (a hash of all of it), or None if it cannot be read.
     Remembered under the file's fingerprint (see traces.py), so a warm open hashes 128 KiB.
     `stat` is not used (the open file's own fstat is: it cannot change between stat and read)."""
+    return _key_for(path, True)
+
+
+def _key_for(path, wait) -> str | None:
+    """key_for; `wait`: for the hashing key_soon started (False: in that hashing's own thread)."""
     try:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
             fp = _fingerprint(f, st)
-            known = _remembered(fp) if fp else None
+            known = ((_once or {}).get(fp) or _remembered(fp)) if fp else None
+            if isinstance(known, Hashing):  # being hashed (key_soon): wait for it
+                if wait:
+                    return known.result()
+                known = None
             if known:
                 return known
             f.seek(0)
@@ -67,9 +79,84 @@ def key_for(path, stat=None) -> str | None:
             key = h.hexdigest()[:40]
             if fp and os.fstat(f.fileno()).st_ctime_ns == st.st_ctime_ns:  # not written to while hashed
                 _remember(fp, key)
+                once = _once
+                if once is not None:
+                    once[fp] = key
             return key
     except (OSError, ValueError):
         return None
+
+
+writing: list[threading.Thread] = []  # the threads writing entries (traces.write_soon)
+
+
+def wait_written() -> None:
+    """Wait for the entries traces.write_soon is writing."""
+    while writing:
+        writing.pop().join()
+
+
+_once: dict[str, str | Hashing] | None = None  # fingerprint -> key (or its hashing), inside hashed_once()
+
+
+class Hashing:
+    """A file's key: known, or being hashed by a thread of its own (hashlib and reads let go of the GIL, so
+    it takes the second core while the file is read and converted)."""
+
+    def __init__(self, path=None, key=None):
+        self.key, self._thread = key, None
+        if path is not None:
+            self._thread = threading.Thread(target=self._run, args=(path,), name="tracekit-key", daemon=True)
+            self._thread.start()
+
+    def _run(self, path):
+        self.key = _key_for(path, False)
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self) -> str | None:
+        if self._thread is not None:
+            self._thread.join()
+        return self.key
+
+
+def key_soon(path) -> Hashing:
+    """key_for(path): known at once when the file's fingerprint is remembered or the file is smaller than
+    HASH_AHEAD_BYTES, else hashed in the background (done() says which) while the caller reads the file;
+    inside hashed_once() a later key_for waits for it."""
+    try:
+        with open_regular(path) as f:
+            st = os.fstat(f.fileno())
+            fp = _fingerprint(f, st)
+    except (OSError, ValueError):
+        return Hashing(key=None)
+    known = ((_once or {}).get(fp) or _remembered(fp)) if fp else None
+    if isinstance(known, Hashing):
+        return known
+    if known:
+        return Hashing(key=known)
+    pending = Hashing(path)
+    if fp and _once is not None:
+        _once[fp] = pending
+    if st.st_size < HASH_AHEAD_BYTES:
+        pending.result()  # a smaller file: its key first (a copy of a cached file is then read from the cache)
+    return pending
+
+
+@contextlib.contextmanager
+def hashed_once():
+    """Inside it, key_for hashes a file (by its fingerprint) at most once: a first `report` asks for the key
+    before reading (is the report or the trace cached?), again in load, and after (did the file change
+    meanwhile?), all before the entry that makes the remembered fingerprint count is written."""
+    global _once
+    outer = _once
+    if outer is None:
+        _once = {}
+    try:
+        yield
+    finally:
+        _once = outer
 
 
 def known_key(path) -> str | None:

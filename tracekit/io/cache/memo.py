@@ -42,6 +42,7 @@ def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
     """Write `trace`'s memo (and `extra`, plain data such as the report) for `path` cut to `window`;
     `code` names the code that made `extra` when it is not tracekit's (folder.code_stamp(package folder)).
     Only while the trace's own entry is cached; failures are ignored (the cache is an optimisation)."""
+    folder.wait_written()  # the entry load(write_behind=True) is writing
     key = folder.known_key(path) or folder.key_for(path)
     if not key or not os.path.isfile(folder._file(key)):
         return False

@@ -37,16 +37,31 @@ def file_report(path, open_trace, analyse, use_cache=True, window=None, rules=No
                 want_trace=False):
     """(report, trace): the report of `path` cut to `window` (with a "window" entry when cut), and the
     trace it is about (None when the report came from the cache and `want_trace` is false).
-    `open_trace(path, no_cache, window)` loads and cuts the trace; `analyse(trace, rules=, estimate=)`
+    `open_trace(path, no_cache, window)` loads and cuts the trace (it may write the cache's entry on a thread:
+    traces.write_soon); `analyse(trace, rules=, estimate=)`
     makes the report (tracekit.analysis.report.build_report)."""
+    with folder.hashed_once():  # a file not seen before is hashed once, not before and in load
+        try:
+            return _file_report(path, open_trace, analyse, use_cache, window, rules, estimate, want_trace)
+        finally:
+            folder.wait_written()  # an entry open_trace writes beside the analysis is whole when this returns
+
+
+def _file_report(path, open_trace, analyse, use_cache, window, rules, estimate, want_trace):
     name = result_name(window, rules, estimate) if use_cache else None
-    key = _key(path) if name else None
+    pending = _key_soon(path) if name else None
+    key = pending.result() if pending is not None and pending.done() else None
     if key:
         hit = folder.result(key, name)
         if isinstance(hit, dict) and "file" in hit:
             trace = open_trace(path, False, window) if want_trace else None
             return {**hit, "file": os.fsdecode(os.fspath(path))}, trace
-    trace = open_trace(path, not use_cache, window)
+    trace = open_trace(path, not use_cache, window)  # a big file not opened before: hashed meanwhile (load)
+    if pending is not None and not key:
+        key = pending.result()
+        hit = folder.result(key, name) if key else None  # (a copy of a file whose report is kept)
+        if isinstance(hit, dict) and "file" in hit:
+            return {**hit, "file": os.fsdecode(os.fspath(path))}, trace if want_trace else None
     report = analyse(trace, rules=rules, estimate=estimate)
     cut = trace.meta.get("window")
     # how the window was read (window.read: only its entries, or the whole file and why) is said by the text
@@ -54,12 +69,20 @@ def file_report(path, open_trace, analyse, use_cache=True, window=None, rules=No
     out = {**report, "window": {k: v for k, v in cut.items() if k != "read"}} if cut else report
     if trace.meta.get("names_cut"):  # the report served from the cache says so too (the warning line)
         out = {**out, "names_cut": trace.meta["names_cut"]}
+    folder.wait_written()  # the trace's entry, which the result is kept beside
     if key and _key(path) == key:  # the file did not change while it was read
         try:
             folder.store_result(key, name, json.loads(json.dumps(out)))
         except (TypeError, ValueError):
             pass
     return out, trace
+
+
+def _key_soon(path):
+    try:
+        return folder.key_soon(os.fsdecode(os.fspath(path)))
+    except (OSError, ValueError):
+        return None
 
 
 def _key(path):

@@ -40,13 +40,14 @@ import os
 import stat as _stat
 import struct
 import tempfile
+import threading
 import zlib
 from typing import Any
 
 import numpy as np
 
 from .folder import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _unlink, cache_dir,  # noqa: F401
-                          key_for, open_regular, result, store_result)
+                          key_for, open_regular, result, store_result, writing)
 from ...model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 from ..limits import env_number
 
@@ -119,13 +120,23 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
             for raw in _pieces(a):
                 f.write(raw)
         f.truncate(start + end)
-    with open(fn, "rb") as f:
+    with open(fn, "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != start + end:
             raise Odd("short write")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            for offset, length, crc in parts:
-                if zlib.crc32(mm[start + offset:start + offset + length]) != crc:
-                    raise Odd("a column differs once written")
+        # read back a piece at a time into one buffer (a map of the file would count in the process's memory
+        # while the analysis runs beside the writing: load(write_behind=True))
+        buf = memoryview(bytearray(min(PIECE, max((length for _, length, _ in parts), default=0)) or 1))
+        for offset, length, crc in parts:
+            f.seek(start + offset)
+            got, read_crc = 0, 0
+            while got < length:
+                n = f.readinto(buf[:min(len(buf), length - got)])
+                if not n:
+                    raise Odd("short read")
+                read_crc = zlib.crc32(buf[:n], read_crc)
+                got += n
+            if read_crc != crc:
+                raise Odd("a column differs once written")
 
 
 PIECE = 1 << 24  # bytes of a column handled at a time when it is written (a multiple of BLOCK)
@@ -214,15 +225,40 @@ def unpack(fn) -> tuple[dict, dict]:
 
 def write(key, trace: Trace) -> None:
     """Store a trace; failures are ignored (the cache is an optimisation)."""
+    try:
+        arrays, head = _entry_of(key, trace)
+    except (OSError, TypeError, ValueError, RecursionError, MemoryError, Odd):
+        return
+    _store(key, arrays, head)
+
+
+def write_soon(key, trace: Trace) -> None:
+    """write() on a thread of its own, which the caller's analysis runs beside (writing and the checksums let
+    go of the GIL): the strings and meta are taken now, the columns (never changed once read) as they are.
+    The thread is not a daemon, so the entry is finished before the process exits; folder.wait_written() waits."""
+    try:
+        arrays, head = _entry_of(key, trace)
+    except (OSError, TypeError, ValueError, RecursionError, MemoryError, Odd):
+        return
+    t = threading.Thread(target=_store, args=(key, arrays, head), name="tracekit-cache-write")
+    writing.append(t)
+    t.start()
+
+
+def _entry_of(key, trace: Trace) -> tuple[dict, dict]:
+    arrays = {}
+    for prefix, (attr, table) in _TABLES.items():
+        obj = getattr(trace, attr)
+        for name in table.__dataclass_fields__:
+            arrays[f"{prefix}_{name}"] = np.asarray(getattr(obj, name), dtype=DTYPES[prefix][name])
+    head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
+            "strings": list(trace.strings.items), "meta": encode(trace.meta)}
+    return arrays, head
+
+
+def _store(key, arrays: dict, head: dict) -> None:
     tmp = None
     try:
-        arrays = {}
-        for prefix, (attr, table) in _TABLES.items():
-            obj = getattr(trace, attr)
-            for name in table.__dataclass_fields__:
-                arrays[f"{prefix}_{name}"] = np.asarray(getattr(obj, name), dtype=DTYPES[prefix][name])
-        head = {"key": key, "format": trace.format, "devices": [int(d) for d in trace.devices],
-                "strings": trace.strings.items, "meta": encode(trace.meta)}
         os.makedirs(cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
         os.close(fd)
