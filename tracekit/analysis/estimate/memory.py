@@ -569,9 +569,11 @@ def _fsdp_timeline(est: Estimate):
             f"the output layer's full gradient ({head:,} × {c} B{ttp}): made early in backward, kept unsharded until "
             "the root unit reduce-scatters at the end of backward",
             key="fsdp_head_grad", share=every(among=backward[1:]))
-    est.add("gradient", V * emb * c / tp,
+    tied = 2 if shape.tied else 1
+    est.add("gradient", tied * V * emb * c / tp,
             f"the embedding's gradient ({V:,} × {emb} × {c} B{ttp}), made in its backward"
-            + (" and added into the output layer's (tied)" if shape.tied else ""),
+            + (", and its sum with the output layer's (tied: the autograd engine adds out of place, the output "
+               "layer's gradient being a transposed view that keeps its base)" if shape.tied else ""),
             key="fsdp_embed_grad", share={"embedding backward": 1.0})
     if R > head:
         est.add("gradient", (R - head) * c / tp,
