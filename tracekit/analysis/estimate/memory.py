@@ -526,11 +526,11 @@ def _fsdp_timeline(est: Estimate):
             ln.share = every(among=["loss forward"])
         elif ln.when == LOSS_BWD:
             ln.share = every(among=["loss backward"])
-        elif ln.key == "grad_shards":  # the layers reduce-scattered so far, then everything
-            done = {f"layer {i} {k}": (L - i - (k != RS)) * PL / P for i in layers for k in (MLP, END, RS)}
+        elif ln.key == "grad_shards":  # the units reduce-scattered so far (a unit's output is made once its full
+            # gradients are copied into the reduce-scatter input and freed), then every unit's
             ln.share = ({n: 1.0 for n in names} if s.grad_accum > 1 else
-                        every(among=names[names.index("root reduce-scatter"):]) | done
-                        | {"embedding backward": L * PL / P})
+                        every(among=["end of backward", "optimizer step"]) | per_layer(lambda i, k: (L - 1 - i) * PL / P)
+                        | {"embedding backward": L * PL / P, "root reduce-scatter": L * PL / P})
         elif ln.when == GRADS:
             ln.share = every(among=names[names.index("root reduce-scatter"):])
         elif ln.when == BWD_END:
