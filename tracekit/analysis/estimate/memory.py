@@ -476,7 +476,10 @@ def _fsdp_timeline(est: Estimate):
 
     layers = sorted({L - 1, L - 2, 1, 0} & set(range(L)), reverse=True)
     MLP, END, RS = "backward, MLP", "backward, end", "reduce-scatter"
+    FWD = f"layer {L - 1} forward"
     text = {
+        FWD: f"the last layer's forward begins: its all-gather output copied out into its full parameters while the "
+             "previous layer's all-gather output is still held (freed when the copy-out returns)",
         "loss forward": "the forward pass's end, in the loss: everything saved for backward, the root's full "
                         "parameters, the last layer's all-gather output",
         "loss backward": "backward begins: the loss's gradients (vocabulary-wide, fp32) on top of the saved tensors",
@@ -496,7 +499,8 @@ def _fsdp_timeline(est: Estimate):
     names = list(text)
     est.timeline = [(n, text[n]) for n in names]
     front = ["loss forward", "loss backward", "output layer backward"]
-    backward = names[1:names.index("end of backward")]
+    before = (L - 1) / L  # the layers before the last one, in forward
+    backward = names[names.index("loss backward"):names.index("end of backward")]
 
     def every(f=1.0, among=None):
         return {n: f for n in (names if among is None else among)}
@@ -512,14 +516,14 @@ def _fsdp_timeline(est: Estimate):
         if ln.when in (ALWAYS, HELD):
             ln.share = every()
         elif ln.key == "layers":  # layer i's saved tensors live until its backward
-            ln.share = every(among=front) | per_layer(lambda i, k: (i + (k == MLP)) / L)
+            ln.share = every(among=front) | per_layer(lambda i, k: (i + (k == MLP)) / L) | {FWD: before}
         elif ln.key == "tail":  # the final norm's and output layer's inputs go in its backward; the embedding's
             rest = min(1.0, emb_out / ln.bytes) if ln.bytes else 0.0   # output stays until layer 0's
-            ln.share = every(among=front) | per_layer(lambda i, k: rest)
+            ln.share = every(among=front) | per_layer(lambda i, k: rest) | {FWD: rest}
         elif ln.key == "log_softmax":
             ln.share = every(among=front[:2])
         elif ln.when == SAVED:  # anything else saved for backward: as the layers', where per layer
-            ln.share = every(among=front) | per_layer(lambda i, k: (i + (k == MLP)) / L)
+            ln.share = every(among=front) | per_layer(lambda i, k: (i + (k == MLP)) / L) | {FWD: before}
         elif ln.when == RECOMPUTE:
             ln.share = per_layer(lambda i, k: float(k == MLP))
         elif ln.when == LOSS_FWD:
@@ -549,11 +553,11 @@ def _fsdp_timeline(est: Estimate):
         est.add("unsharded_parameter", L * PL * c / tp,
                 f"every layer unit unsharded from its forward to its backward (reshard_after_forward=False): "
                 f"{L} × {PL:,} params × {c} B{ttp}", key="fsdp_layers",
-                share=every(among=front) | per_layer(lambda i, k: (i + (k != RS)) / L))
+                share=every(among=front + [FWD]) | per_layer(lambda i, k: (i + (k != RS)) / L))
     else:
         est.add("unsharded_parameter", PL * c / tp,
                 f"the computing layer unit's full parameters (copied out of its all-gather): {PL:,} params × "
-                f"{c} B{ttp}", key="fsdp_layer", share=per_layer(lambda i, k: float(k != RS)))
+                f"{c} B{ttp}", key="fsdp_layer", share=per_layer(lambda i, k: float(k != RS)) | {FWD: 1.0})
     # all-gather outputs: the forward's last (kept until the next copy-out), the backward's prefetched
     n = max(1, min(L - 1, s.prefetch))
     ahead = {} if keep else ({"loss backward": min(s.prefetch, L) / n, "output layer backward": min(s.prefetch, L) / n}
@@ -563,7 +567,7 @@ def _fsdp_timeline(est: Estimate):
             "forward's last one, kept until the next copy-out; in backward the unit"
             f"{'s' if n > 1 else ''} prefetched ahead of the one computing"
             + (" (none: every unit is still unsharded)" if keep else ""),
-            key="fsdp_all_gather", share={"loss forward": 1 / n} | ahead)
+            key="fsdp_all_gather", share={"loss forward": 1 / n, FWD: min(2, L) / n} | ahead)
     # gradients
     est.add("gradient", head * c / tp,
             f"the output layer's full gradient ({head:,} × {c} B{ttp}): made early in backward, kept unsharded until "
