@@ -5,6 +5,7 @@ the model's own loss, backward, step, zero_grad; one warm-up step, then the peak
 argv: config.json batch seq [--mp bf16] [--no-reshard] [--keep-output]
   --mp bf16       MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (torchtitan's default): fp32
                   shards, gradients and AdamW state; each unit all-gathered and computed in bf16, reduce-scattered in fp32
+  --bf16          the model built in bf16, no policy: bf16 shards, gradients and AdamW state (pure bf16 training)
   --no-reshard    fully_shard(layer, reshard_after_forward=False): each layer stays unsharded from forward to backward
   --keep-output   `out = model(...); out.loss.backward()`: the model's output (its logits) held through the step,
                   instead of `model(...).loss.backward()` (only the loss kept)"""
@@ -22,7 +23,7 @@ rank = dist.get_rank(); torch.cuda.set_device(rank)
 cfg = transformers.AutoConfig.for_model(**json.load(open(args[0])))
 batch, seq = int(args[1]), int(args[2])
 with torch.device("cuda"):
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if "--bf16" in flags else torch.float32)
 kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mp else {}
 for layer in model.model.layers:
     fully_shard(layer, reshard_after_forward="--no-reshard" not in flags, **kw)
