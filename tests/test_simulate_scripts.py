@@ -185,6 +185,33 @@ def test_weights_from_disk_become_device_tensors(tmp_path):
     assert res["torch_load"] == res["sd_blocks"] and res["safetensors"] == res["st_blocks"] > 0
 
 
+def test_qlora_from_pretrained_with_a_device_map(tmp_path):
+    """QLoRA as written for a GPU: from_pretrained of a local folder with a BitsAndBytesConfig and device_map (0,
+    "auto"), peft's k-bit preparation, LoRA, AdamW. The weights land on the card packed: 4-bit two per byte, 8-bit
+    one byte each plus a float per row, beside the 16-bit embeddings and norms, counted here from the config."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    make = ("import torch, transformers, sys\n"
+            "cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, "
+            "num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, max_position_embeddings=256)\n"
+            "transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", make, str(tmp_path / "tiny")], check=True, capture_output=True, timeout=300)
+    H, I, L, V = 256, 512, 2, 1000
+    linear = L * (4 * H * H + 3 * I * H)  # q, k, v, o and the MLP's three: quantized
+    rows = L * (4 * H + 2 * I + H)  # their output features
+    rest = 2 * blocks(2 * V * H) + (2 * L + 1) * blocks(2 * H)  # embeddings, lm_head, norms: bf16, not quantized
+    lora = L * 4 * (H * 8 + 8 * H)
+    res4, r = simulate("--", "python", "qlora.py", str(tmp_path / "tiny"))
+    assert res4["weight"] == ["Params4bit", "torch.uint8", [H * H // 2, 1], "cuda:0"]
+    # packed weights, then bitsandbytes' quantization state (absmax per 64, double-quantized): a few percent
+    assert rest + linear // 2 < res4["after_load"] < rest + linear // 2 * 1.1
+    assert res4["trainable"] == lora and res4["state_bytes"] == 8 * lora
+    res8, _ = simulate("--", "python", "qlora.py", str(tmp_path / "tiny"), "--8bit", "--device-map", "auto")
+    assert res8["weight"] == ["Int8Params", "torch.int8", [H, H], "cuda:0"]
+    assert rest + linear + 4 * rows <= res8["after_load"] <= rest + linear + 4 * rows + 14 * 512
+    assert res8["trainable"] == lora and res8["max_allocated"] > res8["after_load"]
+
+
 def test_hf_trainer_runs_on_the_card():
     res, _ = simulate("--", "python", "trainer_hf.py")
     assert res["device"] == "cuda:0" and res["steps"] == 2 and res["max_allocated"] > 0
@@ -213,6 +240,25 @@ def test_a_failing_script_fails_its_own_way(tmp_path):
     assert res == {"available": True, "count": 1}
     _, r = simulate("--", "notpython", "x.py", cwd=str(tmp_path), expect=2)
     assert r.stderr.count("\n") <= 2 and "Traceback" not in r.stderr
+
+
+def test_a_checkout_on_the_path_answers_its_own_version(tmp_path):
+    """A project run from its checkout (no `pip install -e .`) that asks importlib.metadata for its own version at
+    import gets its pyproject.toml's version, and says so; a name that is nowhere still raises as it would."""
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "My-Proj"\nversion = "1.2.3"\n')
+    (tmp_path / "my_proj").mkdir()
+    (tmp_path / "my_proj" / "__init__.py").write_text(
+        "import importlib.metadata\n__version__ = importlib.metadata.version('my_proj')\n")
+    (tmp_path / "run.py").write_text(
+        "import importlib.metadata, json, torch, my_proj\n"
+        "try:\n    importlib.metadata.version('no-such-dist-anywhere')\n    missing = False\n"
+        "except importlib.metadata.PackageNotFoundError:\n    missing = True\n"
+        "x = torch.ones(1024, device='cuda')\n"
+        "print('RESULT ' + json.dumps({'v': my_proj.__version__, 'missing': missing,"
+        " 'alloc': torch.cuda.memory_allocated()}))\n")
+    res, r = simulate("--", "python", "run.py", cwd=str(tmp_path))
+    assert res == {"v": "1.2.3", "missing": True, "alloc": 4096}
+    assert "my_proj is the checkout on the path" in r.stderr
 
 
 def test_estimate_simulate_runs_a_mixtral_under_amp(tmp_path):

@@ -1,18 +1,10 @@
-"""peft LoRA (and QLoRA with --4bit / --8bit: bitsandbytes) on a tiny Llama: only the adapters train."""
-import json, sys
+"""peft LoRA on a tiny Llama: only the adapters train (QLoRA: qlora.py)."""
+import json
 import torch, transformers
 from peft import LoraConfig, get_peft_model
 cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=4, vocab_size=1000, max_position_embeddings=256)
-quant = None
-if "--4bit" in sys.argv:
-    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4")
-elif "--8bit" in sys.argv:
-    quant = transformers.BitsAndBytesConfig(load_in_8bit=True)
 model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-if quant is not None:
-    from transformers.integrations import replace_with_bnb_linear
-    model = replace_with_bnb_linear(model, quantization_config=quant)
 model = model.cuda()
 model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_alpha=16))
 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -18,6 +18,7 @@ def device_mode_class():
     from torch.utils._python_dispatch import _disable_current_modes
 
     T = torch.Tensor
+    PARSE_TO = torch._C._nn._parse_to
 
     class DeviceMode(TorchFunctionMode):
         def __init__(self, session, tracker, marks=None):
@@ -38,6 +39,8 @@ def device_mode_class():
             h = self.special.get(func)
             if h is not None and not (self.s.cpu_run and func in (T.cuda, T.cpu, T.to)):
                 return h(func, args, kwargs)
+            if func is PARSE_TO:  # parses `.to()`'s arguments (a subclass's own `to`): the device as named
+                return func(*args, **kwargs)
             s = self.s
             target = None
             d = kwargs.get("device")
@@ -114,6 +117,10 @@ def device_mode_class():
                 for i, a in enumerate(rest):
                     if isinstance(a, bool) and i >= 1:
                         pass
+                if rest and isinstance(rest[0], int) and not isinstance(rest[0], bool) and not self.s.cpu_run:
+                    rest = (torch.device("cuda", rest[0]),) + tuple(rest[1:])  # .to(0): the card, as on CUDA
+                if isinstance(kw.get("device"), int) and not isinstance(kw["device"], bool) and not self.s.cpu_run:
+                    kw["device"] = torch.device("cuda", kw["device"])
                 try:
                     device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kw)
                 except Exception:

@@ -475,6 +475,7 @@ def installed(session, autocast=None):
 
     put(am.autocast, "__enter__", a_enter)
     put(am.autocast, "__exit__", a_exit)
+    put(torch, "device", device_naming_the_card(torch.device))
     try:
         yield api
     finally:
@@ -489,3 +490,24 @@ def installed(session, autocast=None):
 
 
 _MISSING = object()
+
+
+def device_naming_the_card(real):
+    """torch.device as a class whose bare index (`torch.device(0)`, what `device_map={"": 0}` and
+    `device_map="auto"` lead to) names the simulated card, as it names the accelerator on a CUDA machine; this
+    CPU build would raise "Cannot access accelerator device". Everything else is torch.device itself:
+    what it makes, and isinstance / issubclass."""
+
+    class DeviceType(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, real)
+
+        def __subclasscheck__(cls, sub):
+            return isinstance(sub, type) and issubclass(sub, real)
+
+        def __call__(cls, *args, **kwargs):
+            if len(args) == 1 and not kwargs and isinstance(args[0], int) and not isinstance(args[0], bool):
+                return real("cuda", args[0])
+            return real(*args, **kwargs)
+
+    return DeviceType("device", (), {"__module__": "torch", "__doc__": real.__doc__})

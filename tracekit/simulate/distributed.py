@@ -5,6 +5,11 @@
 shapes without moving data, so FSDP2, FSDP1, DDP and ZeRO-style code run rank R's allocations as on the
 GPU (all-gather outputs, reduce-scatter inputs, DDP's buckets). `torch.cuda.device_count()` is N (one
 card per rank); the script's `set_device(local_rank)` picks rank R's card.
+
+The backend the script asked for (`init_process_group("gloo")`, `"nccl"`, `"cpu:gloo,cuda:nccl"`, none: gloo
+without a GPU, else gloo for host tensors and NCCL for device tensors) decides the collectives' own memory
+(`gloo_staging`): NCCL works on the tensors it is given; gloo (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp)
+stages through buffers of its own, which the fake process group does not make.
 """
 from __future__ import annotations
 
@@ -29,8 +34,11 @@ def fake_process_group(session):
 
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
                            group_name="", pg_options=None, device_id=None, **kw):
+        if backend is not None:
+            backend = str(backend).lower()
         if backend not in (None, "fake") and backend not in ("nccl", "gloo", "cpu:gloo,cuda:nccl", "mpi", "ucc"):
             S.assume(f"the process group's backend {backend!r} runs as torch's fake process group")
+        S.backends = backends_of(backend, gpu=not S.cpu_run)
         kwargs = {"backend": "fake", "store": FakeStore(), "rank": S.rank, "world_size": S.world_size}
         if timeout is not None:
             kwargs["timeout"] = timeout
@@ -53,6 +61,11 @@ def fake_process_group(session):
     put(par, "DistributedDataParallel", model)
     put(pdist, "DistributedDataParallel", model)
     put(torch.nn.parallel, "DistributedDataParallel", model)
+    for name, method in gloo_staging(S, c10d.ProcessGroup).items():
+        if isinstance(method, tuple):  # the fake work's wait: an asynchronous reduce-scatter's clones end there
+            put(method[0], name, method[1])
+        else:
+            put(c10d.ProcessGroup, name, method)
     try:
         yield
     finally:
@@ -63,6 +76,177 @@ def fake_process_group(session):
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def backends_of(backend, gpu) -> dict:
+    """{device type: backend name} as init_process_group(backend) sets them up: one name serves both device types
+    (gloo runs CUDA tensors through pinned host copies), `"cpu:gloo,cuda:nccl"` one per type, none: gloo for the host
+    and NCCL for CUDA when there is a GPU (torch's default), else gloo."""
+    if not backend:
+        return {"cpu": "gloo", "cuda": "nccl" if gpu else "gloo"}
+    if ":" in backend:
+        out = {}
+        for part in backend.split(","):
+            dev, _, name = part.partition(":")
+            out[dev.strip()] = name.strip()
+        return out
+    return {"cpu": backend, "cuda": backend}
+
+
+def gloo_staging(session, pg_class) -> dict:
+    """ProcessGroup methods that make, around the fake process group's collective, the buffers gloo makes of its own
+    where the backend for the tensors' device is gloo (ProcessGroupGloo.cpp, torch 2.13; nothing under NCCL):
+
+    - all-gather (`all_gather_single` / `_allgather_base`, which chunks the output and runs `allgather`; `allgather`):
+      `AsyncAllgatherWork::allgather` gathers into one flat tensor of the whole output (`newLikeFlat`) and copies it
+      out. Measured on CPU with tracekit's allocation hook alone (no recorder): each all-gather makes two buffers of
+      the output's size one after the other, one on the calling thread and that one on gloo's worker thread; both are
+      made and freed inside the call. With CUDA tensors gloo stages through pinned host memory (nothing on the card).
+    - all-gather coalesced (`allgather_coalesced`, `allgather_into_tensor_coalesced`): the inputs concatenated (when
+      more than one) and one flat output of every output, alive during the call.
+    - reduce-scatter (`reduce_scatter_single` / `_reduce_scatter_base` / `reduce_scatter_tensor_coalesced`): a
+      `clone()` of each input, all-reduced in place, then the caller's chunk copied out: the clone lives from the
+      call to its wait (the call itself when synchronous; an asynchronous one: its `wait()` or the group's next
+      collective, as gloo's worker runs them in order), on the input's device (CUDA too).
+    - `allreduce_coalesced`: the tensors flattened into one (when more than one), alive during the call.
+    - all-reduce of one tensor and broadcast work in place (measured: nothing made).
+    """
+    import torch
+
+    S = session
+    GLOO = "ProcessGroupGloo.cpp"
+    pending: dict = {}  # id(work) -> (id(group), clones an asynchronous reduce-scatter keeps until its wait)
+    depth = [0]
+
+    def gloo_for(t) -> bool:
+        """Is the backend for this tensor's device gloo?"""
+        if not isinstance(t, torch.Tensor):
+            return False
+        where = "cpu" if S.cpu_run or S.where_of(t) is None else "cuda"
+        return (getattr(S, "backends", None) or {}).get(where) == "gloo"
+
+    def on_host(t) -> bool:
+        return S.cpu_run or S.where_of(t) is None
+
+    def flat_like(ts):
+        n = sum(t.numel() for t in ts)
+        return ts[0].new_empty((n,))
+
+    def release_pending(group):
+        for key in [k for k, (g, _) in pending.items() if g == group]:
+            del pending[key]
+
+    def wrap(name, plan):
+        original = getattr(pg_class, name, None)
+        if original is None:
+            return None
+
+        def method(self, *args, **kwargs):
+            if depth[0]:
+                return original(self, *args, **kwargs)
+            depth[0] += 1
+            try:
+                release_pending(id(self))  # gloo's worker runs a group's collectives in order: earlier ones are done
+                with torch.no_grad():
+                    kept = plan(*args)
+                if any(gloo_for(t) for t in _tensors(args)):
+                    S.assume("gloo's collectives stage through buffers of their own (ProcessGroupGloo), released as "
+                             "each collective returns (a worker thread the OS runs late releases them later)")
+                work = original(self, *args, **kwargs)
+                if kept:
+                    opts = args[2] if len(args) > 2 else kwargs.get("opts")
+                    if getattr(opts, "asyncOp", False) and work is not None:
+                        pending[id(work)] = (id(self), kept)  # freed at its wait (or the group's next collective)
+                    kept = None
+                return work
+            finally:
+                depth[0] -= 1
+        method.__name__ = name
+        method.__qualname__ = f"{pg_class.__name__}.{name}"
+        method.__doc__ = getattr(original, "__doc__", None)
+        return method
+
+    # each plan makes the transient buffers (made and freed inside) and returns those kept for the collective
+    native = S.frames.native
+    CALLER = "c10d::ProcessGroupGloo::allgather"
+    WORKER = "c10d::(anonymous namespace)::AsyncAllgatherWork::allgather (newLikeFlat)"
+
+    def all_gather(output, inp, *rest):
+        if gloo_for(output) and on_host(output):
+            for where in (CALLER, WORKER):  # the calling thread's, then the worker's flat output
+                with native(GLOO, where):
+                    tmp = output.new_empty(output.shape)
+                del tmp
+        return None
+
+    def all_gather_list(outputs, inputs, *rest):
+        outs = [o for group in outputs for o in group] if outputs and isinstance(outputs[0], (list, tuple)) else []
+        if outs and gloo_for(outs[0]) and on_host(outs[0]):
+            for where in (CALLER, WORKER):
+                with native(GLOO, where):
+                    tmp = flat_like(outs[:len(outputs[0])])
+                del tmp
+        return None
+
+    def all_gather_coalesced(outputs, inputs, *rest):
+        outs = [o for x in outputs for o in (x if isinstance(x, (list, tuple)) else [x])]
+        ins = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        if outs and gloo_for(outs[0]) and on_host(outs[0]):
+            with native(GLOO, "c10d::(anonymous namespace)::AsyncAllgatherCoalescedWork::allgather_coalesced"):
+                held = [flat_like(ins)] if len(ins) > 1 else []
+                held.append(flat_like(outs))
+            del held
+        return None
+
+    def reduce_scatter(output, inp, *rest):
+        ins = list(inp) if isinstance(inp, (list, tuple)) else [inp]
+        if ins and gloo_for(ins[0]):
+            with native(GLOO, "c10d::ProcessGroupGloo::reduce_scatter_tensor_coalesced"):
+                return [t.clone() for t in ins]
+        return None
+
+    def allreduce_coalesced(tensors, *rest):
+        ts = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        if len(ts) > 1 and gloo_for(ts[0]) and on_host(ts[0]):
+            with native(GLOO, "c10d::(anonymous namespace)::AsyncAllreduceCoalescedWork::allreduce_coalesced"):
+                tmp = flat_like(ts)
+            del tmp
+        return None
+
+    work_class = getattr(torch._C._distributed_c10d, "FakeWork", None)
+    work_wait = getattr(work_class, "wait", None)
+
+    def wait(self, *args, **kwargs):
+        out = work_wait(self, *args, **kwargs)
+        pending.pop(id(self), None)
+        return out
+
+    plans = {"all_gather_single": all_gather, "_allgather_base": all_gather, "allgather": all_gather_list,
+             "allgather_coalesced": all_gather_coalesced, "allgather_into_tensor_coalesced": all_gather_coalesced,
+             "all_gather_single_coalesced": all_gather_coalesced,
+             "reduce_scatter_single": reduce_scatter, "_reduce_scatter_base": reduce_scatter,
+             "reduce_scatter_tensor_coalesced": reduce_scatter, "reduce_scatter_single_coalesced": reduce_scatter,
+             "allreduce_coalesced": allreduce_coalesced}
+    out = {}
+    for name, plan in plans.items():
+        m = wrap(name, plan)
+        if m is not None:
+            out[name] = m
+    if work_wait is not None:
+        out["wait"] = (work_class, wait)
+    return out
+
+
+def _tensors(args) -> list:
+    """The tensors of a collective's arguments (tensors, lists of them, lists of lists)."""
+    import torch
+    out: list = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += _tensors(a)
+    return out
 
 
 def ddp_class(session):
@@ -98,7 +282,9 @@ def ddp_class(session):
                 buckets.append(cur)
             self._views = {}
             self._buckets = []
-            with torch.no_grad():
+            # made by the reducer's C++ (as in a GPU snapshot): a c10d frame says they are collective buffers
+            with torch.no_grad(), session.frames.native(
+                    "reducer.cpp", "c10d::Reducer::initialize_buckets(std::vector<std::vector<unsigned long>>)"):
                 for group in buckets:
                     flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
                     self._buckets.append(flat)

@@ -75,6 +75,7 @@ class StackFrames:
     def __init__(self):
         self._frames = {}
         self.op_stack = []  # names of the ops being run (innermost last)
+        self.native_stack: list = []  # C++ frames of a library's own code being modelled (innermost last)
         self.cast = 0  # > 0 while autocast casts
         self.weight_cast = 0  # > 0 while autocast makes its cached copy of a weight
 
@@ -114,6 +115,7 @@ class StackFrames:
             names.append(op)
         for n in reversed(names):
             out.append(self.frame("", 0, f"at::_ops::{n}::call"))
+        out.extend(reversed(self.native_stack))  # the library's C++ that runs the ops (c10d's Reducer...)
         node = torch._C._current_autograd_node()
         if node is not None:
             name = node.name()
@@ -125,6 +127,15 @@ class StackFrames:
 
     def stack(self, op=None) -> list:
         return self.cpp(op) + self.python()
+
+    @contextlib.contextmanager
+    def native(self, filename, name):
+        """Allocations made inside a library's C++ function (c10d's Reducer, gloo's work): its frame in their stacks."""
+        self.native_stack.append(self.frame(filename, 0, name))
+        try:
+            yield
+        finally:
+            self.native_stack.pop()
 
     def on_cast(self, active, weight):
         self.cast += 1 if active else -1
@@ -378,6 +389,7 @@ class Session:
         self.alloc_conf = alloc_conf or ""
         self.routing = routing
         self.rank, self.world_size = rank, world_size
+        self.backends: dict = {}  # device type -> the process group's backend for it (distributed.py)
         self.ndevices = max(1, devices)
         self.frames = StackFrames()
         self.t0 = int(time.time() * 1e6)
@@ -859,7 +871,9 @@ def _tracker_class():
                 shape = [s for i, s in enumerate(moved) if i != d] + [k]
                 r = base.reshape(shape).movedim(-1, d).contiguous().to(idx.dtype)
             self.shadow[idx] = r
-            self.s.assume(f"routing over values nobody knows ({'every token to the first experts' if self.s.routing == 'worst' else 'tokens spread evenly over the experts'})", self.where())
+            self.s.assume("top-k over values nobody knows (MoE routing, sampling): "
+                          + ("every token to the first experts" if self.s.routing == "worst"
+                             else "tokens spread evenly over the experts"), self.where())
 
         # dispatch ----------------------------------------------------------------------------------
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -987,6 +1001,8 @@ def _tracker_class():
             except KeyError:
                 real = None
             x = args[0]
+            if real is None and getattr(func, "namespace", "aten") != "aten":
+                return self._custom_dynamic(func, args, kwargs)
             if real is None:
                 self.s.assume(f"a data-dependent size taken at its upper bound ({_what(func)})", self.where())
                 n = x.numel()
@@ -1016,6 +1032,24 @@ def _tracker_class():
                 if isinstance(f, torch.Tensor) and r.numel() <= MAX_SHADOW:
                     self.shadow[f] = r
             return out
+
+        def _custom_dynamic(self, func, args, kwargs):
+            """A custom op whose fake kernel asks for a data-dependent size (`ctx.new_dynamic_size()`, e.g.
+            bitsandbytes' int8 outlier columns): its own fake kernel again, the size its `max`, or without one the
+            largest dimension of its inputs."""
+            from torch._library.fake_impl import FakeImplCtx
+            dims = [int(d) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) for d in t.shape]
+            bound = max(dims, default=0)
+            ask = FakeImplCtx.new_dynamic_size
+
+            def new_dynamic_size(ctx, *, min=0, max=None):
+                return int(max) if max is not None else bound
+            self.s.assume(f"a data-dependent size taken at its upper bound ({_what(func)})", self.where())
+            FakeImplCtx.new_dynamic_size = new_dynamic_size
+            try:
+                return func(*args, **kwargs)
+            finally:
+                FakeImplCtx.new_dynamic_size = ask
 
         def _check_indices(self, func, args):
             """An index past the table is a device-side assert on CUDA: check the real indices we have."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 
 BOOTSTRAP = "from tracekit.simulate.runner import main; main()"
@@ -84,7 +85,10 @@ class SimulatedMarks:
         import torch
         from torch.nn.modules import module as mm
         from torch.optim import optimizer as om
-        self.handles = [mm.register_module_forward_pre_hook(self._pre), mm.register_module_forward_hook(self._post),
+        # always_call: a forward that raises still ends (non-reentrant checkpointing's early stop ends its recomputation
+        # by raising), so the outermost call is told apart again
+        self.handles = [mm.register_module_forward_pre_hook(self._pre),
+                        mm.register_module_forward_hook(self._post, always_call=True),
                         om.register_optimizer_step_pre_hook(self._opt_pre),
                         om.register_optimizer_step_post_hook(self._opt_post)]
         self._torch = torch
@@ -106,7 +110,7 @@ class SimulatedMarks:
                 self._tag_module(module)
         self.depth += 1
 
-    def _post(self, module, args, out):
+    def _post(self, module, args, *out):
         self.depth = max(0, self.depth - 1)
 
     def _tag_module(self, module):
@@ -202,28 +206,6 @@ def _patch_import_utils(mod):
     mod.is_fake_tensor = lambda *a, **k: False
 
 
-def _patch_bnb(mod):
-    """bitsandbytes' quantized parameters are tensor subclasses made with Tensor._make_subclass over their data, which a
-    fake tensor cannot be: say so in one line instead of a traceback deep in bitsandbytes."""
-    from .engine import SimulationError
-    for name in ("Params4bit", "Int8Params"):
-        cls = getattr(mod, name, None)
-        if cls is None:
-            continue
-        new = cls.__new__
-
-        def refuse(klass, *a, _new=new, _name=name, **k):
-            try:
-                return _new(klass, *a, **k)
-            except RuntimeError as e:
-                if "FakeTensor" not in str(e):
-                    raise
-                raise SimulationError(f"bitsandbytes' {_name} (4-bit / 8-bit weights: QLoRA) cannot be simulated yet: "
-                                      "its tensor subclass cannot wrap a fake tensor; simulate the LoRA on 16-bit "
-                                      "weights and count the base weights at 4 or 8 bits") from None
-        cls.__new__ = refuse
-
-
 def _patch_safetensors(session):
     """safetensors' load_file(device="cuda") reads on the host (outside the fake tensors), then moves each tensor as
     the device says: fake tensors of the same shapes on the simulated card (its own CUDA path cannot run here)."""
@@ -241,6 +223,87 @@ def _patch_safetensors(session):
                 return {k: v.clone() for k, v in out.items()}
             return {k: v.to(f"cuda:{where}") for k, v in out.items()}
         mod.load_file = load
+    return patch
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
+                       "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _patch_safe_open(session):
+    """safetensors' safe_open (what from_pretrained reads through, tensor by tensor): the file is opened on the host;
+    a tensor of up to MAX_SHADOW elements is read as it is (its values kept: position tables, small buffers), a
+    bigger one is a fake tensor of its shape and dtype, nothing read (weights' values are unknown anyway); each then
+    goes where the file was opened for (`device=0` / "cuda": the simulated card)."""
+    def patch(mod):
+        real_open = getattr(mod, "safe_open", None)
+        if real_open is None or getattr(real_open, "_tracekit", False):
+            return
+        import math
+
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from .engine import MAX_SHADOW
+
+        def host():
+            stack = contextlib.ExitStack()
+            stack.enter_context(_disable_current_modes())
+            stack.enter_context(unset_fake_temporarily())
+            return stack
+
+        class Slice:
+            def __init__(self, inner, where):
+                self._s, self._where = inner, where
+
+            def __getattr__(self, name):
+                return getattr(self._s, name)
+
+            def __getitem__(self, index):
+                shape = list(self._s.get_shape())
+                dtype = getattr(torch, _SAFETENSORS_DTYPES.get(self._s.get_dtype(), ""), None)
+                if dtype is None or math.prod(shape) <= MAX_SHADOW:
+                    with host():
+                        out = self._s[index]
+                else:
+                    with host():
+                        cut = torch.empty(shape, dtype=dtype, device="meta")[index].shape
+                    out = torch.empty(cut, dtype=dtype)  # a fake host tensor: the shape, no values
+                    session.assume("weights read from safetensors files are not read (their values are unknown; "
+                                   "only tensors up to 1M elements are read)")
+                return out if self._where is None else out.to(torch.device("cuda", self._where))
+
+        class SafeOpen:
+            _tracekit = True
+
+            def __init__(self, filename, framework="pt", device="cpu", *a, **k):
+                where = device if isinstance(device, int) and not isinstance(device, bool) else \
+                    session.cuda_index(device) if isinstance(device, (str, torch.device)) else None
+                self._where = None if session.cpu_run else where
+                with host():
+                    self._f = real_open(filename, framework=framework, device="cpu", *a, **k)
+
+            def __enter__(self):
+                self._f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self._f.__exit__(*exc)
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+            def get_slice(self, name):
+                with host():
+                    inner = self._f.get_slice(name)
+                return Slice(inner, self._where)
+
+            def get_tensor(self, name):
+                return self.get_slice(name)[...]
+
+        mod.safe_open = SafeOpen
     return patch
 
 
@@ -282,6 +345,38 @@ def _patch_sharding_prop(session):
                 session.untracked -= 1
         cls._propagate_tensor_meta_non_cached = wrapped
     return patch
+
+
+def _patch_fsdp_grads(session):
+    """FSDP2 keeps each unit's full (unsharded) gradients from backward until the unit's `post_backward`
+    reduce-scatters and frees them: tag them `gradient` there, as the recorder does (record/hooks.patch_fsdp), else
+    they read as temporaries made and freed in backward. The wrapper calls the original and returns what it returns."""
+    def patch(mod):
+        cls = getattr(mod, "FSDPParamGroup", None)
+        original = getattr(cls, "post_backward", None)
+        if original is None or getattr(original, "_tracekit_simulated", False):
+            return
+
+        def post_backward(group, *args, **kwargs):
+            marks = _ACTIVE[-1].marks if _ACTIVE else None
+            if marks is not None:
+                for fp in getattr(group, "fsdp_params", ()):
+                    try:
+                        grad = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+                    except Exception:
+                        grad = None
+                    for g in (grad, getattr(fp, "unsharded_accumulated_grad", None)):
+                        if g is not None:
+                            marks._tag("gradient", g, f"{getattr(fp, '_param_fqn', None) or 'param'}.grad "
+                                                      "(unsharded, before its reduce-scatter)")
+            return original(group, *args, **kwargs)
+        post_backward._tracekit_simulated = True
+        post_backward.__wrapped__ = original
+        cls.post_backward = post_backward
+    return patch
+
+
+_ACTIVE: list = []  # the sessions running (innermost last): patches made once per process find theirs here
 
 
 def _patch_stopping(session):
@@ -381,6 +476,37 @@ def policies(session):
             session.assume("DataLoader workers run in the main process (num_workers=0)")
         return dl_init(self, *a, **k)
 
+    import importlib.metadata as metadata
+    orig_version = metadata.version
+
+    def version(name):
+        try:
+            return orig_version(name)
+        except metadata.PackageNotFoundError:
+            found = _checkout_version(name)
+            if found is None:
+                raise
+            session.assume(f"{name} is the checkout on the path, as if installed (version {found} from its "
+                           "pyproject.toml)")
+            return found
+
+    put(metadata, "version", version)
+
+    import concurrent.futures as cf
+
+    def submit(self, fn, /, *args, **kwargs):
+        session.assume("thread pools run their work in the calling thread (torch's modes are per thread)")
+        future = cf.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                raise
+            future.set_exception(e)
+        return future
+
+    put(cf.ThreadPoolExecutor, "submit", submit)
+    put(torch.Tensor, "_make_subclass", staticmethod(_subclass_over_fake(torch.Tensor._make_subclass)))
     put(torch, "compile", compile_)
     put(torch.nn.Module, "compile", module_compile)
     put(torch, "save", save)
@@ -391,6 +517,67 @@ def policies(session):
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
+
+
+def _subclass_over_fake(make_subclass):
+    """`torch.Tensor._make_subclass(cls, data)` over a fake tensor: the fake tensor itself, its class a subclass of
+    both (FakeTensor first, so the fake mode still dispatches its ops; then `cls`, so its methods, attributes and
+    isinstance checks hold). bitsandbytes' Params4bit and Int8Params (QLoRA), and any Parameter subclass made this
+    way, then run as written: their quantization and 4-bit matmuls are custom ops with fake kernels."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    classes = {}
+
+    def make(cls, data, require_grad=False, *a, **k):
+        if not isinstance(data, FakeTensor) or issubclass(cls, FakeTensor) or a or k:
+            return make_subclass(cls, data, require_grad, *a, **k)
+        both = classes.get(cls)
+        if both is None:
+            both = classes[cls] = type(cls.__name__, (FakeTensor, cls), {"__module__": cls.__module__,
+                                                                         "detach": _detach_keeping_class})
+        t = data.detach()
+        t.requires_grad_(bool(require_grad))
+        t.__class__ = both
+        return t
+    return make
+
+
+def _detach_keeping_class(self):
+    """detach() of a subclass over a fake tensor keeps the class and its attributes, as nn.Parameter and Module._apply
+    (which swaps fake parameters) require."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    t = FakeTensor.detach(self)
+    t.__class__ = type(self)
+    t.__dict__.update(self.__dict__)
+    return t
+
+
+def _checkout_version(name):
+    """The version a project on sys.path but not installed would have: `project.version` of the
+    pyproject.toml at the root of a path entry whose `project.name` is `name` (PEP 503 names compare
+    equal). A script run from a checkout (PYTHONPATH=., no `pip install -e .`) that asks for its own
+    version at import would otherwise stop before it allocates anything; on its GPU machine it was
+    installed. None when no such project is on the path."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return None
+
+    def norm(n):
+        return re.sub(r"[-_.]+", "-", str(n)).lower()
+    want = norm(name)
+    for entry in sys.path:
+        path = os.path.join(entry or os.getcwd(), "pyproject.toml")
+        try:
+            if os.path.getsize(path) > 1 << 20:
+                continue
+            with open(path, "rb") as f:
+                project = tomllib.load(f).get("project") or {}
+        except (OSError, ValueError):
+            continue
+        if isinstance(project, dict) and norm(project.get("name", "")) == want:
+            v = project.get("version")
+            return str(v) if isinstance(v, str) else "0+checkout"
+    return None
 
 
 def _has_fake(obj) -> bool:
@@ -426,10 +613,11 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
         session.current_device = rank % ndev
     hook = _PostImport({"transformers.utils.import_utils": _patch_import_utils,
                         "transformers.generation.stopping_criteria": _patch_stopping(session),
-                        "bitsandbytes.nn.modules": _patch_bnb,
                         "safetensors.torch": _patch_safetensors(session),
+                        "safetensors": _patch_safe_open(session),
                         "torch.distributed.tensor._api": _patch_dtensor(session),
-                        "torch.distributed.tensor._sharding_prop": _patch_sharding_prop(session)})
+                        "torch.distributed.tensor._sharding_prop": _patch_sharding_prop(session),
+                        "torch.distributed.fsdp._fully_shard._fsdp_param_group": _patch_fsdp_grads(session)})
     for name, fn in hook.patches.items():  # already imported (the built-in step): patch now
         if name in sys.modules:
             fn(sys.modules[name])
@@ -440,6 +628,7 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
     composites = kernels.CudaComposites(tuple(card.sm), session.frames.op)
     session.tracker, session.marks, session.composites = tracker, mk, composites
     old_grad = torch.is_grad_enabled()
+    _ACTIVE.append(session)
     try:
         with contextlib.ExitStack() as stack:
             if not cpu:  # --gpu none: the script's own CPU run, torch.cuda as this machine has it
@@ -460,6 +649,8 @@ def simulation(card, *, alloc_conf=None, routing="even", world_size=1, rank=0, d
             yield session
     finally:
         torch.set_grad_enabled(old_grad)
+        if session in _ACTIVE:
+            _ACTIVE.remove(session)
         try:
             sys.meta_path.remove(hook)
         except ValueError:
