@@ -23,7 +23,8 @@ rank = dist.get_rank(); torch.cuda.set_device(rank)
 cfg = transformers.AutoConfig.for_model(**json.load(open(args[0])))
 batch, seq = int(args[1]), int(args[2])
 with torch.device("cuda"):
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if "--bf16" in flags else torch.float32)
+    dtype = torch.bfloat16 if "--bf16" in flags else torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mp else {}
 for layer in model.model.layers:
     fully_shard(layer, reshard_after_forward="--no-reshard" not in flags, **kw)

@@ -533,7 +533,8 @@ def _fsdp_timeline(est: Estimate):
         elif ln.key == "grad_shards":  # the units reduce-scattered so far (a unit's output is made once its full
             # gradients are copied into the reduce-scatter input and freed), then every unit's
             ln.share = ({n: 1.0 for n in names} if s.grad_accum > 1 else
-                        every(among=["end of backward", "optimizer step"]) | per_layer(lambda i, k: (L - 1 - i) * PL / P)
+                        every(among=["end of backward", "optimizer step"])
+                        | per_layer(lambda i, k: (L - 1 - i) * PL / P)
                         | {"embedding backward": L * PL / P, "root reduce-scatter": L * PL / P})
         elif ln.when == GRADS:
             ln.share = every(among=names[names.index("root reduce-scatter"):])
@@ -599,7 +600,8 @@ def _fsdp_timeline(est: Estimate):
         est.add("temporary", tokens * V * cb / tp,
                 f"the logits' gradient in the output layer's backward ({cb * 8}-bit), batch × seq × vocab × {cb} B",
                 key="fsdp_logits_grad", share={"output layer backward": 1.0})
-        est.add("temporary", tokens * emb * cb / tp, f"the output layer's input gradient, batch × seq × {emb} × {cb} B",
+        est.add("temporary", tokens * emb * cb / tp,
+                f"the output layer's input gradient, batch × seq × {emb} × {cb} B",
                 key="fsdp_head_dx", share={"output layer backward": 1.0})
         f = (shape.expert_ffn * shape.top_k if shape.experts and not shape.dense_layers else shape.d_ff) / tp
         wide = 2 if shape.gated else 1
@@ -609,7 +611,7 @@ def _fsdp_timeline(est: Estimate):
                 key="fsdp_mlp_bwd", share=per_layer(lambda i, k: float(k == MLP)))
         est.add("gradient", h * f * c, f"down_proj's full weight gradient, made first in the layer's backward "
                 f"({h} × {f:g} × {c} B)", key="fsdp_down_grad", share=per_layer(lambda i, k: float(k == MLP)))
-        est.add("temporary", tokens * h * (r + (4 * 4 if True else 0)),
+        est.add("temporary", tokens * h * (r + 4 * 4),
                 f"at a layer's backward end: the residual stream's gradient ({r} B) and the input norm's backward "
                 f"(4 fp32 tensors as wide as the model), batch × seq × {h} × {r + 16} B",
                 key="fsdp_end_bwd", share=per_layer(lambda i, k: float(k == END)))
