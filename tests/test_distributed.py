@@ -498,21 +498,40 @@ def test_estimate_fsdp_per_gpu():
     est = estimate(shape, Setup(precision="fp32", optimizer="adamw", zero=3, dp=N, fsdp=True, seq=0))
     held = est.held("gpu")
     assert held["parameter"] == pytest.approx(4 * P / N, abs=2)
-    shards = [ln for ln in est.lines if ln.category == "gradient" and ln.when == "gradients"]
+    shards = [ln for ln in est.lines if ln.key == "grad_shards"]
     assert sum(ln.bytes for ln in shards) == pytest.approx(4 * P / N, abs=2)
     # in backward the root unit holds the output layer's full gradient until it reduce-scatters, at the end
-    head = [ln for ln in est.lines if ln.category == "gradient" and ln.when == "loss backward"]
+    head = [ln for ln in est.lines if ln.key == "fsdp_head_grad"]
     assert [ln.bytes for ln in head] == [4 * 32000 * 1024]
     assert held["optimizer_state"] == pytest.approx(8 * P / N, abs=2)
     layers, per_layer, root = fsdp_units(shape)
     assert layers == 8 and layers * per_layer + root == P
-    assert held["unsharded_parameter"] == 4 * root + 4 * per_layer  # the root + the computing layer
-    # a prefetched unit waits in its all-gather output; the reduce-scatter input is one unit's full gradients
-    assert held["communication"] == 4 * per_layer + 4 * per_layer
-    no_prefetch = estimate(shape, Setup(precision="fp32", zero=3, dp=N, fsdp=True, prefetch=0)).held("gpu")
-    assert held["communication"] - no_prefetch["communication"] == 4 * per_layer
-    keep = estimate(shape, Setup(precision="fp32", zero=3, dp=N, fsdp=True, reshard_after_forward=False)).held("gpu")
-    assert keep["unsharded_parameter"] == 4 * P  # every unit unsharded from forward to backward
+    at = {m["name"]: m["per_gpu"] for m in est.moments()}
+    assert at["loss forward"]["unsharded_parameter"] == 4 * root  # the root only: each layer resharded
+    assert at["loss forward"]["communication"] == 4 * per_layer  # the last all-gather's output, kept
+    assert at["output layer backward"]["gradient"] == 4 * 32000 * 1024  # no layer's gradients yet
+    # layer 6's backward: the root and layer 6 unsharded; layer 5 prefetched (its all-gather output) and layer 7's
+    # reduce-scatter input; layer 7's gradient shards
+    mid = at["layer 6 backward, MLP"]
+    assert mid["unsharded_parameter"] == 4 * root + 4 * per_layer
+    assert mid["communication"] == 4 * per_layer + 4 * per_layer
+    assert at["layer 6 backward, end"]["gradient"] == pytest.approx(4 * 32000 * 1024 + 4 * per_layer
+                                                                     + 4 * per_layer / N, abs=2)
+    assert at["optimizer step"]["gradient"] == pytest.approx(4 * P / N, abs=2)
+    assert est.peak_moment["name"] in at
+    no_prefetch = {m["name"]: m["per_gpu"] for m in
+                   estimate(shape, Setup(precision="fp32", zero=3, dp=N, fsdp=True, prefetch=0)).moments()}
+    assert mid["communication"] - no_prefetch["layer 6 backward, MLP"]["communication"] == 4 * per_layer
+    keep = {m["name"]: m["per_gpu"] for m in estimate(
+        shape, Setup(precision="fp32", zero=3, dp=N, fsdp=True, reshard_after_forward=False)).moments()}
+    assert keep["loss backward"]["unsharded_parameter"] == 4 * P  # every unit unsharded from forward to backward
+    assert keep["layer 6 backward, MLP"]["unsharded_parameter"] == 4 * root + 7 * 4 * per_layer
+    # MixedPrecisionPolicy(bf16, reduce fp32): fp32 shards, gradients and AdamW state; bf16 units
+    mp = estimate(shape, Setup(precision="mixed", zero=3, dp=N, fsdp=True))
+    assert mp.held("gpu")["parameter"] == pytest.approx(4 * P / N, abs=2)
+    assert mp.held("gpu")["optimizer_state"] == pytest.approx(8 * P / N, abs=2)
+    assert {m["name"]: m["per_gpu"] for m in mp.moments()}["layer 6 backward, MLP"]["unsharded_parameter"] == \
+        2 * root + 2 * per_layer
 
 
 def test_estimate_fsdp_cli():

@@ -124,6 +124,37 @@ def test_fsdp2_rank_holds_its_shard():
         assert f"cuda:{rank}" in r.stderr and "fake process group" in r.stderr
 
 
+# small Llama-style configs where different moments of FSDP2's step hold the peak: a layer's backward (wide layers,
+# small vocabulary, untied) and the loss's backward (tied embeddings, bf16 mixed precision, layers kept unsharded)
+FSDP_LLAMA = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096,
+              "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg,batch,seq,script,flags,moment", [
+    ({}, 1, 128, [], ["--precision", "fp32"], "layer 2 backward, end"),
+    ({"hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 2,
+      "vocab_size": 32000, "tie_word_embeddings": True}, 2, 256, ["--mp", "bf16", "--no-reshard"],
+     ["--precision", "mixed", "--no-reshard-after-forward"], "loss backward"),
+])
+def test_fsdp2_estimate_agrees_with_the_simulation(tmp_path, cfg, batch, seq, script, flags, moment):
+    """`estimate --fsdp 8` (FSDP2's step moment by moment) within 3% of the simulated rank 0's peak."""
+    from click.testing import CliRunner
+
+    from tracekit.cli import cli as main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**FSDP_LLAMA, **cfg}))
+    res, _ = simulate("--world-size", "8", "--", "python", "fsdp2_llama.py", str(path), str(batch), str(seq), *script)
+    out = CliRunner().invoke(main, ["estimate", "--config", str(path), "--fsdp", "8", "--batch", str(batch), "--seq",
+                                    str(seq), "--loss-only", "--json", *flags])  # the script keeps only the loss
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.output)
+    assert got["peak_moment"] == moment
+    assert abs(got["per_gpu"]["total"] - res["max_allocated"]) <= 0.03 * res["max_allocated"], (got["per_gpu"], res)
+
+
 def test_ddp_buckets_and_bucket_views():
     plain, _ = simulate("--world-size", "2", "--", "python", "ddp_train.py")
     view, _ = simulate("--world-size", "2", "--", "python", "ddp_train.py", "--view")

@@ -55,7 +55,8 @@ def _knob(*decls, **attrs):
 KNOBS = [
     _knob("--mode", type=click.Choice(["train", "inference"]), default="train", show_default=True),
     _knob("--precision", type=click.Choice(["fp32", "amp", "mixed", "bf16", "fp16"]),
-          help="amp: autocast, fp32 weights; mixed: 16-bit weights + fp32 master (DeepSpeed/Megatron); "
+          help="amp: autocast, fp32 weights; mixed: 16-bit weights + fp32 master (DeepSpeed/Megatron; with --fsdp "
+          "FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): fp32 shards); "
           "bf16/fp16: pure 16-bit. Default fp32, or fp16 with --quant (as transformers loads bitsandbytes models)."),
     _knob("--optimizer", type=click.Choice(["none", "sgd", "sgd-momentum", "adam", "adamw", "adam8bit",
           "adafactor"]), default="adamw", show_default=True),
@@ -79,8 +80,9 @@ KNOBS = [
           "temporary during Adam's step)."),
     _knob("--zero", type=click.IntRange(0, 3), default=0, show_default=True),
     _knob("--fsdp", type=click.IntRange(min=2), help="PyTorch FSDP over N ranks (fully_shard per layer): "
-          "parameters, gradients and optimizer state 1/N per rank, plus the units all-gathered for compute "
-          "(the root and 1 + --prefetch layers). Sets --zero 3 --dp N."),
+          "parameters, gradients and optimizer state 1/N per rank, plus what FSDP2's step holds moment by moment "
+          "(the root's and the computing layer's full parameters, --prefetch layers prefetched, full gradients, "
+          "reduce-scatter buffers). Sets --zero 3 --dp N."),
     _knob("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
           help="With --fsdp: units all-gathered ahead of the one computing."),
     _knob("--reshard-after-forward/--no-reshard-after-forward", "reshard_after_forward", default=True,

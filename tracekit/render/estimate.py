@@ -51,12 +51,13 @@ def estimate_text(est, deepspeed=None) -> str:
             continue
         moments, peak = est.moments(), est.peak_moment
         shown = [c for c in per if c != "total" and any(m["per_gpu"][c] for m in moments)]
+        wm = max([20] + [len(m["name"]) + 5 for m in moments])
         out += ["", "Moments of the " + ("step" if s.mode == "train" else "forward") + " (live bytes; the peak is "
                 "the largest, not the sum of each category's largest)",
-                "  " + f"{'':<20}" + "".join(f"{c[:11]:>12}" for c in shown) + f"{'total':>12}"]
+                "  " + f"{'':<{wm}}" + "".join(f"{c[:11]:>12}" for c in shown) + f"{'total':>12}"]
         for m in moments:
             mark = "peak " if m is peak or m["name"] == peak["name"] else ""
-            out.append(f"  {(mark + m['name'])[:20]:<20}" + "".join(f"{fmt_bytes(m['per_gpu'][c]):>12}" for c in shown)
+            out.append(f"  {mark + m['name']:<{wm}}" + "".join(f"{fmt_bytes(m['per_gpu'][c]):>12}" for c in shown)
                        + f"{fmt_bytes(m['per_gpu']['total']):>12}")
         out.append(f"  {'peak':<16} {fmt_bytes(peak['per_gpu']['total']):>11}  ({_gb(peak['per_gpu']['total'])}, "
                    f"{peak['per_gpu']['total']:,} bytes) at '{peak['name']}': {peak['what']}")

@@ -124,6 +124,8 @@ class Line:
     formula: str
     where: str = "gpu"  # gpu | cpu
     when: str = ALWAYS  # see MOMENTS
+    key: str = ""  # what the line is, for FSDP's timeline ("layers", "tail", "log_softmax", "grad_shards", ...)
+    share: dict | None = None  # FSDP's timeline: {moment: the fraction of the line live then}; None: by `when`
 
 
 # the moments of a training step, and which lines are live at each (gradients also before backward when
@@ -153,9 +155,11 @@ class Estimate:
     trainable_params: int
     lines: list = field(default_factory=list)
     assumptions: list = field(default_factory=list)
+    # FSDP: the step's moments as [(name, what)], each line's `share` saying how much of it is live at each
+    timeline: list | None = None
 
-    def add(self, category, nbytes, formula, where="gpu", when=ALWAYS):
-        self.lines.append(Line(category, int(round(nbytes)), formula, where, when))
+    def add(self, category, nbytes, formula, where="gpu", when=ALWAYS, key="", share=None):
+        self.lines.append(Line(category, int(round(nbytes)), formula, where, when, key, share))
 
     def held(self, where="gpu") -> dict:
         """Each category's bytes when it is held (its lines summed), whatever the moment; "total" sums them."""
@@ -169,6 +173,15 @@ class Estimate:
     def moments(self) -> list[dict]:
         """[{name, what, per_gpu: {category: bytes, total}}] for the step's moments, in order."""
         out = []
+        if self.timeline is not None:
+            for name, what in self.timeline:
+                per = {c: 0 for c in CATEGORIES}
+                for ln in self.lines:
+                    if ln.where == "gpu" and ln.share and ln.share.get(name):
+                        per[ln.category] = per.get(ln.category, 0) + int(round(ln.bytes * ln.share[name]))
+                per["total"] = sum(per.values())
+                out.append({"name": name, "what": what, "per_gpu": per})
+            return out
         accumulating = self.setup.mode == "train" and self.setup.grad_accum > 1
         for name, live in MOMENTS[self.setup.mode]:
             if accumulating and name in ("loss forward", "loss backward"):
@@ -268,6 +281,8 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
                     "cuBLAS handle and stream, handles are per thread: "
                     + ("the forward's and autograd's backward thread's" if handles == 2 else "the forward's")
                     + (", Hopper's default size)" if setup.cublas_workspace == HOPPER_WORKSPACE else ")"))
+    if setup.fsdp and _fsdp_timeline_applies(shape, setup):
+        _fsdp_timeline(est)
     m = est.peak_moment
     if setup.mode == "train":
         est.assumptions.append(f"the peak is the moment '{m['name']}' ({m['what']}); each step's moments: "
@@ -307,6 +322,8 @@ def _trainable(shape, setup) -> int:
 def _parameters(est: Estimate):
     shape, s = est.shape, est.setup
     w = weight_bytes(s.precision) if s.mode == "train" else compute_bytes(s.precision)
+    if _fsdp_mixed(s):
+        w = 4  # MixedPrecisionPolicy: the shards stay fp32 (they are the master weights)
     n = shape.params()
     tp = f" / tp {s.tp}" if s.tp > 1 else ""
     if s.quant == "none":
@@ -331,7 +348,9 @@ def _parameters(est: Estimate):
                                f"biases in {w * 8}-bit; only the layers' matmul weights are quantized")
     if s.zero == 3 and s.dp > 1:
         nbytes, formula = nbytes / s.dp, f"({formula}) / dp {s.dp} ({'FSDP' if s.fsdp else 'ZeRO-3'})"
-        if s.fsdp:
+        if s.fsdp and _fsdp_timeline_applies(shape, s):
+            formula += " (fp32 shards: MixedPrecisionPolicy computes in 16 bits)" if _fsdp_mixed(s) else ""
+        elif s.fsdp:
             _unsharded(est, w)
         else:
             est.assumptions.append("ZeRO-3 also gathers each layer's full weights while it runs "
@@ -412,6 +431,203 @@ def _unsharded(est: Estimate, w: int):
                            "per rank")
 
 
+def _fsdp_mixed(s: Setup) -> bool:
+    """--precision mixed under --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)."""
+    return s.fsdp and s.precision == "mixed" and s.mode == "train"
+
+
+def _fsdp_timeline_applies(shape, s: Setup) -> bool:
+    """A training step of a transformer wrapped layer by layer: the moments of FSDP's timeline can be followed."""
+    return (s.mode == "train" and fsdp_units(shape) is not None and not s.lora_rank and not s.offload_param
+            and not s.offload_optimizer)
+
+
+def _fsdp_timeline(est: Estimate):
+    """FSDP2's step, moment by moment, on the rank: what `fully_shard` per decoder layer (then the root) holds at
+    each moment where the peak can fall (torch/distributed/fsdp/_fully_shard, measured on the simulation):
+
+    - forward: the root's full parameters (the root is not resharded after forward), each layer's all-gathered and
+      freed after its forward (kept to backward with reshard_after_forward=False), the last all-gather's output kept
+      until the next copy-out (implicit prefetching);
+    - the loss's backward: the vocabulary-wide gradients; the root's pre-backward has prefetched the last layer;
+    - the output layer's backward: the log-softmax is freed, the logits' gradient and the output layer's full
+      gradient are live; that gradient stays unsharded (the root's) until the root reduce-scatters, last;
+    - each layer's backward: its full parameters, the previous layer prefetched (its all-gather output), the
+      layer after's reduce-scatter input (kept until this layer's reduce-scatter), the sharded gradients of the
+      layers done, the activations of the layers still to go; inside the layer its MLP's gradients, at its end
+      all its full gradients; then its reduce-scatter: input and output beside the full gradients;
+    - the embedding's backward and the root's reduce-scatter; the end of backward; the optimizer step.
+    """
+    s, shape = est.setup, est.shape
+    got = fsdp_units(shape)
+    assert got is not None and isinstance(shape, ModelShape)
+    L, PL, R = got
+    tp = s.tp
+    c = 4 if s.precision in ("fp32", "amp") else 2  # the unit's all-gathered parameters and full gradients
+    rs = 2 if s.precision in ("bf16", "fp16") else 4  # reduce-scatter (MixedPrecisionPolicy's reduce_dtype fp32)
+    cb, r = compute_bytes(s.precision), stream_bytes(s.precision)
+    tokens = s.batch * s.seq
+    V, emb, h = shape.vocab, shape.emb, shape.hidden
+    head = shape.head_params() or V * emb
+    P = shape.params()
+    keep = not s.reshard_after_forward
+    bits = f"{c * 8}-bit"
+    ttp = f" / tp {tp}" if tp > 1 else ""
+
+    layers = sorted({L - 1, L - 2, 1, 0} & set(range(L)), reverse=True)
+    MLP, END, RS = "backward, MLP", "backward, end", "reduce-scatter"
+    FWD = f"layer {L - 1} forward"
+    text = {
+        FWD: f"the last layer's forward begins: its all-gather output copied out into its full parameters while the "
+             "previous layer's all-gather output is still held (freed when the copy-out returns)",
+        "loss forward": "the forward pass's end, in the loss: everything saved for backward, the root's full "
+                        "parameters, the last layer's all-gather output",
+        "loss backward": "backward begins: the loss's gradients (vocabulary-wide, fp32) on top of the saved tensors",
+        "output layer backward": "the output layer's backward: the logits' gradient and the layer's full weight "
+                                 "gradient (kept unsharded until the root reduce-scatters), the log-softmax freed",
+    }
+    for i in layers:
+        text[f"layer {i} {MLP}"] = (f"layer {i}'s backward, in its MLP: its full parameters, the gradients as wide as "
+                                    "the MLP, activations of the layers still to go")
+        text[f"layer {i} {END}"] = f"layer {i}'s backward ends: its full parameters and all its full gradients"
+        text[f"layer {i} {RS}"] = (f"layer {i}'s reduce-scatter: its full gradients, the reduce-scatter's input and "
+                                   "output")
+    text["embedding backward"] = "the embedding's backward: its full gradient beside the output layer's"
+    text["root reduce-scatter"] = "the root unit's reduce-scatter (embeddings, final norm, output layer)"
+    text["end of backward"] = MOMENT_TEXT["end of backward"]
+    text["optimizer step"] = MOMENT_TEXT["optimizer step"]
+    names = list(text)
+    est.timeline = [(n, text[n]) for n in names]
+    front = ["loss forward", "loss backward", "output layer backward"]
+    before = (L - 1) / L  # the layers before the last one, in forward
+    backward = names[names.index("loss backward"):names.index("end of backward")]
+
+    def every(f=1.0, among=None):
+        return {n: f for n in (names if among is None else among)}
+
+    def per_layer(fn):
+        """{moment: fraction} from fn(i, kind) for each layer moment."""
+        return {f"layer {i} {k}": fn(i, k) for i in layers for k in (MLP, END, RS)}
+
+    emb_out = tokens * r * h if _stream_saved(shape, s) else 0
+    for ln in est.lines:
+        if ln.where != "gpu":
+            continue
+        if ln.when in (ALWAYS, HELD):
+            ln.share = every()
+        elif ln.key == "layers":  # layer i's saved tensors live until its backward
+            ln.share = every(among=front) | per_layer(lambda i, k: (i + (k == MLP)) / L) | {FWD: before}
+        elif ln.key == "tail":  # the final norm's and output layer's inputs go in its backward; the embedding's
+            rest = min(1.0, emb_out / ln.bytes) if ln.bytes else 0.0   # output stays until layer 0's
+            ln.share = every(among=front) | per_layer(lambda i, k: rest) | {FWD: rest}
+        elif ln.key == "log_softmax":
+            ln.share = every(among=front[:2])
+        elif ln.when == SAVED:  # anything else saved for backward: as the layers', where per layer
+            ln.share = every(among=front) | per_layer(lambda i, k: (i + (k == MLP)) / L) | {FWD: before}
+        elif ln.when == RECOMPUTE:
+            ln.share = per_layer(lambda i, k: float(k == MLP))
+        elif ln.when == LOSS_FWD:
+            ln.share = every(among=["loss forward"])
+        elif ln.when == LOSS_BWD:
+            ln.share = every(among=["loss backward"])
+        elif ln.key == "grad_shards":  # the units reduce-scattered so far (a unit's output is made once its full
+            # gradients are copied into the reduce-scatter input and freed), then every unit's
+            ln.share = ({n: 1.0 for n in names} if s.grad_accum > 1 else
+                        every(among=["end of backward", "optimizer step"])
+                        | per_layer(lambda i, k: (L - 1 - i) * PL / P)
+                        | {"embedding backward": L * PL / P, "root reduce-scatter": L * PL / P})
+        elif ln.when == GRADS:
+            ln.share = every(among=names[names.index("root reduce-scatter"):])
+        elif ln.when == BWD_END:
+            ln.share = every(among=["end of backward"])
+        elif ln.when == OPT_STEP:
+            ln.share = every(among=["optimizer step"])
+        else:
+            ln.share = every()
+
+    # the root: all-gathered before the forward, not resharded after it, resharded after its backward
+    est.add("unsharded_parameter", R * c / tp,
+            f"root unit all-gathered (embeddings, final norm, output layer: {R:,} params × {c} B{ttp}): from the "
+            "forward's start to its own backward's end (the root is not resharded after forward)",
+            key="fsdp_root", share=every(among=names[:names.index("root reduce-scatter")]))
+    if keep:
+        est.add("unsharded_parameter", L * PL * c / tp,
+                f"every layer unit unsharded from its forward to its backward (reshard_after_forward=False): "
+                f"{L} × {PL:,} params × {c} B{ttp}", key="fsdp_layers",
+                share=every(among=front + [FWD]) | per_layer(lambda i, k: (i + (k != RS)) / L))
+    else:
+        est.add("unsharded_parameter", PL * c / tp,
+                f"the computing layer unit's full parameters (copied out of its all-gather): {PL:,} params × "
+                f"{c} B{ttp}", key="fsdp_layer", share=per_layer(lambda i, k: float(k != RS)) | {FWD: 1.0})
+    # all-gather outputs: the forward's last (kept until the next copy-out), the backward's prefetched
+    n = max(1, min(L - 1, s.prefetch))
+    ahead = {} if keep else ({"loss backward": min(s.prefetch, L) / n, "output layer backward": min(s.prefetch, L) / n}
+                             | per_layer(lambda i, k: min(s.prefetch, i) / n))
+    est.add("communication", n * PL * c / tp,
+            f"all-gather output of {n} unit{'s' if n > 1 else ''} ({n} × {PL:,} params × {c} B{ttp}): the "
+            "forward's last one, kept until the next copy-out; in backward the unit"
+            f"{'s' if n > 1 else ''} prefetched ahead of the one computing"
+            + (" (none: every unit is still unsharded)" if keep else ""),
+            key="fsdp_all_gather", share={"loss forward": 1 / n, FWD: min(2, L) / n} | ahead)
+    # gradients
+    est.add("gradient", head * c / tp,
+            f"the output layer's full gradient ({head:,} × {c} B{ttp}): made early in backward, kept unsharded until "
+            "the root unit reduce-scatters at the end of backward",
+            key="fsdp_head_grad", share=every(among=backward[1:]))
+    tied = 2 if shape.tied else 1
+    est.add("gradient", tied * V * emb * c / tp,
+            f"the embedding's gradient ({V:,} × {emb} × {c} B{ttp}), made in its backward"
+            + (", and its sum with the output layer's (tied: the autograd engine adds out of place, the output "
+               "layer's gradient being a transposed view that keeps its base)" if shape.tied else ""),
+            key="fsdp_embed_grad", share={"embedding backward": 1.0})
+    if R > head:
+        est.add("gradient", (R - head) * c / tp,
+                f"the root's other full gradients ({R - head:,} × {c} B{ttp}: "
+                + ("final norm" if shape.tied else "embedding, final norm") + ") at its reduce-scatter",
+                key="fsdp_root_grads", share={"root reduce-scatter": 1.0})
+    est.add("gradient", PL * c / tp,
+            f"a layer unit's full gradients ({PL:,} × {c} B{ttp}): all made by its backward's end, freed after its "
+            "reduce-scatter's copy-in", key="fsdp_layer_grads", share=per_layer(lambda i, k: float(k != MLP)))
+    est.add("communication", PL * rs / tp,
+            f"a layer unit's reduce-scatter input ({PL:,} × {rs} B{ttp}): kept until the next unit's "
+            "reduce-scatter", key="fsdp_rs_input",
+            share=per_layer(lambda i, k: float(k == RS or i < L - 1)) | {"embedding backward": 1.0})
+    est.add("communication", R * rs / tp,
+            f"the root unit's reduce-scatter input ({R:,} × {rs} B{ttp})", key="fsdp_root_rs",
+            share={"root reduce-scatter": 1.0})
+    # the working sets of backward
+    if tokens:
+        est.add("temporary", tokens * V * cb / tp,
+                f"the logits' gradient in the output layer's backward ({cb * 8}-bit), batch × seq × vocab × {cb} B",
+                key="fsdp_logits_grad", share={"output layer backward": 1.0})
+        est.add("temporary", tokens * emb * cb / tp,
+                f"the output layer's input gradient, batch × seq × {emb} × {cb} B",
+                key="fsdp_head_dx", share={"output layer backward": 1.0})
+        f = (shape.expert_ffn * shape.top_k if shape.experts and not shape.dense_layers else shape.d_ff) / tp
+        wide = 2 if shape.gated else 1
+        est.add("temporary", tokens * (wide * f * cb + r * h),
+                f"in a layer's MLP backward: {wide + 1} gradients as wide as the MLP while down_proj's input is "
+                f"freed (net {wide}) × {f:g} × {cb} B, and the residual stream's gradient {h} × {r} B, per token",
+                key="fsdp_mlp_bwd", share=per_layer(lambda i, k: float(k == MLP)))
+        est.add("gradient", h * f * c, f"down_proj's full weight gradient, made first in the layer's backward "
+                f"({h} × {f:g} × {c} B)", key="fsdp_down_grad", share=per_layer(lambda i, k: float(k == MLP)))
+        est.add("temporary", tokens * h * (r + 4 * 4),
+                f"at a layer's backward end: the residual stream's gradient ({r} B) and the input norm's backward "
+                f"(4 fp32 tensors as wide as the model), batch × seq × {h} × {r + 16} B",
+                key="fsdp_end_bwd", share=per_layer(lambda i, k: float(k == END)))
+        est.add("temporary", tokens * h * r, f"the residual stream's gradient, batch × seq × {h} × {r} B",
+                key="fsdp_stream_grad", share=per_layer(lambda i, k: float(k == RS)))
+    est.assumptions.append(
+        f"FSDP2: each of the {L} layers is a unit (fully_shard per layer, then the root); "
+        + (f"{s.prefetch} unit(s) prefetched in backward; " if not keep else "reshard_after_forward=False: every "
+           "layer stays unsharded from its forward to its backward; ")
+        + f"units all-gathered and their gradients made in {bits}"
+        + (" (MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): fp32 shards, reduce-scatter, "
+           "gradients and AdamW state)" if _fsdp_mixed(s) else "")
+        + f"; shards, gradients and optimizer state are 1/{s.dp} per rank; the peak is the largest of "
+        f"{len(names)} moments of the step")
+
+
 def _shard(stage_needed: int, s: Setup) -> tuple[int, str]:
     if s.zero >= stage_needed and s.dp > 1:
         return s.dp, f" / dp {s.dp} ({'FSDP' if s.fsdp else f'ZeRO-{s.zero}'})"
@@ -420,11 +636,11 @@ def _shard(stage_needed: int, s: Setup) -> tuple[int, str]:
 
 def _gradients(est: Estimate):
     s, n, shape = est.setup, est.trainable_params, est.shape
-    g = 4 if s.lora_rank else weight_bytes(s.precision)
+    g = 4 if s.lora_rank or _fsdp_mixed(s) else weight_bytes(s.precision)
     div, text = _shard(2, s)
     tp = s.tp if not s.lora_rank else 1
     formula = f"{n:,} trainable × {g} B{f' / tp {tp}' if tp > 1 else ''}{text}"
-    est.add("gradient", n * g / div / tp, formula, when=GRADS)
+    est.add("gradient", n * g / div / tp, formula, when=GRADS, key="grad_shards")
     if s.grad_accum > 1:
         est.assumptions.append(f"gradient accumulation over {s.grad_accum} micro-batches keeps the gradients "
                                "between micro-batches; activations are per micro-batch")
@@ -443,7 +659,7 @@ def _optimizer(est: Estimate):
     e = 2 if s.precision in ("bf16", "fp16") and not s.lora_rank else 4
     nbytes: float
     parts, nbytes = [], 0
-    if s.precision == "mixed" and not s.lora_rank:
+    if s.precision == "mixed" and not s.lora_rank and not s.fsdp:  # FSDP: the fp32 shards are the master
         nbytes += 4 * n
         parts.append("fp32 master weights 4 B")
     k = STATES[s.optimizer]
@@ -473,14 +689,14 @@ def _optimizer(est: Estimate):
         est.add("optimizer_state", nbytes / div / tp, formula)
         # torch.optim's Adam/AdamW on CUDA default to foreach: _multi_tensor_adam takes the square root of every
         # exp_avg_sq at once (torch._foreach_sqrt), one state-sized list, before addcdiv
-        if (s.optimizer in ("adam", "adamw") and not s.fused_optimizer and s.precision != "mixed"
+        if (s.optimizer in ("adam", "adamw") and not s.fused_optimizer and (s.precision != "mixed" or s.fsdp)
                 and (s.zero == 0 or s.fsdp)):
             est.add("temporary", n * e / div / tp,
                     f"optimizer step: foreach Adam's sqrt(exp_avg_sq) for all {n:,} trainable at once × {e} B{text} "
                     "(torch.optim's default on CUDA; fused=True has none)", when=OPT_STEP)
     if s.optimizer in ("adam", "adamw", "adafactor"):
         est.assumptions.append("optimizer 'step' counters (one small tensor per parameter) are not counted")
-    if s.precision == "mixed" or (s.zero and not s.fsdp):
+    if (s.precision == "mixed" or s.zero) and not s.fsdp:
         est.assumptions.append("mixed precision / ZeRO: the optimizer is DeepSpeed's or Megatron's fused one "
                                "(no step temporaries counted)")
 
@@ -709,7 +925,7 @@ def _activations(est: Estimate):
         if s.checkpointing == "full":
             est.add("activation", tokens * r * h * count,
                     f"full checkpointing: each layer's input, batch {s.batch} × seq {s.seq} × {h} × {r} B × "
-                    f"{count} {label}", when=SAVED)
+                    f"{count} {label}", when=SAVED, key="layers")
             if moe == (shape.moe_layers > 0):
                 est.add("activation", tokens * per_layer,
                         f"one layer recomputed during backward: batch × seq × {per_layer:g} B/token ({detail})",
@@ -718,7 +934,7 @@ def _activations(est: Estimate):
             what = "selective checkpointing (attention scores recomputed), " if s.checkpointing == "selective" else ""
             est.add("activation", tokens * per_layer * count,
                     f"{what}batch {s.batch} × seq {s.seq} × {count} {label} × {per_layer:g} B/token ({detail})",
-                    when=SAVED)
+                    when=SAVED, key="layers")
     # the embedding's output (layer 0's input), the final norm, the output layer's input
     frozen = bool(s.lora_rank)
     tail: list[tuple[str, float]] = [("the embedding's output (layer 0's input)" + (" + positions" if shape.positions else ""),
@@ -735,12 +951,16 @@ def _activations(est: Estimate):
         tail.append(("embedding dropout mask (1 B)", h))
     tail = [(w, b) for w, b in tail if b]
     est.add("activation", tokens * sum(b for _, b in tail),
-            "batch × seq × (" + " + ".join(f"{w} {b:g}" for w, b in tail) + ") B", when=SAVED)
+            "batch × seq × (" + " + ".join(f"{w} {b:g}" for w, b in tail) + ") B", when=SAVED, key="tail")
     # the loss: Hugging Face's ForCausalLMLoss upcasts the logits (logits.float()), cross_entropy keeps its log-softmax
     est.add("activation", tokens * V * 4 / s.tp,
             f"loss: log-softmax of the fp32 logits (ForCausalLMLoss upcasts them), batch × seq × vocab {V:,} × 4 B"
-            + (f" / tp {s.tp}" if s.tp > 1 else ""), when=SAVED)
-    if not s.loss_only:
+            + (f" / tp {s.tp}" if s.tp > 1 else ""), when=SAVED, key="log_softmax")
+    if s.loss_only:
+        est.add("temporary", tokens * V * c / s.tp,
+                f"the logits ({c * 8}-bit) until the loss is made (the loop keeps only the loss: they are freed "
+                f"with the model's output), batch × seq × vocab × {c} B", when=LOSS_FWD)
+    else:
         est.add("activation", tokens * V * c / s.tp,
                 f"the logits ({c * 8}-bit), held by the model's output until the step ends (out = model(...); "
                 f"out.loss.backward()), batch × seq × vocab × {c} B", when=HELD)
