@@ -18,6 +18,19 @@ import os
 from typing import Any
 
 
+def fsdp2_unsharded_grads(group):
+    """(parameter name, tensor) for each full (unsharded) gradient an FSDP2 unit (FSDPParamGroup) holds before
+    its reduce-scatter: what the recorder and the simulation tag `gradient` at its post_backward."""
+    for fp in getattr(group, "fsdp_params", ()):
+        try:
+            grad = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+        except Exception:
+            grad = None
+        for g in (grad, getattr(fp, "unsharded_accumulated_grad", None)):
+            if g is not None:
+                yield getattr(fp, "_param_fqn", None) or "param", g
+
+
 def _env_int(name):
     v = os.environ.get(name, "").strip()
     return int(v) if v.isdigit() else None

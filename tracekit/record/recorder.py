@@ -313,16 +313,10 @@ class Recorder:
     def fsdp_post_backward(self, group):
         """FSDP2 is about to reduce-scatter a unit's gradients: tag its full (unsharded) gradients as gradients."""
         if self.recording:
+            from .distributed import fsdp2_unsharded_grads
             name = getattr(group, "_module_fqn", None) or "(root)"
-            for fp in getattr(group, "fsdp_params", ()):
-                try:
-                    grad = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
-                except Exception:
-                    grad = None
-                for g in (grad, getattr(fp, "unsharded_accumulated_grad", None)):
-                    if g is not None:
-                        self._tags.add(g, GRADIENT, f"{name}: {getattr(fp, '_param_fqn', None) or 'param'}.grad "
-                                                    "(unsharded, before its reduce-scatter)")
+            for param, g in fsdp2_unsharded_grads(group):
+                self._tags.add(g, GRADIENT, f"{name}: {param}.grad (unsharded, before its reduce-scatter)")
 
     def ddp_pre_forward(self, started):
         """DDP's pre-forward began or ended (hooks.patch_ddp): its bucket rebuilds happen in between."""

@@ -360,15 +360,9 @@ def _patch_fsdp_grads(session):
         def post_backward(group, *args, **kwargs):
             marks = _ACTIVE[-1].marks if _ACTIVE else None
             if marks is not None:
-                for fp in getattr(group, "fsdp_params", ()):
-                    try:
-                        grad = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
-                    except Exception:
-                        grad = None
-                    for g in (grad, getattr(fp, "unsharded_accumulated_grad", None)):
-                        if g is not None:
-                            marks._tag("gradient", g, f"{getattr(fp, '_param_fqn', None) or 'param'}.grad "
-                                                      "(unsharded, before its reduce-scatter)")
+                from ..record.distributed import fsdp2_unsharded_grads
+                for param, g in fsdp2_unsharded_grads(group):
+                    marks._tag("gradient", g, f"{param}.grad (unsharded, before its reduce-scatter)")
             return original(group, *args, **kwargs)
         post_backward._tracekit_simulated = True
         post_backward.__wrapped__ = original
