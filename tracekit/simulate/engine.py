@@ -75,7 +75,7 @@ class StackFrames:
     def __init__(self):
         self._frames = {}
         self.op_stack = []  # names of the ops being run (innermost last)
-        self.native_stack: list = []  # C++ frames of a library's own code being modelled (innermost last)
+        self.native_stack = []  # C++ frames of a library's own code being modelled (innermost last)
         self.cast = 0  # > 0 while autocast casts
         self.weight_cast = 0  # > 0 while autocast makes its cached copy of a weight
 
@@ -389,7 +389,7 @@ class Session:
         self.alloc_conf = alloc_conf or ""
         self.routing = routing
         self.rank, self.world_size = rank, world_size
-        self.backends: dict = {}  # device type -> the process group's backend for it (distributed.py)
+        self.backends = {}  # device type -> the process group's backend for it (distributed.py)
         self.ndevices = max(1, devices)
         self.frames = StackFrames()
         self.t0 = int(time.time() * 1e6)
