@@ -111,3 +111,17 @@ def test_a_frame_at_line_zero_is_never_the_users_line():
               {"filename": "/home/me/train.py", "line": 31, "name": "main"}]
     assert not is_user(frames[0])
     assert where(user_first(frames)) == "me/train.py:31 in main"  # the user's frames first, as sites show them
+
+
+def test_a_folder_called_tracekit_holds_the_users_code():
+    """tracekit's own frames are its modules (tracekit/record/..., tracekit/cli.py), not any path with a folder of
+    that name: a checkout of this repository (its tests), or a user's project called tracekit, is the user's code;
+    the demo's model (tracekit/record/toy.py) plays the user's code."""
+    from tracekit.analysis.frames import USER, frame_kind
+
+    for user in ("/tmp/ci/tracekit/tests/test_findings.py", "/home/me/tracekit/train.py",
+                 r"C:\work\tracekit\tests\t.py", "/x/tracekit/record/toy.py"):
+        assert frame_kind(user, "f", 3) == USER, user
+    for ours in ("/tmp/ci/tracekit/tracekit/record/recorder.py", "/x/site-packages/tracekit/analysis/report.py",
+                 r"C:\x\tracekit\simulate\engine.py", "/x/tracekit/cli.py", "/x/tracekit/__main__.py"):
+        assert frame_kind(ours, "f", 3) != USER, ours

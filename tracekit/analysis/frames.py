@@ -24,9 +24,14 @@ USER, LIB, OP, NOISE = range(4)
 _SEP = r"[/\\]"
 # Python that belongs to torch, the recorder or the interpreter's plumbing.
 # tracekit/record/toy.py is the demo's model: there it plays the user's code.
+# tracekit is named by its own modules, not by a folder called tracekit (a checkout of this repository, or a
+# user's project of that name, holds the user's code)
+_OURS = (rf"(^|{_SEP})tracekit{_SEP}(record{_SEP}(?!toy\.py$)|(analysis|io|simulate|commands|integrations|render)"
+         rf"{_SEP}|(cli|api|__main__|__init__|model|errors|units)\.py$)")
 _INTERNAL_PY = re.compile(
-    rf"((^|{_SEP})(torch|torchvision|torchaudio|triton|tracekit(?!{_SEP}record{_SEP}toy\.py)|importlib|runpy|"
+    rf"((^|{_SEP})(torch|torchvision|torchaudio|triton|importlib|runpy|"
     rf"threading|contextlib|functools|unittest|click|_pytest|pluggy|IPython|ipykernel){_SEP})"
+    rf"|{_OURS}"
     rf"|{_SEP}lib{_SEP}python\d[\d.]*{_SEP}(?!site-packages|dist-packages)"
     rf"|{_SEP}torchinductor_[^/\\]*{_SEP}"
     r"|^<frozen |^<string>$|^<eval_with_key>|^<ipython-input|^<__array_function__"
