@@ -212,9 +212,12 @@ class DocumentView(QWidget):
 
         cut = self.doc.trace.meta.get("window")
         if not cut:
+            self.summary.setToolTip("")
             return ""
+        # how the window was read is a sentence: in the tooltip, so the summary line keeps the window's width
         note = read_note(cut)
-        return f" · window: {html.escape(cut['description'])}" + (f" ({html.escape(note)})" if note else "")
+        self.summary.setToolTip(f"window: {cut['description']}" + (f"; {note}" if note else ""))
+        return f" · window: {html.escape(cut['description'])}" + (" (hover: how it was read)" if note else "")
 
     def status_text(self, extra=""):
         name = os.path.basename(self.doc.path)

@@ -133,6 +133,7 @@ def test_open_dialog_picks_iterations_of_a_big_file(qtbot, tmp_path, cache_dir, 
     assert 0 < len(doc.trace.events) == len(cli.events) < len(tracekit.load(p).events)
     assert (doc.trace.events.index == cli.events.index).all() and (doc.trace.events.size == cli.events.size).all()
     assert "window: iterations 1..2" in window.current_view().summary.text()
+    assert window.current_view().summary.toolTip().startswith("window: iterations 1..2")  # and how it was read
     assert "entries" in seen["facts"]
 
 
