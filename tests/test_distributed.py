@@ -131,7 +131,10 @@ def test_fsdp2_levers_price_what_the_rank_holds(fsdp_job):
     at = d["categories_at_peak"]
     got = {lv["technique"]: lv for lv in levers(file_facts(trace, 0, d), at, d["peak_allocated_bytes"])}
     assert got["FSDP CPU offload"]["saves_bytes"] == at["parameter"] + at.get("gradient", 0) + at["optimizer_state"]
-    assert got["FSDP prefetch depth"]["saves_bytes"] == d["distributed"]["prefetched_bytes_at_peak"] > 0
+    # a prefetched unit at the peak in most recordings; gloo's worker thread, releasing a buffer late on a loaded
+    # machine, can move the peak to a moment without one: then no prefetch lever (it would save nothing)
+    prefetched = d["distributed"]["prefetched_bytes_at_peak"]
+    assert got.get("FSDP prefetch depth", {}).get("saves_bytes", 0) == prefetched
     assert got["FSDP mixed-precision parameters"]["saves_bytes"] == (at["unsharded_parameter"]
                                                                       + at.get("communication", 0)) // 2
     assert "shard the optimizer state" not in got  # this rank's state is sharded already
