@@ -10,7 +10,7 @@ from tracekit.units import fmt_bytes  # noqa: F401  (re-exported for the widgets
 # The colours live in tracekit (the notebook picture uses them too); re-exported for the widgets.
 from tracekit.render.palette import (  # noqa: F401
     BLACK, BLUE, CATEGORY_COLORS, EXTRA_COLORS, FINDING_COLORS, GREEN, GREY, HIGHLIGHT_COLOR, ORANGE, PHASE_COLORS,
-    PURPLE, RESERVED_COLOR, RESERVED_FILL, SKY, VERMILLION, YELLOW, category_color, phase_color)
+    LOW_COLOR, PURPLE, RESERVED_COLOR, RESERVED_FILL, SKY, VERMILLION, YELLOW, category_color, phase_color)
 
 
 def byte_unit(peak: int) -> tuple[str, float]:

@@ -10,11 +10,11 @@ import html
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QRectF, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, RESERVED_COLOR, RESERVED_FILL, byte_unit,
+from .palette import (FINDING_COLORS, HIGHLIGHT_COLOR, LOW_COLOR, RESERVED_COLOR, RESERVED_FILL, byte_unit,
                       category_color, fmt_bytes, phase_color)
 from .snapshot import SnapshotBars
 
@@ -69,6 +69,61 @@ class Legend(QWidget):
         self.label.setText("&nbsp;&nbsp; ".join(parts))  # the plain space after each entry is where lines break
 
 
+class PhaseBands(pg.GraphicsObject):
+    """The phase lane's bands, one item for all of them. A long run has thousands of spans: only those in
+    view are painted, and where more of them than pixels are in view, one band per pixel column (the span
+    under its centre), runs of one colour merged, so a frame costs the same at any length."""
+
+    Y0, HEIGHT = 0.1, 0.8
+
+    def __init__(self, x0, x1, colors):
+        super().__init__()
+        order = np.argsort(x0, kind="stable")
+        self.x0, self.x1 = np.asarray(x0, float)[order], np.asarray(x1, float)[order]
+        self._reach = np.maximum.accumulate(self.x1) if len(self.x1) else self.x1  # sorted: the first in view
+        names = list(dict.fromkeys(colors))
+        self.colors = [QColor(c) for c in names]
+        self.code = np.array([names.index(c) for c in colors], np.int32)[order] if len(colors) else np.zeros(0, np.int32)
+        lo = float(self.x0.min()) if len(self.x0) else 0.0
+        hi = float(self.x1.max()) if len(self.x1) else 0.0
+        self._rect = QRectF(lo, self.Y0, hi - lo, self.HEIGHT)
+
+    def boundingRect(self):
+        return self._rect
+
+    def runs(self, v0: float, v1: float, pixels: int):
+        """(x0, x1, colour code) of the bands to paint over [v0, v1] at `pixels` columns."""
+        x0, x1, code = self.x0, self.x1, self.code
+        i0 = int(np.searchsorted(self._reach, v0, "left"))
+        i1 = int(np.searchsorted(x0, v1, "right"))
+        if i1 - i0 <= 2 * pixels:
+            return x0[i0:i1], x1[i0:i1], code[i0:i1]
+        step = (v1 - v0) / pixels
+        centre = v0 + (np.arange(pixels) + 0.5) * step
+        j = np.searchsorted(x0, centre, "right") - 1
+        inside = (j >= 0) & (centre < x1[np.maximum(j, 0)])
+        c = np.where(inside, code[np.maximum(j, 0)], -1)
+        edge = np.flatnonzero(np.diff(c)) + 1
+        first = np.concatenate(([0], edge))
+        last = np.concatenate((edge, [pixels]))
+        keep = c[first] >= 0
+        return v0 + first[keep] * step, v0 + last[keep] * step, c[first][keep]
+
+    def paint(self, painter, *args):
+        vb = self.getViewBox()
+        if vb is None or not len(self.x0):
+            return
+        (v0, v1), _ = vb.viewRange()
+        pixels = max(int(vb.width()), 1)
+        painter.setPen(Qt.NoPen)
+        a, b, k = self.runs(v0, v1, pixels)
+        for code in np.unique(k).tolist():  # one call per colour
+            mine = k == code
+            painter.setBrush(self.colors[code])
+            painter.drawRects([QRectF(x, self.Y0, w, self.HEIGHT)
+                               for x, w in zip(a[mine].tolist(), (b[mine] - a[mine]).tolist())])
+
+
 class TimelineWidget(QWidget):
     """Stacked category timeline of one device of a Document."""
 
@@ -90,6 +145,8 @@ class TimelineWidget(QWidget):
         self._iteration_labels = []
         self._marker_labels = []  # (TextItem, x, y in plot units): peak and OOM captions kept inside the plot
         self._iteration_x = np.zeros(0)
+        self._legend_entries: list = []
+        self._low_shown = False  # the low line (and its legend entry) is drawn
         self._fetched = None  # (start, end, max_points, view width) of the drawn query
         self._shown_index = self._shown_top = np.zeros(0)
         self._timer = QTimer(self, singleShot=True, interval=REFRESH_MS, timeout=self.refresh)
@@ -126,6 +183,10 @@ class TimelineWidget(QWidget):
 
         self.total_line = self.plot.plot(pen=pg.mkPen("#222222", width=1))
         self.total_line.setZValue(50)
+        # zoomed out past one entry per pixel: the fills and the total follow each bucket's highest entry, and
+        # this line its lowest (the trough between peaks), so the curve never folds into a solid block
+        self.low_line = self.plot.plot(pen=pg.mkPen(LOW_COLOR, width=1))
+        self.low_line.setZValue(49)
         self.reserved_line = self.plot.plot(pen=pg.mkPen(RESERVED_COLOR, width=1.5, style=Qt.DashLine),
                                             fillLevel=0, brush=pg.mkBrush(RESERVED_FILL))
         self.reserved_line.setZValue(-10)  # its fill lies under the categories; the dashes show above them
@@ -222,6 +283,7 @@ class TimelineWidget(QWidget):
         self._add_phases(entries)
         self._add_kv(entries)
         self._add_markers()
+        self._legend_entries, self._low_shown = entries, False
         self.legend.set_entries(entries)
         self.graphics.setVisible(not self.snapshot_only)
         self.bars.setVisible(self.snapshot_only)
@@ -236,11 +298,9 @@ class TimelineWidget(QWidget):
         spans = self.doc.phase_spans(self.device)
         seen = list(dict.fromkeys("decode" if phase.startswith("step ") else phase for phase, *_ in spans))
         if spans:
-            # One BarGraphItem for all spans: cheap, and (unlike QGraphicsRectItems) safe with PySide6 6.12.
             x0 = np.array([s[2] for s in spans], dtype=float)
-            width = np.maximum(np.array([s[3] for s in spans], dtype=float) - x0, 0)
-            bars = pg.BarGraphItem(x0=x0, width=width, y0=0.1, height=0.8, pen=pg.mkPen(None),
-                                   brushes=[pg.mkBrush(phase_color(s[0])) for s in spans])
+            x1 = np.maximum(np.array([s[3] for s in spans], dtype=float), x0)
+            bars = PhaseBands(x0, x1, [phase_color(s[0]) for s in spans])
             self.lane.addItem(bars)
             self._decor.append((self.lane, bars))
         self._phase_labels = []
@@ -384,17 +444,31 @@ class TimelineWidget(QWidget):
         """Set the curves to a Series (entries up to `end`) as steps: a value holds until the next entry."""
         xs = self.doc.xs(self.device)[0]
         x_end = xs[end] if end < len(xs) else self.doc.x_range(self.device)[1]
-        step_x = np.repeat(np.append(xs[s.index], x_end), 2)[1:-1]
+        high = slice(None) if s.peaks is None or s.peaks.all() else s.peaks
+
+        def steps_at(points):
+            return np.repeat(np.append(xs[s.index[points]], x_end), 2)[1:-1]
 
         def step(y):
-            return np.repeat(np.asarray(y, dtype=np.float64) / self.scale, 2)
+            return np.repeat(np.asarray(y, dtype=np.float64)[high] / self.scale, 2)
 
+        step_x = steps_at(high)
+        if isinstance(high, slice):
+            self.low_line.setData([], [])
+        else:
+            low = ~s.peaks
+            self.low_line.setData(steps_at(low), np.repeat(s.total[low] / self.scale, 2))
+        if self._low_shown != (not isinstance(high, slice)):  # its legend entry while it is drawn
+            self._low_shown = not self._low_shown
+            self.legend.set_entries(self._legend_entries + [("low between peaks", LOW_COLOR, "line")] * self._low_shown)
         cum = np.zeros(len(s.index))
         for name in self.names:
             values = s.by_category.get(name)
-            if values is not None and len(values):
+            if values is not None and len(values) and np.any(values[high]):
                 cum = cum + values
-            self._fills[name].setData(step_x, step(cum))
+                self._fills[name].setData(step_x, step(cum))
+            else:  # nothing of it here: its fill would lie exactly under the one below it, so none is drawn
+                self._fills[name].setData([], [])
         self.total_line.setData(step_x, step(s.total))
         top = np.asarray(s.total, dtype=np.float64)
         if s.reserved is not None and len(s.reserved):
@@ -450,6 +524,7 @@ class TimelineWidget(QWidget):
             cum += parts.get(name, 0)
             self._fills[name].setData([0.0, 1.0], [cum / self.scale] * 2)
         self.total_line.setData([0.0, 1.0], [cum / self.scale] * 2)
+        self.low_line.setData([], [])
         reserved = rep.initial_reserved
         for item in (self.reserved_line, self.reserved_edge):
             item.setData(*(([0.0, 1.0], [reserved / self.scale] * 2) if reserved else ([], [])))

@@ -265,7 +265,12 @@ class Trace:
 
     @property
     def has_time(self) -> bool:
-        return bool(len(self.events)) and bool((self.events.time_us != NO_TIME).any())
+        """Whether any entry has a time (asked on every viewer frame: kept for the column it was asked of)."""
+        t = self.events.time_us
+        known = self.__dict__.get("_has_time")
+        if known is None or known[0] is not t:
+            known = self.__dict__["_has_time"] = (t, bool(len(t)) and bool((t != NO_TIME).any()))
+        return known[1]
 
     @property
     def recorder(self) -> dict | None:

@@ -37,6 +37,8 @@ class Series:
     by_category: dict  # name -> int64 bytes per point, in `names` order
     total: np.ndarray  # int64 allocated bytes per point
     reserved: np.ndarray | None  # int64 per point, None when the file does not say
+    # downsampled (see envelope): True where a point is the highest of its bucket; None: every entry is a point
+    peaks: np.ndarray | None = None
 
     @property
     def names(self) -> list:
@@ -54,7 +56,10 @@ def category_series(trace: Trace, device: int, max_points=None, start=None, end=
     lo = 0 if start is None else max(0, min(int(start), n))
     hi = n if end is None else max(lo, min(int(end), n))
     idx = envelope(rep.allocated, lo, hi, max_points)
-    return _series_at(trace, device, idx, rules)
+    out = _series_at(trace, device, idx, rules)
+    if max_points is not None and max_points >= 2 and hi - lo > max_points:
+        out.peaks = bucket_peaks(out.total, idx, lo, hi, max_points)
+    return out
 
 
 def categories_at(trace: Trace, device: int, indices, rules=None) -> dict:
@@ -149,6 +154,18 @@ def _event_category_steps(trace, device):
         initial = rep.initial_allocated if name == "other" else 0
         out[name] = _steps(np.flatnonzero(m), delta[m], initial)
     return out
+
+
+def bucket_peaks(values, idx, lo, hi, max_points) -> np.ndarray:
+    """Of envelope(curve, lo, hi, max_points)'s points `idx` with `values` = curve[idx]: True where a point
+    holds its bucket's most (both points of a flat bucket)."""
+    if not len(idx):
+        return np.zeros(0, bool)
+    buckets = int(max_points) // 2
+    bucket = (idx - lo) // -(-(hi - lo) // buckets)
+    starts = np.flatnonzero(np.diff(bucket, prepend=-1))
+    top = np.maximum.reduceat(values, starts)
+    return values >= np.repeat(top, np.diff(np.append(starts, len(idx))))
 
 
 def envelope(curve, lo, hi, max_points) -> np.ndarray:

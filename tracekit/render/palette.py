@@ -44,6 +44,7 @@ RESERVED_FILL = "#EFEFEF"  # reserved but not allocated (the caching allocator's
 FINDING_COLORS = {"peak": BLACK, "spike": VERMILLION, "leak": PURPLE, "oom": "#C00000",
                   "fragmentation": "#666666", "advice": BLUE}
 RESERVED_COLOR = "#444444"
+LOW_COLOR = "#9A9A9A"  # the curve's lowest entry per bucket, where a plot has fewer points than entries
 HIGHLIGHT_COLOR = "#000000"
 
 
