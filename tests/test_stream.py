@@ -382,3 +382,39 @@ def test_gzip_json_and_profiler_json_are_left_to_the_python_path_when_not_snapsh
     kineto = "tests/fixtures/real/kineto_trace_memory_v100_rank1.json.gz"
     monkeypatch.setenv("TRACEKIT_READER", "auto")
     assert load(kineto, use_cache=False).meta["reader"] == stream.PYTHON
+
+
+def _columns_snapshot():
+    """Columns that hold one value for a while and then another (stream, user_metadata set late, module
+    on one device only), over three devices; more than 255 distinct actions (the scanner's action codes
+    widen from one byte to four)."""
+    fr = [[{"filename": "m.py", "line": i, "name": f"f{i}"}] for i in range(5)]
+    d0 = [{"action": "alloc", "addr": 4096 * (i + 1), "size": 512, "stream": 0, "time_us": 10 + i,
+           "frames": fr[i % 3]} for i in range(40)]
+    d0 += [{"action": "free_completed", "addr": 4096 * (i + 1), "size": 512, "stream": 7, "time_us": 60 + i,
+            "frames": fr[(i * 7) % 5], "user_metadata": "late"} for i in range(20)]
+    d1 = [{"action": f"future_{i % 300}", "addr": 8, "size": 0, "stream": 3, "time_us": 100 + i,
+           "module": "model.layer", "forward_frames": fr[4]} for i in range(600)]
+    d1[599]["action"] = "alloc"
+    d2 = [{"action": "oom", "addr": 0, "size": 4, "device_free": 5 + i, "frames": fr[1]} for i in range(3)]
+    return {"segments": [], "device_traces": [d0, d1, d2]}
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 1, 7], ids=lambda c: f"chunk{c}")
+def test_columns_of_one_value_for_a_while_read_the_same(chunk, tmp_path, monkeypatch):
+    """The scanner keeps a column of one value as that value until another comes (and its action codes
+    in a byte below 256 distinct actions); the columns are mapped a chunk of rows at a time."""
+    monkeypatch.setattr(stream, "_CHUNK", chunk)
+    p = tmp_path / "c.pickle"
+    p.write_bytes(pickle.dumps(_columns_snapshot(), protocol=4))
+    old, new = both(p, monkeypatch)
+    assert new.meta["reader"] == stream.COMPILED
+    assert_same(old, new)
+    tape = stream.Tape(p.read_bytes())
+    assert tape.entries["stream"].strides != (0,) and tape.entries["category"].strides == (0,)
+    assert tape.entries["action"].dtype == np.int32 and len(tape._actions) == 303
+    one = stream.Tape(pickle.dumps(_snapshot(_columns_snapshot()["device_traces"][0]), protocol=4))
+    assert one.entries["action"].dtype == np.uint8 and one.entries["forward_frames"].strides == (0,)
+    p.write_text(json.dumps(_columns_snapshot()))
+    old, new = both(p, monkeypatch)
+    assert_same(old, new)

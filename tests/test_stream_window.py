@@ -338,3 +338,21 @@ def test_a_gzip_compressed_file_through_a_window(tmp_path):
         cut, streamed = cut_both_ways(str(p), window)
         assert_same(cut, streamed)
         assert streamed.meta["reader"] == stream.COMPILED_WINDOW
+
+
+@pytest.mark.parametrize("window", [Window(first=5, last=30), Window(first=45), Window(last=5), Window(first=598),
+                                    Window(last_us=30), Window(first=1, last=1)], ids=lambda w: w.describe())
+def test_columns_of_one_value_for_a_while_through_a_window(window, tmp_path, monkeypatch):
+    """The kept rows of a column that holds one value for a while (stream, user_metadata set late), and
+    action codes of more than 255 distinct actions, as the whole read's (see test_stream)."""
+    from .test_stream import _columns_snapshot
+
+    monkeypatch.setattr(stream, "_CHUNK", 4)
+    p = tmp_path / "c.pickle"
+    p.write_bytes(pickle.dumps(_columns_snapshot(), protocol=4))
+    cut, streamed = cut_both_ways(str(p), window)
+    assert type(cut) is type(streamed)
+    if isinstance(cut, str):
+        assert cut == streamed
+        return
+    assert_same(cut, streamed)

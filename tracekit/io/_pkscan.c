@@ -53,6 +53,114 @@ static int grow(Buf *b, Py_ssize_t more) {
 #define AT(b, T, i) (((T *)(b).p)[i])
 #define APPEND(b, T, v) (grow(&(b), 1) ? -1 : (AT(b, T, (b).n++) = (v), 0))
 
+/* -- the entries' columns -----------------------------------------------------------------------------
+ * An entry is read into a Row of the pending rows (those not yet appended to their device list: the
+ * current APPENDS batch), and goes into the columns when it is appended (in a window: when it is kept).
+ * Each column is a Col: while all its rows hold one value (most often stream, forward frames, the texts)
+ * it keeps that value and their count only (`lazy`), and is filled when another value comes; it is
+ * returned as one value then (see take_block). Entries' columns of 1 (action codes, see action_code),
+ * 4 or 8 bytes a row. */
+typedef struct { int64_t addr, size, stream, time; int32_t action, frames, fwd, um, cc, cat, mod; } Row;
+enum { C_ACTION, C_ADDR, C_SIZE, C_STREAM, C_TIME, C_FRAMES, C_FWD, C_UM, C_CC, C_CAT, C_MOD, N_COLS };
+static const uint8_t COL_SIZE[N_COLS] = {1, 8, 8, 8, 8, 4, 4, 4, 4, 4, 4};
+typedef struct { Buf b; int lazy; int64_t v; } Col;
+
+static inline void col_store(Col *c, Py_ssize_t i, int64_t v) {
+    switch (c->b.size) {
+    case 1: ((uint8_t *)c->b.p)[i] = (uint8_t)v; break;
+    case 4: ((int32_t *)c->b.p)[i] = (int32_t)v; break;
+    default: ((int64_t *)c->b.p)[i] = v;
+    }
+}
+
+static int col_fill(Col *c) {  /* a lazy column's rows written out */
+    Py_ssize_t n = c->b.n;
+    c->b.n = 0;
+    if (grow(&c->b, n)) { c->b.n = n; return -1; }
+    c->b.n = n;
+    c->lazy = 0;
+    if (c->b.size == 1) memset(c->b.p, (int)(uint8_t)c->v, (size_t)n);
+    else for (Py_ssize_t i = 0; i < n; i++) col_store(c, i, c->v);
+    return 0;
+}
+
+static inline int col_append(Col *c, int64_t v) {
+    if (c->lazy) {
+        if (!c->b.n || v == c->v) { c->v = v; c->b.n++; return 0; }
+        if (col_fill(c)) return -1;
+    }
+    if (c->b.n >= c->b.cap && grow(&c->b, 1)) return -1;
+    col_store(c, c->b.n++, v);
+    return 0;
+}
+
+static int col_widen(Col *c, Py_ssize_t size) {  /* 1-byte rows to `size` bytes, keeping their values */
+    if (!c->lazy && c->b.cap) {
+        char *p = PyMem_RawMalloc((size_t)c->b.cap * (size_t)size);
+        if (!p) return -1;
+        Col w = {{p, c->b.n, c->b.cap, size}, 0, 0};
+        for (Py_ssize_t i = 0; i < c->b.n; i++) col_store(&w, i, ((uint8_t *)c->b.p)[i]);
+        PyMem_RawFree(c->b.p);
+        c->b.p = p;
+    }
+    c->b.size = size;
+    return 0;
+}
+
+/* A block of memory the scanner made, handed to Python as it is (a writable buffer of bytes, freed with
+ * its last user): the columns are not copied, nor held twice. */
+typedef struct { PyObject_HEAD char *p; Py_ssize_t len; } Block;
+static char block_empty[8];
+static int block_getbuffer(PyObject *o, Py_buffer *view, int flags) {
+    Block *b = (Block *)o;
+    return PyBuffer_FillInfo(view, o, b->p ? b->p : block_empty, b->len, 0, flags);
+}
+static void block_dealloc(PyObject *o) {
+    PyMem_RawFree(((Block *)o)->p);
+    Py_TYPE(o)->tp_free(o);
+}
+static PyBufferProcs block_buffer = {block_getbuffer, NULL};
+static PyTypeObject BlockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tracekit.io._pkscan.Block",
+    .tp_basicsize = sizeof(Block),
+    .tp_dealloc = block_dealloc,
+    .tp_as_buffer = &block_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "memory the scanner made (a column), as a buffer of bytes",
+};
+
+/* The buffer as a Block (trimmed to its rows), taken from b. */
+static PyObject *take_block(Buf *b) {
+    Block *out = PyObject_New(Block, &BlockType);
+    if (!out) return NULL;
+    size_t len = (size_t)b->n * (size_t)b->size;
+    char *p = b->p;
+    if (p && len && (Py_ssize_t)len < b->cap * b->size) {
+        char *q = PyMem_RawRealloc(p, len);
+        if (q) p = q;
+    }
+    if (!len) { PyMem_RawFree(p); p = NULL; }
+    out->p = p;
+    out->len = (Py_ssize_t)len;
+    b->p = NULL;
+    b->n = b->cap = 0;
+    return (PyObject *)out;
+}
+
+/* A column as a Block: its rows, or its one value when lazy (and not empty). */
+static PyObject *take_col(Col *c) {
+    if (c->lazy && c->b.n) {
+        PyMem_RawFree(c->b.p);
+        c->b.p = NULL;
+        c->b.cap = 0;
+        if (grow(&c->b, 1)) { PyErr_NoMemory(); return NULL; }
+        c->b.n = 1;
+        col_store(c, 0, c->v);
+    }
+    return take_block(&c->b);
+}
+
 /* -- the pickle memo, compact ------------------------------------------------------------------------
  * Every memoized value (a 4-bit kind, a 28-bit id) may be referred back to by a later BINGET, so the
  * memo lives as long as the file is read: about 2.7 slots per trace entry in PyTorch's own pickles (the
@@ -103,7 +211,12 @@ typedef struct {
     PyObject *strings, *index, *keys, *escaped;  /* escaped: JSON string with escapes -> its id */
     Buf field_of, present;  /* per string id: field code; seen as an entry key */
     /* entries */
-    Buf action, addr, size, stream, time, frames, fwd, um, cc, cat, mod, df_row, df_kind, df_val;
+    Col col[N_COLS];  /* the appended (in a window: kept) entries' columns, nrows each */
+    Py_ssize_t nrows;
+    Buf pend;  /* the pending entries: Row of entry pend_base + i (an entry's id: its row, see new_entry) */
+    Py_ssize_t pend_base;
+    Buf act_code, act_sid;  /* action string id -> its code (1, 2, ...; 0: none yet) and back (code - 1) */
+    Buf df_row, df_kind, df_val;
     int64_t no_time;
     Buf dlists, order;  /* DList per device list; device lists in root order */
     Py_ssize_t appended;  /* the row of the next entry to append to its list */
@@ -117,7 +230,6 @@ typedef struct {
      * that grows with the runs, not the entries (see tracekit.analysis.phases.marked_iterations) */
     int w_record;
     Buf rec_um, rec_t, rec_pos, ours;  /* ours: per string id, 1 when it starts with "tracekit:iter=" */
-    Py_ssize_t w_row;  /* the next kept row: kept entries are moved down to it, the rest dropped */
     Py_ssize_t last_dl;
     Buf role;  /* per string id: 1 alloc, 2 free_completed, 3 segment grows, 4 segment shrinks, else 0 */
     Buf am_key, am_dev, am_state, am_table;  /* (device, address) of every alloc/free: 1 last was alloc */
@@ -217,7 +329,7 @@ static Py_ssize_t intern_str(S *s, PyObject *u) {
         Py_DECREF(head);
     }
     if (APPEND(s->field_of, uint8_t, f) || APPEND(s->present, uint8_t, 0) || APPEND(s->role, uint8_t, r) ||
-        APPEND(s->ours, uint8_t, ours))
+        APPEND(s->ours, uint8_t, ours) || APPEND(s->act_code, int32_t, 0))
         return -1;
     return i;
 }
@@ -539,15 +651,42 @@ static int64_t stack_of(S *s, Value v) {
 
 /* -- entries ------------------------------------------------------------------------------------- */
 
+/* A new entry: a pending Row. Its id (its row while pending) is pend_base + its place among the pending
+ * rows; pend_base is the rows in the columns when the last batch was all appended (so, in a window, the
+ * ids start again from the kept rows, as the rows of a whole read go on from the appended ones). */
 static int new_entry(S *s) {
-    Py_ssize_t row = s->action.n;
+    Py_ssize_t row = s->pend_base + s->pend.n;
     if (row >= LIMIT) return refuse(s, "too many entries");
-    if (APPEND(s->action, int32_t, -1) || APPEND(s->addr, int64_t, 0) || APPEND(s->size, int64_t, 0) ||
-        APPEND(s->stream, int64_t, 0) || APPEND(s->time, int64_t, s->no_time) || APPEND(s->frames, int32_t, 0) ||
-        APPEND(s->fwd, int32_t, 0) || APPEND(s->um, int32_t, -1) || APPEND(s->cc, int32_t, -1) ||
-        APPEND(s->cat, int32_t, -1) || APPEND(s->mod, int32_t, -1))
-        return -1;
+    Row r = {0, 0, 0, s->no_time, -1, 0, 0, -1, -1, -1, -1};
+    if (APPEND(s->pend, Row, r)) return -1;
     return push(s, K_ENTRY, row);
+}
+
+/* The code of an action string id (1, 2, ... in order of first use): one byte a row while there are
+ * fewer than 256 distinct actions, four from the 256th on. */
+static int64_t action_code(S *s, int32_t sid) {
+    int32_t *code = &AT(s->act_code, int32_t, sid);
+    if (!*code) {
+        if (APPEND(s->act_sid, int32_t, sid)) return -1;
+        *code = (int32_t)s->act_sid.n;
+        if (*code == 256 && col_widen(&s->col[C_ACTION], 4)) return -1;
+    }
+    return *code;
+}
+
+/* A pending entry into the columns, at row nrows. */
+static int commit(S *s, const Row *r) {
+    if (r->action < 0) return refuse(s, "an entry without an action");
+    int64_t code = action_code(s, r->action);
+    if (code < 0) return -1;
+    Col *c = s->col;
+    if (col_append(&c[C_ACTION], code) || col_append(&c[C_ADDR], r->addr) || col_append(&c[C_SIZE], r->size) ||
+        col_append(&c[C_STREAM], r->stream) || col_append(&c[C_TIME], r->time) ||
+        col_append(&c[C_FRAMES], r->frames) || col_append(&c[C_FWD], r->fwd) || col_append(&c[C_UM], r->um) ||
+        col_append(&c[C_CC], r->cc) || col_append(&c[C_CAT], r->cat) || col_append(&c[C_MOD], r->mod))
+        return -1;
+    s->nrows++;
+    return 0;
 }
 
 static int set_entry(S *s, Py_ssize_t row, Value k, Value v) {
@@ -556,26 +695,28 @@ static int set_entry(S *s, Py_ssize_t row, Value k, Value v) {
     int f = field(s, k);
     if (v.kind > K_TUPLE && !((f == F_FRAMES || f == F_FWD) && (v.kind == K_FLIST || v.kind == K_STACK)))
         return refuse(s, "a trace entry, frame or frames list used elsewhere");
+    Row *r = &AT(s->pend, Row, row - s->pend_base);
     switch (f) {
     case F_ACTION:
         if (v.kind != K_STR) return refuse(s, "an action that is not a string");
-        AT(s->action, int32_t, row) = (int32_t)v.val;
+        r->action = (int32_t)v.val;
         AT(s->present, uint8_t, v.val) |= 2;  /* an action's name (its unknown ones are listed) */
         break;
     case F_ADDR: case F_SIZE: case F_STREAM: case F_TIME:
         if (v.kind != K_INT) return refuse(s, "an entry's number of an unusual type");
         if (f == F_ADDR && v.val < 0) return refuse(s, "a negative address");
-        AT(f == F_ADDR ? s->addr : f == F_SIZE ? s->size : f == F_STREAM ? s->stream : s->time, int64_t, row) = v.val;
+        *(f == F_ADDR ? &r->addr : f == F_SIZE ? &r->size : f == F_STREAM ? &r->stream : &r->time) = v.val;
         break;
     case F_FRAMES: case F_FWD: {
         int64_t id = stack_of(s, v);
         if (id < 0) return -1;
-        AT(f == F_FRAMES ? s->frames : s->fwd, int32_t, row) = (int32_t)id;
+        r = &AT(s->pend, Row, row - s->pend_base);  /* (not moved: no pending row is added meanwhile) */
+        *(f == F_FRAMES ? &r->frames : &r->fwd) = (int32_t)id;
         break;
     }
     case F_UM: case F_CC: case F_CAT: case F_MOD:
         if (v.kind != K_STR) return refuse(s, "an entry's text of an unusual type");
-        AT(f == F_UM ? s->um : f == F_CC ? s->cc : f == F_CAT ? s->cat : s->mod, int32_t, row) = (int32_t)v.val;
+        *(f == F_UM ? &r->um : f == F_CC ? &r->cc : f == F_CAT ? &r->cat : &r->mod) = (int32_t)v.val;
         break;
     case F_DFREE:
         if (APPEND(s->df_row, int32_t, (int32_t)row) || APPEND(s->df_kind, uint8_t, v.kind) ||
@@ -607,7 +748,8 @@ static int set_frame_fields(S *s, PFrame *f, Value k, Value v) {
 /* SETITEM(S): `k`, `v` into the container `c` at stack position `pos`. */
 static int set_item(S *s, Value c, Py_ssize_t pos, Value k, Value v) {
     if (c.kind == K_ENTRY) {
-        if (c.val >= s->action.n) return refuse(s, "a trace entry changed after use");
+        if (c.val < s->appended || c.val >= s->pend_base + s->pend.n)
+            return refuse(s, "a trace entry changed after use");
         return set_entry(s, c.val, k, v);
     }
     if (c.kind == K_FRAME_OPEN) {
@@ -647,12 +789,6 @@ static uint8_t *am_slot(S *s, int32_t dev, uint64_t addr) {
         return NULL;
     t[h] = (int32_t)n + 1;
     return &AT(s->am_state, uint8_t, n);
-}
-
-static Buf *row_columns(S *s, int i) {
-    Buf *c[] = {&s->action, &s->addr, &s->size, &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat,
-                &s->mod};
-    return i < 11 ? c[i] : NULL;
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -716,15 +852,16 @@ static PyObject *am_touched(S *s, Py_ssize_t dl) {
     return out;
 }
 
-/* Entry `row` is appended to device list `dl` (at its next position): fold it, then keep or drop it. */
-static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
+/* Entry `row` (its pending Row r) is appended to device list `dl` (at its next position): fold it, then
+ * keep it (into the columns) or drop it. */
+static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row, const Row *r) {
     if (d->pos && s->last_dl != dl) return refuse(s, "a device trace's entries interleaved");
     s->last_dl = dl;
     int64_t pos = d->pos++;
-    int32_t a = AT(s->action, int32_t, row);
+    int32_t a = r->action;
     if (a < 0) return refuse(s, "an entry without an action");
-    int64_t size = AT(s->size, int64_t, row), t = AT(s->time, int64_t, row);
-    uint64_t addr = (uint64_t)AT(s->addr, int64_t, row);
+    int64_t size = r->size, t = r->time;
+    uint64_t addr = (uint64_t)r->addr;
     if (size < 0 || size > s->max_size) return refuse(s, "an entry's size out of range");
     d->sizesum += (double)size;
     if (d->sizesum >= 4611686018427387904.0) return refuse(s, "sizes adding up beyond 2**62");
@@ -741,7 +878,7 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
         hi = AT(s->w_ranges, int64_t, 2 * dl + 1);
     }
     if (s->w_record) {
-        int32_t um = AT(s->um, int32_t, row);
+        int32_t um = r->um;
         if (!pos) { d->rec_start = s->rec_pos.n; d->rec_tstart = s->rec_t.n; }
         if (!pos || um != d->rec_last) {
             if (APPEND(s->rec_pos, int64_t, pos) || APPEND(s->rec_um, int32_t, um)) return -1;
@@ -771,8 +908,7 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
         s->fu_last_dl = dl;
         for (int i = 0; i < 6; i++) s->fu_last[i] = INT64_MIN;
     }
-    int32_t used[6] = {AT(s->frames, int32_t, row), AT(s->fwd, int32_t, row), AT(s->um, int32_t, row),
-                       AT(s->cc, int32_t, row), AT(s->cat, int32_t, row), AT(s->mod, int32_t, row)};
+    int32_t used[6] = {r->frames, r->fwd, r->um, r->cc, r->cat, r->mod};
     for (int i = 0; i < 6; i++) {
         if (used[i] == s->fu_last[i] || (i < 2 && !used[i])) continue;
         s->fu_last[i] = used[i];
@@ -784,27 +920,17 @@ static int window_entry(S *s, DList *d, Py_ssize_t dl, Py_ssize_t row) {
             APPEND(s->fu_id, int32_t, used[i]))
             return -1;
     }
-    Py_ssize_t w = s->w_row;
-    if (d->lo_found && pos < hi) {  /* kept: moved down to row w */
+    Py_ssize_t w = s->nrows;
+    if (d->lo_found && pos < hi) {  /* kept: into the columns, at row w */
         if (!d->count) d->first = w;
-        if (row != w) {
-            for (int i = 0; i < 11; i++) {
-                Buf *b = row_columns(s, i);
-                memcpy(b->p + w * b->size, b->p + row * b->size, (size_t)b->size);
-            }
+        if (commit(s, r)) return -1;
+        if (row != w)
             for (Py_ssize_t i = s->df_row.n - 1; i >= 0 && AT(s->df_row, int32_t, i) >= row; i--)
                 if (AT(s->df_row, int32_t, i) == row) AT(s->df_row, int32_t, i) = (int32_t)w;
-        }
         d->count++;
-        s->w_row = w + 1;
     } else {
         for (Py_ssize_t i = s->df_row.n - 1; i >= 0 && AT(s->df_row, int32_t, i) >= row; i--)
             if (AT(s->df_row, int32_t, i) == row) AT(s->df_row, int32_t, i) = -1;
-    }
-    s->appended = row + 1;
-    if (row == s->action.n - 1) {  /* no entry is pending: the dropped rows' room is given back */
-        for (int i = 0; i < 11; i++) row_columns(s, i)->n = s->w_row;
-        s->appended = s->w_row;
     }
     return 0;
 }
@@ -842,12 +968,20 @@ static int append_item(S *s, Value c, Value v) {
         if (v.kind != K_ENTRY) return refuse(s, "a device trace holding a non-entry");
         if (v.val != s->appended) return refuse(s, "entries out of order or listed twice");
         if (d->appended) return refuse(s, "a device trace changed after use");
-        if (s->windowed) return v.val < s->action.n ? window_entry(s, d, c.val, v.val)
-                                                    : refuse(s, "a trace entry listed twice");
-        if (!d->count) d->first = v.val;
-        else if (d->first + d->count != v.val) return refuse(s, "a device trace's entries interleaved");
-        d->count++;
-        s->appended++;
+        if (v.val >= s->pend_base + s->pend.n) return refuse(s, "a trace entry listed twice");
+        const Row *r = &AT(s->pend, Row, v.val - s->pend_base);
+        if (s->windowed) {
+            if (window_entry(s, d, c.val, v.val, r)) return -1;
+        } else {
+            if (!d->count) d->first = s->nrows;
+            else if (d->first + d->count != s->nrows) return refuse(s, "a device trace's entries interleaved");
+            if (commit(s, r)) return -1;
+            d->count++;
+        }
+        if (++s->appended == s->pend_base + s->pend.n) {  /* no entry is pending: the next ids go on from the rows */
+            s->pend.n = 0;
+            s->pend_base = s->appended = s->nrows;
+        }
         return 0;
     }
     if (c.kind == K_OLIST) {
@@ -978,14 +1112,15 @@ static PyObject *take(Buf *b) {
 
 static void release(S *s) {
     Buf *all[] = {&s->stack, &s->marks, &s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent,
-                  &s->ekey, &s->ekind, &s->eval, &s->field_of, &s->present, &s->action, &s->addr, &s->size,
-                  &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc, &s->cat, &s->mod, &s->df_row,
+                  &s->ekey, &s->ekind, &s->eval, &s->field_of, &s->present, &s->pend, &s->act_code, &s->act_sid,
+                  &s->df_row,
                   &s->df_kind, &s->df_val, &s->dlists, &s->order, &s->pframes, &s->plists, &s->pfids, &s->f_name,
                   &s->f_file, &s->f_line, &s->f_table, &s->s_off, &s->s_fids, &s->s_hash, &s->s_table,
                   &s->node_mark, &s->sc_table, &s->sc_off, &s->sc_len, &s->sc_sid, &s->sc_hash, &s->arena,
                   &s->role, &s->fz, &s->am_key, &s->am_dev, &s->am_state, &s->am_table, &s->fu_dl, &s->fu_col,
                   &s->fu_id, &s->w_ranges, &s->rec_um, &s->rec_t, &s->rec_pos, &s->ours};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) { PyMem_RawFree(all[i]->p); all[i]->p = NULL; }
+    for (int i = 0; i < N_COLS; i++) { PyMem_RawFree(s->col[i].b.p); s->col[i].b.p = NULL; }
     PyMem_RawFree(s->buf);
     s->buf = NULL;
     memo_free(&s->memo);
@@ -1032,8 +1167,8 @@ static int setup(S *s, PyObject *args) {
     s->nkind.size = 1; s->nfirst.size = 4; s->nlast.size = 4; s->ncount.size = 4;
     s->eparent.size = 4; s->ekey.size = 4; s->ekind.size = 1; s->eval.size = 8;
     s->field_of.size = s->present.size = 1;
-    s->action.size = s->frames.size = s->fwd.size = s->um.size = s->cc.size = s->cat.size = s->mod.size = 4;
-    s->addr.size = s->size.size = s->stream.size = s->time.size = 8;
+    for (int i = 0; i < N_COLS; i++) { s->col[i].b.size = COL_SIZE[i]; s->col[i].lazy = 1; }
+    s->pend.size = sizeof(Row); s->act_code.size = s->act_sid.size = 4;
     s->df_row.size = 4; s->df_kind.size = 1; s->df_val.size = 8;
     s->dlists.size = sizeof(DList); s->order.size = 4;
     s->pframes.size = sizeof(PFrame); s->plists.size = sizeof(PList); s->pfids.size = 4;
@@ -1065,7 +1200,7 @@ static PyObject *finish(S *s, Value top) {
     if (top.kind != K_DICT) return refuse(s, "the top level is not a dict"), NULL;
     if (s->olist_made && !(s->dt_set && s->root == top.val))
         return refuse(s, "device traces outside the top level"), NULL;
-    if (s->appended != s->action.n) return refuse(s, "a trace entry outside its device trace"), NULL;
+    if (s->appended != s->pend_base + s->pend.n) return refuse(s, "a trace entry outside its device trace"), NULL;
     if (s->open_frames || s->open_lists) return refuse(s, "a frame or frames list left unused"), NULL;
     for (Py_ssize_t i = 0; i < s->dlists.n; i++)
         if (AT(s->dlists, DList, i).count && !AT(s->dlists, DList, i).appended)
@@ -1081,14 +1216,16 @@ static PyObject *finish(S *s, Value top) {
     PyMem_RawFree(s->stack.p); PyMem_RawFree(s->buf);
     s->stack.p = s->buf = NULL;
     memo_free(&s->memo);
+    PyMem_RawFree(s->pend.p);
+    s->pend.p = NULL;
     Buf *outs[] = {&s->nkind, &s->nfirst, &s->nlast, &s->ncount, &s->eparent, &s->ekey, &s->ekind, &s->eval,
-                   &s->action, &s->addr, &s->size, &s->stream, &s->time, &s->frames, &s->fwd, &s->um, &s->cc,
-                   &s->cat, &s->mod, &s->df_row, &s->df_kind, &s->df_val, &s->present, &s->f_file, &s->f_line,
+                   NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,  /* the columns */
+                   &s->df_row, &s->df_kind, &s->df_val, &s->present, &s->f_file, &s->f_line,
                    &s->f_name, &s->s_off, &s->s_fids};
     enum { NO = sizeof outs / sizeof *outs };
     PyObject *folds = s->windowed ? window_result(s) : Py_NewRef(Py_None);
     if (!folds) { Py_DECREF(devices); return NULL; }
-    PyObject *tuple = PyTuple_New(NO + 14);
+    PyObject *tuple = PyTuple_New(NO + 17);
     if (!tuple) { Py_DECREF(folds); Py_DECREF(devices); return NULL; }
     PyTuple_SET_ITEM(tuple, NO + 5, folds);
     PyTuple_SET_ITEM(tuple, NO + 6, take(&s->am_dev));
@@ -1099,15 +1236,18 @@ static PyObject *finish(S *s, Value top) {
     PyTuple_SET_ITEM(tuple, NO + 11, take(&s->rec_um));
     PyTuple_SET_ITEM(tuple, NO + 12, take(&s->rec_t));
     PyTuple_SET_ITEM(tuple, NO + 13, take(&s->rec_pos));
+    PyTuple_SET_ITEM(tuple, NO + 14, PyLong_FromSsize_t(s->nrows));
+    PyTuple_SET_ITEM(tuple, NO + 15, take(&s->act_sid));
+    PyTuple_SET_ITEM(tuple, NO + 16, PyLong_FromSsize_t(s->col[C_ACTION].b.size));
     PyTuple_SET_ITEM(tuple, 0, PyLong_FromLong(top.kind));
     PyTuple_SET_ITEM(tuple, 1, PyLong_FromLongLong(top.val));
     PyTuple_SET_ITEM(tuple, 2, Py_NewRef(s->strings));
     PyTuple_SET_ITEM(tuple, 3, Py_NewRef(s->keys));
     PyTuple_SET_ITEM(tuple, 4, devices);
     int ok = 1;
-    for (int i = NO + 6; i < NO + 14; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
+    for (int i = NO + 6; i < NO + 17; i++) ok &= PyTuple_GET_ITEM(tuple, i) != NULL;
     for (int i = 0; i < NO; i++) {
-        PyObject *b = take(outs[i]);
+        PyObject *b = outs[i] ? take(outs[i]) : take_col(&s->col[i - 8]);
         ok &= b != NULL;
         PyTuple_SET_ITEM(tuple, 5 + i, b ? b : Py_NewRef(Py_None));
     }
@@ -1500,4 +1640,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pkscan", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__pkscan(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__pkscan(void) {
+    if (PyType_Ready(&BlockType) < 0) return NULL;
+    return PyModule_Create(&module);
+}

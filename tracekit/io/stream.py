@@ -53,8 +53,10 @@ PYTHON = "restricted unpickler (Python)"
 COMPILED_WINDOW = "streaming (compiled scanner), keeping only the window's entries"
 _ENTRY_COLUMNS = ("action", "addr", "size", "stream", "time_us", "frames", "forward_frames", "user_metadata",
                   "compile_context", "category", "module", "df_row", "df_kind", "df_val", "present")
-_DTYPES = dict(zip(_ENTRY_COLUMNS, (np.int32, np.int64, np.int64, np.int64, np.int64, np.int32, np.int32, np.int32,
+_DTYPES = dict(zip(_ENTRY_COLUMNS, (np.uint8, np.int64, np.int64, np.int64, np.int64, np.int32, np.int32, np.int32,
                                     np.int32, np.int32, np.int32, np.int32, np.uint8, np.int64, np.uint8)))
+_ROW_COLUMNS = _ENTRY_COLUMNS[:11]  # one row per kept entry (the rest: per device_free set, per string)
+_CHUNK = 1 << 20  # rows mapped at a time: the temporaries of a mapping stay small
 
 
 class Unsupported(Exception):
@@ -141,7 +143,13 @@ class Tape:
         # scalar access for the small part made into Python objects
         self._first, self._last, self._count = (memoryview(b).cast("i") for b in (nfirst, nlast, ncount))
         self._k, self._kind, self._v = memoryview(ek).cast("i"), memoryview(ekind), memoryview(ev).cast("q")
-        self.entries = {k: np.frombuffer(b, _DTYPES[k]) for k, b in zip(_ENTRY_COLUMNS, out[13:28])}
+        # the entries' columns; a column of one value throughout comes as that value (see _pkscan.c's Col);
+        # action: codes, 1 + its place in self._actions (the action string ids), one byte each below 256 codes
+        rows, self._actions, width = out[42], np.frombuffer(out[43], np.int32), out[44]
+        self.entries = {}
+        for k, b in zip(_ENTRY_COLUMNS, out[13:28]):
+            a = np.frombuffer(b, np.int32 if k == "action" and width == 4 else _DTYPES[k])
+            self.entries[k] = constant_column(a[0], rows, a.dtype) if k in _ROW_COLUMNS and len(a) != rows else a
         f_file, f_line, f_name, s_off, s_fids = out[28:33]
         self.f_file, self.f_name = np.frombuffer(f_file, np.int32), np.frombuffer(f_name, np.int32)
         self.f_line = np.frombuffer(f_line, np.int64)
@@ -251,7 +259,9 @@ class Tape:
         """The event columns of one device's entries (rows [first, first + count) of the scanner's).
 
         In a window, the stacks and strings of all the device's entries, kept or not, are interned
-        as a read of the whole file interns them, so the numbering is the same."""
+        as a read of the whole file interns them, so the numbering is the same. After the last device
+        list, each scanner column is let go as soon as its event column is made (so that a big file's
+        read holds little more than its trace)."""
         first, n = rows
         uses = [None] * 6
         if self.folds is not None:
@@ -269,47 +279,55 @@ class Tape:
         if not n:
             return None
         sl = slice(first, first + n)
-        c = {k: v[sl] for k, v in self.entries.items() if k not in ("df_row", "df_kind", "df_val", "present")}
-        strings = self.strings
-        if (c["action"] < 0).any():
-            raise Unsupported("an entry without an action")
-        names = np.unique(c["action"])
-        codes = np.array([ACTION.get(strings[s], OTHER) for s in names.tolist()], np.int8)
-        lut = np.zeros(int(names[-1]) + 1, np.int8)
-        lut[names] = codes
-        action = lut[c["action"]]
+        last = device == len(self.devices) - 1
+        e, strings = self.entries, self.strings
+
+        def take(name):  # this device's rows of a scanner column (let go after the last device's)
+            return (e.pop(name) if last else e[name])[sl]
+
+        # every kept entry has an action (the scanner refuses one without): its code, mapped
+        lut = np.array([OTHER] + [ACTION.get(strings[s], OTHER) for s in self._actions.tolist()], np.int8)
+        action = _mapped(lut, take("action"), np.int8, full=True)
         what = f"device {device} entry"
         # a column of one value throughout (device, most often stream, the texts, device_free) takes no memory
-        col = {"device": constant_column(device, n, np.int32), "index": np.arange(n, dtype=np.int64),
-               "action": action, "addr": c["addr"].view(np.uint64), "size": c["size"],
-               "stream": compact_column(c["stream"]), "time_us": c["time_us"]}
+        col = {"device": constant_column(device, n, np.int32), "action": action,
+               "addr": _full(take("addr")).view(np.uint64), "size": _full(take("size")),
+               "stream": compact_column(take("stream")), "time_us": _full(take("time_us"))}
         check_sizes(col["size"], what)
         t = col["time_us"]
-        if ((t != NO_TIME) & ((t >= MAX_TIME) | (t <= -MAX_TIME))).any():
-            raise Unsupported("a time out of range")
+        for s in _chunks(n):
+            x = t[s]
+            if ((x != NO_TIME) & ((x >= MAX_TIME) | (x <= -MAX_TIME))).any():
+                raise Unsupported("a time out of range")
         # in the order the Python path interns them (frames, texts, forward frames, module)
-        col["stack_id"] = self._stacks(c["frames"], it, uses[0])
+        col["stack_id"] = self._stacks(take("frames"), it, uses[0])
         for name, u in zip(("user_metadata", "compile_context", "category"), uses[2:5]):
-            col[name] = self._texts(c[name], it, u)
+            col[name] = self._texts(take(name), it, u)
         col["device_free"] = self._device_free(action, first, n)
-        col["forward_stack_id"] = self._stacks(c["forward_frames"], it, uses[1])
-        col["module"] = self._texts(c["module"], it, uses[5])
+        col["forward_stack_id"] = self._stacks(take("forward_frames"), it, uses[1])
+        col["module"] = self._texts(take("module"), it, uses[5])
+        col["index"] = np.arange(n, dtype=np.int64)  # last: the scanner's columns are gone by now
         return col
 
     def _texts(self, sids, it, used=None):
         """The Interner's ids of scanner string ids (-1: absent, read as ""); `used`: all the ids to intern."""
-        distinct = unique_ids(sids if used is None else used)
+        distinct = _distinct(sids) if used is None else unique_ids(used)
         ids = np.array([it.strings.intern(self.strings[s] if s >= 0 else "") for s in distinct.tolist()], np.int32)
         if not len(sids):
             return ids[:0]
+        if _constant(sids):
+            return constant_column(ids[np.searchsorted(distinct, sids[0])], len(sids), np.int32)
         if used is None and len(distinct) == 1:
             return constant_column(ids[0], len(sids), np.int32)
         lo = int(distinct[0]) if len(distinct) else 0
         if len(distinct) and int(distinct[-1]) - lo <= 4 * len(sids) + 65536:  # a table over the range
             table = np.zeros(int(distinct[-1]) - lo + 1, np.int32)
             table[distinct.astype(np.int64) - lo] = ids
-            return table[sids.astype(np.int64) - lo]
-        return ids[np.searchsorted(distinct, sids)]
+            return _mapped(table, sids, np.int32, lo=lo)
+        out = np.empty(len(sids), np.int32)
+        for s in _chunks(len(sids)):
+            out[s] = ids[np.searchsorted(distinct, sids[s])]
+        return out
 
     def _device_free(self, action, first, n):
         """device_free of the oom entries (the last value set wins), 0 elsewhere."""
@@ -332,8 +350,7 @@ class Tape:
         """The Interner's stack ids of scanner stack ids + 1 (0: none), interned in order of first use
         (`used`: all the ids to intern, in that order)."""
         if used is None:
-            distinct, first = unique_ids(ids, return_index=True)
-            used = distinct[np.argsort(first)]
+            used = _first_used(ids)
         top = max(int(ids.max()) if len(ids) else 0, int(used.max()) if len(used) else 0)
         lut = np.full(top + 1, -1, np.int32)
         strings, f_file, f_line, f_name = self.strings, self.f_file, self.f_line, self.f_name
@@ -348,6 +365,57 @@ class Tape:
                 sid = it._stack_ids.get(key)
                 sid = self._stack_of[i] = sid if sid is not None else it._new_stack(key)
             lut[i] = sid
-        if len(used) == 1 and len(ids) > 1 and (ids == used[0]).all():  # e.g. no forward frames at all
-            return constant_column(lut[used[0]], len(ids), np.int32)
-        return lut[ids]
+        if len(ids) > 1 and (_constant(ids) or len(used) == 1 and (ids == used[0]).all()):  # e.g. no forward frames
+            return constant_column(lut[ids[0]], len(ids), np.int32)
+        return _mapped(lut, ids, np.int32)
+
+
+def _chunks(n):
+    """Slices of [0, n), _CHUNK rows each."""
+    return (slice(i, min(i + _CHUNK, n)) for i in range(0, n, _CHUNK))
+
+
+def _constant(a) -> bool:
+    """Whether `a` is a column of one value (a constant_column, as the scanner gives such a column)."""
+    return a.ndim == 1 and len(a) > 0 and a.strides == (0,)
+
+
+def _full(a):
+    """`a` as an array of its own (a constant column written out): the columns the Trace keeps as arrays."""
+    return np.full(len(a), a[0], a.dtype) if _constant(a) and len(a) > 1 else a
+
+
+def _mapped(table, ids, dtype, lo=0, full=False):
+    """table[ids - lo], a chunk at a time (no index array as wide as the column); a constant column stays
+    one (unless `full`)."""
+    n = len(ids)
+    if n > 1 and _constant(ids):
+        v = table[int(ids[0]) - lo]
+        return np.full(n, v, dtype) if full else constant_column(v, n, dtype)
+    out = np.empty(n, dtype)
+    for s in _chunks(n):
+        x = ids[s]
+        np.take(table, x - x.dtype.type(lo) if lo else x, out=out[s])
+    return out
+
+
+def _distinct(ids):
+    """unique_ids(ids), a chunk at a time."""
+    if _constant(ids):
+        return ids[:1].copy()
+    if len(ids) <= _CHUNK:
+        return unique_ids(ids)
+    return unique_ids(np.concatenate([unique_ids(ids[s]) for s in _chunks(len(ids))]))
+
+
+def _first_used(ids):
+    """The distinct ids in order of first use, a chunk at a time."""
+    if _constant(ids):
+        return ids[:1].copy()
+    parts, seen = [], set()
+    for s in _chunks(len(ids)):
+        distinct, first = unique_ids(ids[s], return_index=True)
+        order = distinct[np.argsort(first, kind="stable")]
+        parts.append(order if not seen else np.array([i for i in order.tolist() if i not in seen], ids.dtype))
+        seen.update(order.tolist())
+    return np.concatenate(parts) if parts else ids[:0]
