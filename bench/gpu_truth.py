@@ -268,7 +268,8 @@ def _run_case(c, a, work, res_dir):
         args = c["argv"]
     for f, old, new in c.get("edits", []):
         p = os.path.join(cwd, f)
-        open(p, "w").write(open(p).read().replace(old, new))
+        text = open(p).read()  # read before opening for writing: open(p, "w") truncates it first
+        open(p, "w").write(text.replace(old, new))
         row["edited"] = f"{f}: {old} -> {new}"
     before = set(glob.glob(os.path.join(tmp, "**", "*"), recursive=True))
     pp = [os.path.join(cwd, x) for x in c.get("pythonpath", [])]

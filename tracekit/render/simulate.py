@@ -71,8 +71,8 @@ def simulate_text(out: dict) -> str:
     lines += ["", "How", f"  - peak allocated: {s['how']['peak_allocated_bytes']}",
               f"  - {s['how']['window']}", f"  - categories: {s['how']['categories_at_peak']}",
               f"  - peak reserved: {s['how'].get('peak_reserved_bytes')}",
-              "  - not modelled: the CUDA context, transient buffers inside CUDA kernels (reduction staging, "
-              "cuDNN workspaces), other processes on the GPU"]
+              "  - not modelled: the CUDA context (never in the allocator's peaks), cuDNN's workspaces, "
+              "other processes on the GPU"]
     return "\n".join(lines)
 
 

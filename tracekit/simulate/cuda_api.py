@@ -16,7 +16,8 @@ class Properties:
 
     def __init__(self, card, index):
         self.name = card.device_name
-        self.total_memory = card.memory
+        from . import ledger
+        self.total_memory = ledger.total_memory(card) if card.context_bytes else card.memory
         self.major, self.minor = card.sm
         self.multi_processor_count = card.sms
         self.is_integrated = False
@@ -203,7 +204,7 @@ def make_api(session):
 
     def mem_get_info(device=None):
         d = S.device(idx(device))
-        return (d.device_free(), S.card.memory)
+        return (d.device_free(), d.total)
 
     def memory_allocated(device=None):
         return S.device(idx(device)).allocator.allocated
@@ -259,11 +260,12 @@ def make_api(session):
             raise TypeError("Invalid type for fraction argument, must be `float`")
         if fraction < 0 or fraction > 1:
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        S.device(idx(device)).allocator.allowed = int(fraction * S.card.memory)
+        d = S.device(idx(device))
+        d.allocator.allowed = int(fraction * d.total)
 
     def get_per_process_memory_fraction(device=None):
         a = S.device(idx(device)).allocator
-        return 1.0 if a.allowed is None else a.allowed / S.card.memory
+        return 1.0 if a.allowed is None else a.allowed / S.device(idx(device)).total
 
     def get_device_properties(device=None):
         return Properties(S.card, idx(device))

@@ -35,6 +35,7 @@ from types import FrameType
 from ..errors import TracekitError
 
 ALIGN = 512
+TOP_DOWN_START = 0x7FF500000000  # the first segment's end (an H100's first cudaMalloc lands near 0x7ff49...)
 MAX_SHADOW = 1 << 20  # elements: tensors up to this size carry real values when their inputs do
 MAX_VALUE_FREE = 1 << 16  # elements: ones_like / zeros_like / isfinite outputs given values without inputs' values
 HOST = -1  # a storage on the host (not counted)
@@ -163,8 +164,18 @@ class SimDevice:
         self.clock = clock
         self.metadata = metadata  # callable: the user_metadata string now
         self.alog = []
-        usable = max(0, card.memory - card.context_bytes)
-        self.allocator = Allocator(config, Device(capacity=usable, total_memory=card.memory), log=self.alog)
+        from . import ledger
+        # what the process holds outside the allocator (ledger.py, measured): none for `--gpu none` and the
+        # estimate's own runs (cards with no context share)
+        self.measured = bool(card.context_bytes)
+        self.total = ledger.total_memory(card) if self.measured else card.memory
+        self.stages = set()  # "kernels", "cublas", "cublaslt", "<sdpa backend>" once they have happened
+        self.sdpa_used = dict  # -> the SDPA backends run so far (the session's composites)
+        self.outside_read = False  # the ledger was read (mem_get_info, an OOM): said at the end
+        usable = max(0, self.total - self.outside())
+        self._low = TOP_DOWN_START
+        self.allocator = Allocator(config, Device(capacity=usable, total_memory=self.total, addresses=self._top_down),
+                                   log=self.alog)
         self.config = config
         self.entries = []  # every entry since the start
         self.history = None  # torch's history (a list) while recording
@@ -181,6 +192,28 @@ class SimDevice:
         self.num_frees = 0
         self.oom_observers = []
         self.fraction = None
+
+    def outside(self) -> int:
+        """Bytes the CUDA context and the libraries hold now (ledger.py)."""
+        from . import ledger
+        if not self.measured:
+            return 0
+        return ledger.outside(self.stages | set(self.sdpa_used()))
+
+    def stage(self, name):
+        """Something that loads memory outside the allocator happened (the first kernel, the first cuBLAS call...)."""
+        if name not in self.stages:
+            self.stages.add(name)
+            self.allocator.device.capacity = max(0, self.total - self.outside())
+
+    def _top_down(self, size, stream, small, expandable):
+        """A new segment's address as cudaMalloc gives it (measured on an H100, driver 580): below the last one, so the
+        caching allocator's ties between free blocks of one size (the lower address wins) fall on the newest
+        segment, as on the GPU. Expandable segments keep the model's own addresses."""
+        if expandable:
+            return None
+        self._low -= -(-int(size) // (2 << 20)) * (2 << 20)
+        return self._low
 
     # trace entries ---------------------------------------------------------------------------
     def _emit(self, action, addr, size, stream, frames):
@@ -291,10 +324,10 @@ class SimDevice:
             self.history[-1]["device_free"] = free
         for fn in list(self.oom_observers):
             try:
-                fn(self.index, rounded, self.card.memory - free, free)
+                fn(self.index, rounded, self.total - free, free)
             except Exception:
                 pass
-        total = self.card.memory
+        total = self.total
         used = total - free
         limit = ""
         if a.allowed is not None:
@@ -309,7 +342,10 @@ class SimDevice:
         raise torch.OutOfMemoryError(msg)
 
     def device_free(self) -> int:
-        return max(0, self.card.memory - self.card.context_bytes - self.allocator.reserved)
+        """cudaMemGetInfo's free: the total less the ledger (ledger.py) and what the allocator reserved."""
+        self.outside_read = True
+        self.allocator.device.capacity = max(0, self.total - self.outside())
+        return max(0, self.total - self.outside() - self.allocator.reserved)
 
     # torch.cuda's figures ----------------------------------------------------------------------
     def reset_peaks(self):
@@ -429,8 +465,9 @@ class Session:
                                    f"{self.ndevices} device{'s' if self.ndevices != 1 else ''})")
             d = self.devices[index] = SimDevice(index, self.card, self.config, self.now,
                                                 lambda: (self.metadata, self.user_metadata))
+            d.sdpa_used = lambda: getattr(getattr(self, "composites", None), "used", None) or {}
             if self.fraction is not None:
-                d.allocator.allowed = int(self.fraction * self.card.memory)
+                d.allocator.allowed = int(self.fraction * d.total)
         return d
 
     fraction = None
@@ -594,7 +631,11 @@ class Session:
         return d.allocator.peak_allocated if d else 0
 
     def summary_assumptions(self) -> list:
+        from . import ledger
         out = []
+        for d in self.devices.values():
+            if d.outside_read and d.measured:
+                out.append(ledger.assumption(d.stages | set(d.sdpa_used())) + f" (cuda:{d.index})")
         for (what, where), n in sorted(self.assumptions.items(), key=lambda kv: -kv[1]):
             out.append(f"{what}{(' at ' + where) if where else ''}{f' ({n}x)' if n > 1 else ''}")
         return out
@@ -752,6 +793,9 @@ def _tracker_class():
     TOPK = aten.topk.default
     HISTC = aten.histc.default
     GROUPED_MM = getattr(aten, "_grouped_mm", None) and aten._grouped_mm.default
+    # ops that launch no kernel (an empty tensor, a host-to-device copy is a cudaMemcpy): the ledger's first kernel
+    NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten._to_copy.default, aten.copy_.default,
+                 aten.empty_like.default, aten.new_empty.default, aten.new_empty_strided.default}
     from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense
 
     class Tracker(TorchDispatchMode):
@@ -936,10 +980,14 @@ def _tracker_class():
                     self._maybe_accumulation(args, kwargs, out)
                 elif func in INPLACE_IN_CUDA:
                     self._maybe_subclass_copy(args, out)
+                if not s.cpu_run and func not in NO_KERNEL:
+                    s.device(target).stage("kernels")
                 if func in ck.GEMM_OPS and not s.cpu_run:
                     self._workspace("cublas", target)
                 if not s.cpu_run and ck.uses_cublaslt(func, args):
                     self._workspace("cublaslt", target)
+                if func in ck.REDUCTIONS and not s.cpu_run:
+                    self._reduce_scratch(func, args, kwargs, target, name)
             self._shadow_run(func, args, kwargs, out, flat_in)
             return out
 
@@ -1086,7 +1134,7 @@ def _tracker_class():
                 return
             io, inn = self.s.info.get(so), self.s.info.get(sn)
             if io is None or inn is None or not io.get("backward") or io.get("node") == id(node) \
-                    or inn.get("node") != id(node):
+                    or not inn.get("backward") or inn.get("node") != id(node) and not new._is_view():
                 return
             self.s.pending_accumulation = (so, sout, self.s.info[sout]["entry"])
 
@@ -1134,6 +1182,7 @@ def _tracker_class():
             key = (kind, device, thread, stream)
             if key in self.workspaces:
                 return
+            self.s.device(device).stage(kind)
             fr = self.s.frames
             if kind == "cublas":
                 size = ck.cublas_workspace_bytes(self.sm)
@@ -1152,6 +1201,27 @@ def _tracker_class():
             s.info[sid] = dict(size=size, op=f"{kind}_workspace", device=device, entry=len(dev.entries) - 1,
                                metadata=s.metadata, backward=thread == "backward", node=None, weight_cast=False,
                                workspace=thread)
+
+        def _reduce_scratch(self, func, args, kwargs, device, name):
+            """gpu_reduce_kernel's staging buffer and semaphores (a reduction split over blocks per output): taken
+            after the output, released when the kernel is launched (semaphores first)."""
+            try:
+                need = ck.reduce_scratch(func, args, kwargs, self.sm, self.s.card.sms)
+            except Exception:
+                need = None
+            if need is None:
+                return
+            s = self.s
+            dev = s.device(device)
+            stream = s.stream_of(device)
+            frames = s.frames.stack(name)
+            sids = []
+            for size in need:
+                s.sid_seq += 1
+                dev.malloc(s.sid_seq, size, stream, frames)
+                sids.append(s.sid_seq)
+            for sid in reversed(sids):
+                dev.free(sid, frames)
 
         def where(self) -> str:
             for f in self.s.frames.python():

@@ -17,6 +17,10 @@ Each rule here is a fact about PyTorch's CUDA code, named where it comes from:
   process (CublasHandlePool.cpp getChosenWorkspaceSize: ":4096:8" = 32 MiB on sm90/sm10x/sm12x,
   else ":4096:2:16:8" = 8 MiB + 128 KiB). Forward runs on the Python thread, backward on the
   autograd engine's device thread: two handles, two workspaces in training.
+- reductions (sum, mean, amax, norm, argmax...): gpu_reduce_kernel (aten/src/ATen/native/cuda/Reduce.cuh) splits a
+  long reduction over several blocks per output when the output is small (setReduceConfig: ctas_per_output > 1) and
+  then takes a staging buffer and a semaphore array from the caching allocator for the kernel's length. A Linear's
+  bias gradient (the sum over the batch of a [8192, 2048] fp32 gradient) takes 128 MiB + 64 B that way on an H100.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ GEMM_OPS = frozenset({
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
     aten.mv.default, aten.addmv.default, aten.dot.default, aten.vdot.default, aten._addmm_activation.default,
     aten.mm.out, aten.addmm.out, aten.bmm.out, aten.baddbmm.out,
+    # under torch.inference_mode a dispatch mode sees linear itself (its addmm / mm run inside the CUDA kernel call)
+    aten.linear.default,
 })
 
 
@@ -46,6 +52,12 @@ LT_OPS = frozenset({aten.addmm.default, aten._addmm_activation.default, aten.add
 
 
 def uses_cublaslt(func, args) -> bool:
+    if func is aten.linear.default:  # at::linear: addmm(bias, ...) for a 2-D or a contiguous input with a 1-D bias
+        if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[2], torch.Tensor):
+            return False
+        x, bias = args[0], args[2]
+        return bias.dim() == 1 and (x.dim() == 2 or x.is_contiguous()) and \
+            bias.dtype in (torch.float32, torch.float16, torch.bfloat16)
     if func not in LT_OPS or not args:
         return False
     bias = args[0]
@@ -57,6 +69,146 @@ def cublas_workspace_bytes(sm: tuple) -> int:
     """CublasHandlePool.cpp: 4096 KiB x 8 on Hopper, Blackwell (major 9, 10, 12), else 4096 KiB x 2 + 16 KiB x 8."""
     major = sm[0]
     return 4096 * 8 * 1024 if major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+# -- reductions (Reduce.cuh) --------------------------------------------------------------------------------
+
+def _acc_bytes(dtype) -> int:
+    """sizeof(acc_type<scalar_t, true>): float for 16- and 32-bit floats, double, int64 for integers and bool."""
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return 4
+    if dtype is torch.complex64:
+        return 8
+    if dtype is torch.complex128:
+        return 16
+    return 8
+
+
+# op -> how its arg_t (the staging buffer's element) is sized: "acc" the accumulate type, "self" the element, "pair"
+# thrust::pair<acc_t, int64_t> (argmax / max.dim)
+REDUCTIONS = {
+    aten.sum.default: "acc", aten.sum.dim_IntList: "acc", aten.mean.default: "acc", aten.mean.dim: "acc",
+    aten.nansum.default: "acc", aten.prod.default: "acc", aten.prod.dim_int: "acc",
+    aten.linalg_vector_norm.default: "acc", aten.amax.default: "self", aten.amin.default: "self",
+    aten.max.dim: "pair", aten.min.dim: "pair", aten.argmax.default: "pair", aten.argmin.default: "pair",
+}
+# maxThreadsPerMultiProcessor by compute capability (CUDA's tables)
+_THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 0): 1536}
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _reduce_dims(func, args, kwargs, ndim):
+    """The dimensions an op of REDUCTIONS reduces (all of them for a full reduction), or None for none."""
+    name = func._schema.name.split("::")[-1]
+    ov = func._overloadname
+    dim = None
+    if name in ("sum", "mean", "nansum") and ov == "dim_IntList" or (name == "mean" and ov == "dim"):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    elif name in ("amax", "amin"):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", [])
+    elif name == "linalg_vector_norm":
+        dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    elif name == "prod" and ov == "dim_int" or name in ("max", "min") and ov == "dim":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    elif name in ("argmax", "argmin"):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None or dim == [] or dim == ():
+        return set(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    return {d % ndim if ndim else 0 for d in dim}
+
+
+def reduce_scratch(func, args, kwargs, sm: tuple, sms: int):
+    """The staging buffer and semaphores (bytes) that gpu_reduce_kernel takes for this reduction, or None when
+    setReduceConfig keeps every output's reduction within one block (no global reduction).
+
+    TensorIterator's layout first: size-1 dimensions dropped, the reduced dimensions moved in front, each group ordered
+    by the input's strides, neighbours coalesced; then setReduceConfig with vt0 = input_vec_size = 4 and
+    MAX_NUM_THREADS 512 (every dtype but complex double), the card's multiprocessors and threads per multiprocessor."""
+    kind = REDUCTIONS.get(func)
+    x = args[0] if args else None
+    if kind is None or not isinstance(x, torch.Tensor) or x.numel() == 0 or not sms:
+        return None
+    elem = x.element_size()
+    arg_bytes = {"acc": _acc_bytes(x.dtype), "self": elem, "pair": 16}[kind]
+    red = _reduce_dims(func, args, kwargs, x.dim())
+    if kind == "pair" and (args[1] if len(args) > 1 else kwargs.get("dim")) is None and func in (
+            aten.argmax.default, aten.argmin.default):
+        red = set(range(x.dim()))
+    dims = [(int(n), int(st), i in red) for i, (n, st) in enumerate(zip(x.shape, x.stride())) if n != 1]
+    dims.reverse()  # TensorIterator starts from the fastest (last) dimension
+    dims.sort(key=lambda d: (not d[2], d[1]))  # stable: reduced first, then by stride
+    merged: list = []
+    for n, st, r in dims:
+        if merged and merged[-1][2] == r and merged[-1][0] * merged[-1][1] == st:
+            pn, pst, _ = merged[-1]
+            merged[-1] = (pn * n, pst, r)
+        else:
+            merged.append((n, st, r))
+    nred = sum(1 for d in merged if d[2])
+    ndim = len(merged)
+    num_outputs = 1
+    for n, _, r in merged:
+        if not r:
+            num_outputs *= n
+    inputs_per_output = x.numel() // max(1, num_outputs)
+    if ndim and not nred:
+        return None  # nothing reduced: a copy
+    output_vec = 1
+    if ndim == 0:
+        on_fastest, fastest, dim0, dim1 = True, 1, 1, 1
+    else:
+        on_fastest = nred == ndim or merged[0][1] < merged[nred][1]
+        if on_fastest:
+            dim0, dim1, fastest = inputs_per_output, num_outputs, merged[0][1]
+        else:
+            dim0, dim1, fastest = num_outputs, inputs_per_output, merged[nred][1]
+    if fastest == 1 and ndim:
+        if on_fastest and dim0 >= 128 and nred == 1:  # vectorize along the input (input_vec_size 4)
+            dim0 //= 4
+        elif not on_fastest:
+            vec = 4
+            for n in [merged[nred][0]] + [st for j, (_, st, _) in enumerate(merged) if j != nred]:
+                while n % vec:
+                    vec //= 2
+            output_vec = vec
+            dim0 //= output_vec
+    max_threads = 512 // output_vec
+    d0 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    d1 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    bw = min(d0, 32)
+    bh = min(d1, max_threads // bw)
+    bw = min(d0, max_threads // bh)
+    threads = bw * bh
+    step_in = step_out = 1
+    block_x_reduce = ndim == 0 or on_fastest
+    if block_x_reduce:
+        step_in *= bw
+    else:
+        step_out *= bw
+    if -(-inputs_per_output // step_in) >= min(bh * 16, 256):
+        split_warps = True
+        step_in *= bh
+    else:
+        split_warps = False
+        step_out *= bh
+    per_sm = _THREADS_PER_SM.get(tuple(sm), 2048)
+    target = sms * (per_sm // threads)
+    grid_x = -(-(num_outputs // output_vec) // step_out)
+    vpt = -(-inputs_per_output // step_in)
+    if not (split_warps and vpt >= 256 and grid_x <= target):
+        return None
+    ctas = max(min(-(-target // grid_x), -(-vpt // 16)), -(-vpt // 256))
+    if ctas <= 1:
+        return None
+    size = arg_bytes * num_outputs * ctas
+    if not block_x_reduce:
+        size *= bw * output_vec
+    return size, 4 * grid_x
 
 
 # -- autocast ----------------------------------------------------------------------------------------------
