@@ -138,15 +138,22 @@ def test_analyses_of_older_code_are_dropped_when_a_new_one_is_stored(tmp_path, c
     assert analysis_cache.store(t, p, code=" viewer=2")
     assert len(list(cache_dir.glob("*.tkm"))) == 1  # the viewer changed: its older entries cannot be read
     assert analysis_cache.restore(tracekit.load(p), p, code=" viewer=2") == {}
+    assert analysis_cache.store(t, p)  # tracekit's own entry beside the viewer's (a big file's first open)
+    assert len(list(cache_dir.glob("*.tkm"))) == 2
     monkeypatch.setattr(cachefiles, "_STAMP", "other tracekit")
     assert analysis_cache.store(t, p)
     assert len(list(cache_dir.glob("*.tkm"))) == 1
 
 
+@pytest.mark.parametrize("behind", [False, True])
 @pytest.mark.parametrize("window", [None, Window(iterations=(1, 2))])
-def test_a_warm_viewer_document_is_the_cold_one(tmp_path, cache_dir, window):
+def test_a_warm_viewer_document_is_the_cold_one(tmp_path, cache_dir, window, behind, monkeypatch):
     pytest.importorskip("PySide6")
+    from tracekit_gui import document
     from tracekit_gui.document import Document
+
+    if behind:  # a big file's way: the analysis kept on threads, in two entries (tracekit's, then the viewer's)
+        monkeypatch.setattr(document, "KEEP_BEHIND_BYTES", 0)
 
     p = tmp_path / "f.pickle"
     shutil.copy(SAMPLES / "leak_loop.pickle", p)
@@ -161,8 +168,15 @@ def test_a_warm_viewer_document_is_the_cold_one(tmp_path, cache_dir, window):
 
     truth = seen(Document.open(p, use_cache=False, window=window))
     cold = Document.open(p, window=window)
-    assert seen(cold) == truth and list(cache_dir.glob("*.tkm"))
+    assert seen(cold) == truth
+    document.wait_kept()
+    entries = list(cache_dir.glob("*.tkm"))
+    assert len(entries) == (2 + (window is not None) if behind else 1 + (window is not None))
     warm = Document.open(p, window=window)
-    assert (("series", 2048), warm.default_device()) in warm._kept  # restored (a warm open computes no series)
-    assert {k[1] for k in warm.trace._memo} >= {"replay", "_categorize", "phases"}
+    d = warm.default_device()
+    for what in (("series", 2048), "library", "modules", ("order", "size"), "has_timeline"):
+        assert (what, d) in warm._kept  # restored (a warm open computes no series, no tables)
+    assert {k[1] for k in warm.trace._memo} >= {"replay", "_categorize", "phases", "_allocation_libraries"}
     assert seen(warm) == truth
+    assert warm.library_table(d)[1].tolist() == cold.library_table(d)[1].tolist()
+    assert warm.module_table(d)[1].tolist() == cold.module_table(d)[1].tolist()

@@ -38,9 +38,11 @@ def _file(key, window, code="") -> str:
     return os.path.join(folder.cache_dir(), f"{key}-{digest}{SUFFIX}")
 
 
-def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
+def store(trace: Trace, path, window=None, extra=None, code="", leave_out=()) -> bool:
     """Write `trace`'s memo (and `extra`, plain data such as the report) for `path` cut to `window`;
-    `code` names the code that made `extra` when it is not tracekit's (folder.code_stamp(package folder)).
+    `code` names the code that made `extra` when it is not tracekit's (folder.code_stamp(package folder));
+    `leave_out`: memo keys not to write (stored already under another code: the viewer writes its analysis
+    under tracekit's as soon as it has it, its extras and what it analysed since under its own).
     Only while the trace's own entry is cached; failures are ignored (the cache is an optimisation)."""
     folder.wait_written()  # the entry load(write_behind=True) is writing
     key = folder.known_key(path) or folder.key_for(path)
@@ -50,6 +52,8 @@ def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
     seen: dict
     arrays, seen, entries = {}, {}, []
     for k, v in list(trace.__dict__.get("_memo", {}).items()):
+        if k in leave_out:
+            continue
         try:
             entries.append([traces.encode(k), _enc(v, arrays, seen)])
         except (Unstorable, TypeError):
@@ -62,7 +66,8 @@ def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
     try:
         fd, tmp = tempfile.mkstemp(dir=folder.cache_dir(), suffix=".tmp")
         os.close(fd)
-        traces.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc})
+        # not read back: restore's unpack checks every column's sum (a damaged entry is a miss, computed again)
+        traces.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc}, verify=False)
         os.replace(tmp, _file(key, window, code))
         _drop_older(key, code)
         tmp = None
@@ -109,6 +114,8 @@ def _drop_older(key, code) -> None:
     """Delete this trace's stored analyses made by other versions of the code (they can never be read)."""
     d = folder.cache_dir()
     current = [f'"analysis code={code_stamp()}{c} window='.encode() for c in ("", code)]
+    if not code:  # tracekit's own entry leaves this version's entries of other code (the viewer's) alone
+        current.append(f'"analysis code={code_stamp()} '.encode())
     for name in os.listdir(d):
         if name.startswith(key + "-") and name.endswith(SUFFIX):
             try:
