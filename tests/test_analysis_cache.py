@@ -127,6 +127,25 @@ def test_unstorable_memo_entries_are_left_out(tmp_path, cache_dir):
     assert again._memo[("tracekit.y", "g", ())].tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
+def test_constant_arrays_are_stored_as_their_value(tmp_path, cache_dir):
+    p = tmp_path / "f.pickle"
+    shutil.copy(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle"), p)
+    t = tracekit.load(p)
+    n = analysis_cache.CONSTANT_MIN
+    values = {"i8": np.full(n, -7, np.int64), "b": np.ones(n, bool), "2d": np.full((2, n), 3, np.int16),
+              "f": np.zeros(n), "almost": np.r_[np.zeros(n - 1, np.int32), 1], "small": np.zeros(5, np.int8)}
+    t.__dict__.setdefault("_memo", {})[("tracekit.x", "f", ())] = values
+    assert analysis_cache.store(t, p)
+    (fn,) = cache_dir.glob("*.tkm")
+    assert fn.stat().st_size < n * (4 + 8 + 1)  # the ints and bools of one value take no column
+    again = tracekit.load(p)
+    analysis_cache.restore(again, p)
+    got = again._memo[("tracekit.x", "f", ())]
+    for k, v in values.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and (got[k] == v).all(), k
+        got[k][...] = 0  # writable, as a mapped column is
+
+
 def test_analyses_of_older_code_are_dropped_when_a_new_one_is_stored(tmp_path, cache_dir, monkeypatch):
     p = tmp_path / "f.pickle"
     shutil.copy(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle"), p)

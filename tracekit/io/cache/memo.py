@@ -137,6 +137,8 @@ def _enc(v, arrays, seen):
             if v.ndim != 1 or not all(type(s) is str for s in v.tolist()):
                 raise Unstorable("object array")
             return {"~S": v.tolist()}  # strings (site names)
+        if _constant(v):  # written as its one value (the store's bytes are most of a big file's keep)
+            return {"~k": _enc(v.reshape(-1)[0], arrays, seen), "shape": list(v.shape)}
         name = seen.get(id(v))
         if name is None:
             name = seen[id(v)] = f"a{len(arrays)}"
@@ -161,11 +163,29 @@ def _enc(v, arrays, seen):
     raise Unstorable(type(v).__name__)
 
 
+CONSTANT_MIN = 1 << 16  # elements from which an array of one value is stored as that value
+
+
+def _constant(a: np.ndarray) -> bool:
+    """Whether `a` (integers or booleans, at least CONSTANT_MIN of them) holds one value throughout (floats are
+    written whole: 0.0 == -0.0)."""
+    if a.size < CONSTANT_MIN or a.dtype.kind not in "biu":
+        return False
+    flat = a.reshape(-1)
+    first = flat[0]
+    return bool(flat[-1] == first and (flat[:64] == first).all() and (flat == first).all())
+
+
 def _dec(v, arrays):
     if not isinstance(v, (dict, list)):
         return v
     if "~a" in v:
         return arrays[v["~a"]].reshape(v["shape"])
+    if "~k" in v:
+        one = _dec(v["~k"], arrays)
+        if not isinstance(one, np.generic):
+            raise folder.Odd("not a constant")
+        return np.full(v["shape"], one, dtype=one.dtype)  # writable, as a mapped column is
     if "~S" in v:
         out = np.empty(len(v["~S"]), dtype=object)
         out[:] = v["~S"]
