@@ -35,7 +35,15 @@ _keeping: list[threading.Thread] = []  # the threads keeping a document's analys
 def wait_kept() -> None:
     """Wait for the analyses being kept for the next open (Document.open of a big file)."""
     while _keeping:
-        _keeping.pop().join()
+        try:
+            t = _keeping[0]
+        except IndexError:
+            break
+        t.join()
+        try:
+            _keeping.remove(t)
+        except ValueError:  # another waiter took it off
+            pass
 
 
 
@@ -122,13 +130,15 @@ class Document:
         """Store the analysis (memo.store) with what the first paint asks for, for the next open; after `early`
         (the analysis up to the report, stored apart), only what was analysed since."""
         trace, path = self.trace, self.path
+        # first: the early store waits for the cache's entry to be written (folder.wait_written), a store of ours
+        # beside it would not (the one waiting takes the writer off the list) and find no entry yet
+        done = early.wait() if early is not None else frozenset()
         for d in trace.devices:
             self._first_paint(d, keep=True)  # made by open() already: nothing is computed twice
         if window:
             memo.store(whole, path)
         # copies: the GUI thread may add to them meanwhile
         extra = {"report": self.report, "xs": dict(self._xs), "kept": dict(self._kept), "where": dict(self._where)}
-        done = early.wait() if early is not None else ()
         memo.store(trace, path, window, extra=extra, code=_CODE, leave_out=done)
 
     # ---- devices and report ----------------------------------------------

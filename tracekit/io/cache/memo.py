@@ -56,7 +56,7 @@ def store(trace: Trace, path, window=None, extra=None, code="", leave_out=()) ->
             continue
         try:
             entries.append([traces.encode(k), _enc(v, arrays, seen)])
-        except (Unstorable, TypeError):
+        except (Unstorable, TypeError, RuntimeError):  # RuntimeError: a dict the analysis grows meanwhile
             continue
     try:
         extra_enc = _enc(extra or {}, arrays, seen)
