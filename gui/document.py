@@ -79,7 +79,7 @@ class Document:
         if window:
             trace = select(whole, window)
         if use_cache:
-            if window:  # the window's analysis, kept apart from the viewer's extras (a big file: _keep_analysis)
+            if window:  # the window's analysis, stored apart from the viewer's extras (a big file: _Early)
                 memo.restore(trace, path, window)
             stored = memo.restore(trace, path, window, code=_CODE)
         tell(0.7, "replaying allocations")
