@@ -35,7 +35,15 @@ _keeping: list[threading.Thread] = []  # the threads keeping a document's analys
 def wait_kept() -> None:
     """Wait for the analyses being kept for the next open (Document.open of a big file)."""
     while _keeping:
-        _keeping.pop().join()
+        try:
+            t = _keeping[0]
+        except IndexError:
+            break
+        t.join()
+        try:
+            _keeping.remove(t)
+        except ValueError:  # another waiter took it off
+            pass
 
 
 
@@ -71,6 +79,8 @@ class Document:
         if window:
             trace = select(whole, window)
         if use_cache:
+            if window:  # the window's analysis, stored apart from the viewer's extras (a big file: _Early)
+                memo.restore(trace, path, window)
             stored = memo.restore(trace, path, window, code=_CODE)
         tell(0.7, "replaying allocations")
         replays = replay(trace)
@@ -78,6 +88,12 @@ class Document:
         categories = categorize(trace)
         tell(0.85, "finding peaks, spikes and leaks")
         report = stored["report"] if stored and isinstance(stored.get("report"), dict) else build_report(trace)
+        keep = use_cache and stored is None
+        early = None
+        if keep and os.path.getsize(path) >= KEEP_BEHIND_BYTES:
+            # a big file: the analysis so far (most of what is kept) is written now, on a thread (writing lets go
+            # of the GIL), beside the tables below and the first paint; _keep writes the rest with the extras
+            early = _Early(trace, path, window)
         doc = cls(str(path), trace, replays, report, categories, phases(trace))
         if stored:
             doc._xs.update(stored.get("xs") or {})
@@ -87,29 +103,43 @@ class Document:
         for d in trace.devices:
             doc.where_table(d)
             doc.phase_spans(d), doc.iteration_starts(d)
-        if use_cache and stored is None:
-            if os.path.getsize(path) >= KEEP_BEHIND_BYTES:  # a big file: on a thread, beside the first paint
-                t = threading.Thread(target=doc._keep, args=(whole, window), name="tracekit-keep")
-                _keeping.append(t)
-                t.start()
-            else:
-                tell(0.97, "keeping the analysis for the next open")
-                doc._keep(whole, window)
+            doc._first_paint(d, keep)
+        if early is not None:  # on a thread, beside the first paint
+            # not a daemon (a thread started by the loader's daemon would be one): finished before exit
+            t = threading.Thread(target=doc._keep, args=(whole, window, early), name="tracekit-keep", daemon=False)
+            _keeping.append(t)
+            t.start()
+        elif keep:
+            tell(0.97, "keeping the analysis for the next open")
+            doc._keep(whole, window)
         return doc
 
-    def _keep(self, whole, window) -> None:
-        """Store the analysis (memo.store) with what the first paint asks for, for the next open."""
-        trace, path = self.trace, self.path
-        for d in trace.devices:
+    def _first_paint(self, device, keep=False) -> None:
+        """What the window's first paint asks of `device` (the tables' columns and default order, whether it has a
+        timeline), made here off the GUI thread and before the analysis is kept, so that it is computed once and
+        stored with it; with `keep`, the curves at every width the timeline asks for too (else it asks for one)."""
+        self.table_order(device, "size", self.replays[device].allocations.size)
+        self.has_timeline(device)
+        self.library_table(device)
+        self.module_table(device)
+        if keep:
             for points in (1024, 2048, 4096, 8192):
-                self.series(d, max_points=points)
-            self.table_order(d, "size", self.replays[d].allocations.size)
-            self.has_timeline(d)
+                self.series(device, max_points=points)
+
+    def _keep(self, whole, window, early: "_Early | None" = None) -> None:
+        """Store the analysis (memo.store) with what the first paint asks for, for the next open; after `early`
+        (the analysis up to the report, stored apart), only what was analysed since."""
+        trace, path = self.trace, self.path
+        # first: the early store waits for the cache's entry to be written (folder.wait_written), a store of ours
+        # beside it would not (the one waiting takes the writer off the list) and find no entry yet
+        done = early.wait() if early is not None else frozenset()
+        for d in trace.devices:
+            self._first_paint(d, keep=True)  # made by open() already: nothing is computed twice
         if window:
             memo.store(whole, path)
         # copies: the GUI thread may add to them meanwhile
         extra = {"report": self.report, "xs": dict(self._xs), "kept": dict(self._kept), "where": dict(self._where)}
-        memo.store(trace, path, window, extra=extra, code=_CODE)
+        memo.store(trace, path, window, extra=extra, code=_CODE, leave_out=done)
 
     # ---- devices and report ----------------------------------------------
 
@@ -346,3 +376,23 @@ class Document:
         if device not in self._where:
             self._where[device] = allocation_where(self.trace, self.replays[device])
         return self._where[device]
+
+
+class _Early:
+    """memo.store of a trace's analysis so far, under tracekit's own code (no extras), on a thread of its own."""
+
+    def __init__(self, trace, path, window):
+        self.keys = frozenset(trace.__dict__.get("_memo", {}))  # (store takes at least these)
+        self.ok = False
+        self._thread = threading.Thread(target=self._run, args=(trace, path, window), name="tracekit-keep-early",
+                                        daemon=False)
+        _keeping.append(self._thread)
+        self._thread.start()
+
+    def _run(self, trace, path, window):
+        self.ok = memo.store(trace, path, window)
+
+    def wait(self) -> frozenset:
+        """The memo keys stored (none when the store failed: then the viewer's entry takes them all)."""
+        self._thread.join()
+        return self.keys if self.ok else frozenset()

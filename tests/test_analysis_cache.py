@@ -127,6 +127,25 @@ def test_unstorable_memo_entries_are_left_out(tmp_path, cache_dir):
     assert again._memo[("tracekit.y", "g", ())].tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
+def test_constant_arrays_are_stored_as_their_value(tmp_path, cache_dir):
+    p = tmp_path / "f.pickle"
+    shutil.copy(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle"), p)
+    t = tracekit.load(p)
+    n = analysis_cache.CONSTANT_MIN
+    values = {"i8": np.full(n, -7, np.int64), "b": np.ones(n, bool), "2d": np.full((2, n), 3, np.int16),
+              "f": np.zeros(n), "almost": np.r_[np.zeros(n - 1, np.int32), 1], "small": np.zeros(5, np.int8)}
+    t.__dict__.setdefault("_memo", {})[("tracekit.x", "f", ())] = values
+    assert analysis_cache.store(t, p)
+    (fn,) = cache_dir.glob("*.tkm")
+    assert fn.stat().st_size < n * (4 + 8 + 1)  # the ints and bools of one value take no column
+    again = tracekit.load(p)
+    analysis_cache.restore(again, p)
+    got = again._memo[("tracekit.x", "f", ())]
+    for k, v in values.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and (got[k] == v).all(), k
+        got[k][...] = 0  # writable, as a mapped column is
+
+
 def test_analyses_of_older_code_are_dropped_when_a_new_one_is_stored(tmp_path, cache_dir, monkeypatch):
     p = tmp_path / "f.pickle"
     shutil.copy(fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle"), p)
@@ -138,15 +157,22 @@ def test_analyses_of_older_code_are_dropped_when_a_new_one_is_stored(tmp_path, c
     assert analysis_cache.store(t, p, code=" viewer=2")
     assert len(list(cache_dir.glob("*.tkm"))) == 1  # the viewer changed: its older entries cannot be read
     assert analysis_cache.restore(tracekit.load(p), p, code=" viewer=2") == {}
+    assert analysis_cache.store(t, p)  # tracekit's own entry beside the viewer's (a big file's first open)
+    assert len(list(cache_dir.glob("*.tkm"))) == 2
     monkeypatch.setattr(cachefiles, "_STAMP", "other tracekit")
     assert analysis_cache.store(t, p)
     assert len(list(cache_dir.glob("*.tkm"))) == 1
 
 
+@pytest.mark.parametrize("behind", [False, True])
 @pytest.mark.parametrize("window", [None, Window(iterations=(1, 2))])
-def test_a_warm_viewer_document_is_the_cold_one(tmp_path, cache_dir, window):
+def test_a_warm_viewer_document_is_the_cold_one(tmp_path, cache_dir, window, behind, monkeypatch):
     pytest.importorskip("PySide6")
+    from tracekit_gui import document
     from tracekit_gui.document import Document
+
+    if behind:  # a big file's way: the analysis kept on threads, in two entries (tracekit's, then the viewer's)
+        monkeypatch.setattr(document, "KEEP_BEHIND_BYTES", 0)
 
     p = tmp_path / "f.pickle"
     shutil.copy(SAMPLES / "leak_loop.pickle", p)
@@ -161,8 +187,15 @@ def test_a_warm_viewer_document_is_the_cold_one(tmp_path, cache_dir, window):
 
     truth = seen(Document.open(p, use_cache=False, window=window))
     cold = Document.open(p, window=window)
-    assert seen(cold) == truth and list(cache_dir.glob("*.tkm"))
+    assert seen(cold) == truth
+    document.wait_kept()
+    entries = list(cache_dir.glob("*.tkm"))
+    assert len(entries) == (2 + (window is not None) if behind else 1 + (window is not None))
     warm = Document.open(p, window=window)
-    assert (("series", 2048), warm.default_device()) in warm._kept  # restored (a warm open computes no series)
-    assert {k[1] for k in warm.trace._memo} >= {"replay", "_categorize", "phases"}
+    d = warm.default_device()
+    for what in (("series", 2048), "library", "modules", ("order", "size"), "has_timeline"):
+        assert (what, d) in warm._kept  # restored (a warm open computes no series, no tables)
+    assert {k[1] for k in warm.trace._memo} >= {"replay", "_categorize", "phases", "_allocation_libraries"}
     assert seen(warm) == truth
+    assert warm.library_table(d)[1].tolist() == cold.library_table(d)[1].tolist()
+    assert warm.module_table(d)[1].tolist() == cold.module_table(d)[1].tolist()

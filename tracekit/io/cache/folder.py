@@ -91,9 +91,18 @@ writing: list[threading.Thread] = []  # the threads writing entries (traces.writ
 
 
 def wait_written() -> None:
-    """Wait for the entries traces.write_soon is writing."""
+    """Wait for the entries traces.write_soon is writing (from any thread: each waits for all of them, not only
+    for those no other waiter has taken)."""
     while writing:
-        writing.pop().join()
+        try:
+            t = writing[0]
+        except IndexError:
+            break
+        t.join()
+        try:
+            writing.remove(t)
+        except ValueError:  # another waiter took it off
+            pass
 
 
 _once: dict[str, str | Hashing] | None = None  # fingerprint -> key (or its hashing), inside hashed_once()

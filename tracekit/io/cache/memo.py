@@ -38,9 +38,11 @@ def _file(key, window, code="") -> str:
     return os.path.join(folder.cache_dir(), f"{key}-{digest}{SUFFIX}")
 
 
-def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
+def store(trace: Trace, path, window=None, extra=None, code="", leave_out=()) -> bool:
     """Write `trace`'s memo (and `extra`, plain data such as the report) for `path` cut to `window`;
-    `code` names the code that made `extra` when it is not tracekit's (folder.code_stamp(package folder)).
+    `code` names the code that made `extra` when it is not tracekit's (folder.code_stamp(package folder));
+    `leave_out`: memo keys not to write (stored already under another code: the viewer writes its analysis
+    under tracekit's as soon as it has it, its extras and what it analysed since under its own).
     Only while the trace's own entry is cached; failures are ignored (the cache is an optimisation)."""
     folder.wait_written()  # the entry load(write_behind=True) is writing
     key = folder.known_key(path) or folder.key_for(path)
@@ -50,9 +52,11 @@ def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
     seen: dict
     arrays, seen, entries = {}, {}, []
     for k, v in list(trace.__dict__.get("_memo", {}).items()):
+        if k in leave_out:
+            continue
         try:
             entries.append([traces.encode(k), _enc(v, arrays, seen)])
-        except (Unstorable, TypeError):
+        except (Unstorable, TypeError, RuntimeError):  # RuntimeError: a dict the analysis grows meanwhile
             continue
     try:
         extra_enc = _enc(extra or {}, arrays, seen)
@@ -62,7 +66,8 @@ def store(trace: Trace, path, window=None, extra=None, code="") -> bool:
     try:
         fd, tmp = tempfile.mkstemp(dir=folder.cache_dir(), suffix=".tmp")
         os.close(fd)
-        traces.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc})
+        # not read back: restore's unpack checks every column's sum (a damaged entry is a miss, computed again)
+        traces.pack(tmp, arrays, {"name": _name(window, code), "memo": entries, "extra": extra_enc}, verify=False)
         os.replace(tmp, _file(key, window, code))
         _drop_older(key, code)
         tmp = None
@@ -109,6 +114,8 @@ def _drop_older(key, code) -> None:
     """Delete this trace's stored analyses made by other versions of the code (they can never be read)."""
     d = folder.cache_dir()
     current = [f'"analysis code={code_stamp()}{c} window='.encode() for c in ("", code)]
+    if not code:  # tracekit's own entry leaves this version's entries of other code (the viewer's) alone
+        current.append(f'"analysis code={code_stamp()} '.encode())
     for name in os.listdir(d):
         if name.startswith(key + "-") and name.endswith(SUFFIX):
             try:
@@ -130,6 +137,8 @@ def _enc(v, arrays, seen):
             if v.ndim != 1 or not all(type(s) is str for s in v.tolist()):
                 raise Unstorable("object array")
             return {"~S": v.tolist()}  # strings (site names)
+        if _constant(v):  # written as its one value (the store's bytes are most of a big file's keep)
+            return {"~k": _enc(v.reshape(-1)[0], arrays, seen), "shape": list(v.shape)}
         name = seen.get(id(v))
         if name is None:
             name = seen[id(v)] = f"a{len(arrays)}"
@@ -154,11 +163,29 @@ def _enc(v, arrays, seen):
     raise Unstorable(type(v).__name__)
 
 
+CONSTANT_MIN = 1 << 16  # elements from which an array of one value is stored as that value
+
+
+def _constant(a: np.ndarray) -> bool:
+    """Whether `a` (integers or booleans, at least CONSTANT_MIN of them) holds one value throughout (floats are
+    written whole: 0.0 == -0.0)."""
+    if a.size < CONSTANT_MIN or a.dtype.kind not in "biu":
+        return False
+    flat = a.reshape(-1)
+    first = flat[0]
+    return bool(flat[-1] == first and (flat[:64] == first).all() and (flat == first).all())
+
+
 def _dec(v, arrays):
     if not isinstance(v, (dict, list)):
         return v
     if "~a" in v:
         return arrays[v["~a"]].reshape(v["shape"])
+    if "~k" in v:
+        one = _dec(v["~k"], arrays)
+        if not isinstance(one, np.generic):
+            raise folder.Odd("not a constant")
+        return np.full(v["shape"], one, dtype=one.dtype)  # writable, as a mapped column is
     if "~S" in v:
         out = np.empty(len(v["~S"]), dtype=object)
         out[:] = v["~S"]

@@ -98,14 +98,15 @@ def column_sum(buf) -> int:
     return zlib.crc32(buf[whole:], crc)
 
 
-def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
-    """Write `arrays` (1-d numpy arrays) and `head` (JSON-ready) to `fn` in the entry layout, then
+def pack(fn, arrays: dict, head: dict, sums: dict | None = None, verify: bool = True) -> None:
+    """Write `arrays` (1-d numpy arrays) and `head` (JSON-ready) to `fn` in the entry layout, then (`verify`)
     read the written file back and check every column's CRC-32 (raises Odd if one differs); the head keeps
     each column's `column_sum`, which `unpack` checks. `sums` overrides the stored sums (to make a damaged
-    entry)."""
+    entry). Without `verify` a bad write is found by `unpack` instead (for entries a miss only recomputes:
+    the analysis memo, where reading back its ~1 GB at 10M entries would hold up the viewer's exit)."""
     table, parts, end = {}, [], 0
     for name, a in arrays.items():
-        col_sum, crc, length = _sums(a)
+        col_sum, crc, length = _sums(a, with_crc=verify)
         offset = -(-end // ALIGN) * ALIGN
         table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
                        (sums or {}).get(name, col_sum), a.ndim, _stats(a)]
@@ -120,6 +121,10 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None) -> None:
             for raw in _pieces(a):
                 f.write(raw)
         f.truncate(start + end)
+    if not verify:
+        if os.stat(fn).st_size != start + end:
+            raise Odd("short write")
+        return
     with open(fn, "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != start + end:
             raise Odd("short write")
@@ -154,8 +159,9 @@ def _pieces(a):
         yield memoryview(np.ascontiguousarray(a[lo:lo + step])).cast("B")
 
 
-def _sums(a) -> tuple[int, int, int]:
-    """(column_sum, CRC-32, length) of a column's bytes, read PIECE at a time (the same figures as of the whole)."""
+def _sums(a, with_crc=True) -> tuple[int, int, int]:
+    """(column_sum, CRC-32, length) of a column's bytes, read PIECE at a time (the same figures as of the whole);
+    the CRC-32 is 0 unless `with_crc`."""
     col_sum, crc, length = 0, 0, 0
     for raw in _pieces(a):
         whole = len(raw) // BLOCK * BLOCK  # only the last piece has a part block
@@ -163,7 +169,8 @@ def _sums(a) -> tuple[int, int, int]:
             words = np.frombuffer(raw, np.uint64, count=whole // 8)
             col_sum = zlib.crc32(words.reshape(-1, BLOCK // 8).sum(axis=1, dtype=np.uint64).tobytes(), col_sum)
         col_sum = zlib.crc32(raw[whole:], col_sum)
-        crc = zlib.crc32(raw, crc)
+        if with_crc:
+            crc = zlib.crc32(raw, crc)
         length += len(raw)
     return col_sum, crc, length
 
@@ -240,7 +247,8 @@ def write_soon(key, trace: Trace) -> None:
         arrays, head = _entry_of(key, trace)
     except (OSError, TypeError, ValueError, RecursionError, MemoryError, Odd):
         return
-    t = threading.Thread(target=_store, args=(key, arrays, head), name="tracekit-cache-write")
+    # daemon=False said outright: a thread inherits a daemon's (the viewer's loader is one) and would be cut at exit
+    t = threading.Thread(target=_store, args=(key, arrays, head), name="tracekit-cache-write", daemon=False)
     writing.append(t)
     t.start()
 
