@@ -209,15 +209,20 @@ class DevicePhases:
         change[1:] = (self.phase[1:] != self.phase[:-1]) | (self.iteration[1:] != self.iteration[:-1])
         return np.cumsum(change, dtype=np.int64 if self.n >= 2**31 else np.int32) - 1
 
-    def next_of(self, phase: int) -> np.ndarray:
+    def next_of(self, phase: int, chunk: int = 1 << 20) -> np.ndarray:
         """For each position i in 0..n, the first entry j >= i in `phase` (n if none); length n + 1
-        (int32 below 2**31 entries, to keep large traces small)."""
+        (int32 below 2**31 entries, to keep large traces small). Made a chunk at a time from the end, so that
+        a 10M-entry trace makes no per-entry temporaries."""
         n = self.n
         dtype = np.int64 if n >= 2**31 else np.int32
-        idx = np.where(self.phase == phase, np.arange(n, dtype=dtype), dtype(n))
         out = np.empty(n + 1, dtype)
         out[n] = n
-        out[:n] = np.minimum.accumulate(idx[::-1])[::-1] if n else idx
+        nxt = dtype(n)  # the first entry in `phase` after the chunk
+        for hi in range(n, 0, -chunk):
+            lo = max(0, hi - chunk)
+            idx = np.where(self.phase[lo:hi] == phase, np.arange(lo, hi, dtype=dtype), nxt)
+            out[lo:hi] = np.minimum.accumulate(idx[::-1])[::-1]
+            nxt = out[lo]
         return out
 
     def iterations(self) -> list[tuple[int, int, int]]:
@@ -407,7 +412,7 @@ def _inferred(trace, sl) -> DevicePhases:
     ev = trace.events
     action, stack = ev.action[sl], ev.stack_id[sl]
     n = len(action)
-    flags = stack_flags(trace)[stack.astype(np.int64) + 1]
+    flags = stack_flags(trace)[stack + stack.dtype.type(1)]  # stack ids are below 2**31 - 1: no overflow
     is_alloc = action == ALLOC
     is_free = action == FREE_COMPLETED
     code = np.zeros(n, np.int8)
@@ -524,10 +529,7 @@ def _resolve(code):
     computation (tensors made from nothing or copied in before it are inputs).
     """
     n = len(code)
-    nz = np.flatnonzero(code)
-    keep = np.ones(len(nz), bool)
-    keep[1:] = code[nz[1:]] != code[nz[:-1]]
-    starts = nz[keep]
+    starts = _run_starts(code)
     codes = code[starts].tolist()
     any_optim = _E_OPTIM in codes
     phase_at, iter_at = [], []
@@ -569,8 +571,26 @@ def _resolve(code):
     iteration = np.zeros(n, np.int32)
     if len(starts):
         # each entry takes the state of the last run that began at or before it
-        pos = np.searchsorted(starts, np.arange(n), side="right") - 1
-        ok = pos >= 0
-        phase[ok] = np.array(phase_at, np.int8)[pos[ok]]
-        iteration[ok] = np.array(iter_at, np.int32)[pos[ok]]
+        lengths = np.diff(starts, append=n)
+        phase[starts[0]:] = np.repeat(np.array(phase_at, np.int8), lengths)
+        iteration[starts[0]:] = np.repeat(np.array(iter_at, np.int32), lengths)
     return phase, iteration
+
+
+def _run_starts(code, chunk: int = 1 << 20) -> np.ndarray:
+    """The entries where a run of one non-zero evidence code begins (entries with code 0 belong to the run
+    before them), read a chunk at a time: the positions of a 10M-entry trace's non-zero codes are not made."""
+    out = []
+    prev = 0  # the last non-zero code before the chunk
+    for lo in range(0, len(code), chunk):
+        c = code[lo:lo + chunk]
+        nz = np.flatnonzero(c)
+        if not len(nz):
+            continue
+        cz = c[nz]
+        keep = np.empty(len(nz), bool)
+        keep[0] = cz[0] != prev
+        keep[1:] = cz[1:] != cz[:-1]
+        out.append(nz[keep] + lo)
+        prev = cz[-1]
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
