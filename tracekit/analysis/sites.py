@@ -128,22 +128,36 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
                            module=module)
 
 
-def _borrowed_entry_sites(stack, user_frame, runs):
+def _borrowed_entry_sites(stack, user_frame, runs, chunk: int = 1 << 20):
     """Each entry's site: its own stack, or, for a stack with no user frame, the stack of the nearest entry
-    in the same run that has one (before it, else after it). A function of its own so that its n-sized
-    temporaries are gone before the rest of the sites are computed (the peak memory of a first open)."""
+    in the same run that has one (before it, else after it). Two passes a chunk at a time (the nearest before,
+    carried forward; then the nearest after, carried back), so that a 10M-entry trace makes no per-entry
+    temporaries beyond a mask: the peak memory of a first open."""
     n = len(stack)
-    has_user = user_frame[stack.astype(np.int64) + 1] >= 0
-    idx = np.arange(n, dtype=np.int64)
-    prev = np.maximum.accumulate(np.where(has_user, idx, -1))
-    ok_prev = (prev >= 0) & (runs[np.maximum(prev, 0)] == runs)
-    nxt = np.minimum.accumulate(np.where(has_user, idx, n)[::-1])[::-1]
-    del idx
-    ok_next = (nxt < n) & (runs[np.minimum(nxt, n - 1)] == runs)
-    take = np.where(ok_prev, prev, np.where(ok_next, nxt, -1))
-    del prev, nxt, ok_prev, ok_next
-    borrow = ~has_user & (take >= 0) & (stack >= 0)
-    return np.where(borrow, stack[np.maximum(take, 0)], stack)
+    out = np.array(stack, copy=True)
+    has_user = np.empty(n, bool)
+    need_next = np.empty(n, bool)  # no user frame, a stack, and no entry before it in its run to borrow from
+    prev = -1  # the last entry with a user frame before the chunk
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        st = stack[lo:hi]
+        hu = has_user[lo:hi]
+        np.greater_equal(user_frame[st + st.dtype.type(1)], 0, out=hu)  # stack ids are below 2**31 - 1
+        p = np.maximum.accumulate(np.where(hu, np.arange(lo, hi, dtype=np.int64), prev))
+        prev = int(p[-1])
+        ok = (p >= 0) & (runs[np.maximum(p, 0)] == runs[lo:hi])
+        lone = ~hu & (st >= 0)
+        take = lone & ok
+        out[lo:hi][take] = stack[p[take]]
+        need_next[lo:hi] = lone & ~ok
+    nxt = n  # the first entry with a user frame after the chunk
+    for hi in range(n, 0, -chunk):
+        lo = max(0, hi - chunk)
+        q = np.minimum.accumulate(np.where(has_user[lo:hi], np.arange(lo, hi, dtype=np.int64), nxt)[::-1])[::-1]
+        nxt = int(q[0])
+        take = need_next[lo:hi] & (q < n) & (runs[np.minimum(q, n - 1)] == runs[lo:hi])
+        out[lo:hi][take] = stack[q[take]]
+    return out
 
 
 def site_frames(trace: Trace, own_stack: int, site_stack: int) -> list[dict]:
