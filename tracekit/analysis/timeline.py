@@ -90,6 +90,9 @@ def _steps(pos, delta, initial):
 def _read_steps(steps, idx):
     """Value of a step function just after each entry in idx (-1: before the first)."""
     initial, p, c = steps
+    if p.dtype != idx.dtype and len(idx) and p.dtype.kind == idx.dtype.kind == "i" \
+            and np.iinfo(p.dtype).min <= int(idx.min()) and int(idx.max()) <= np.iinfo(p.dtype).max:
+        idx = idx.astype(p.dtype)  # the few points in the positions' type: searchsorted would copy all of them
     k = np.searchsorted(p, idx, side="right") - 1
     return (initial + np.where(k >= 0, c[np.maximum(k, 0)] if len(c) else 0, 0)).astype(np.int64)
 
@@ -115,7 +118,8 @@ def _allocation_steps(trace, device, rules):
         delta = np.concatenate([size[am], -size[fm]])
         del am, fm
         order = np.argsort(pos, kind="stable")  # as _steps, with each temporary let go once used
-        pos = pos[order]
+        # entry positions in int32 below 2**31 entries (half the memory the viewer and the report keep)
+        pos = pos[order].astype(np.int32 if rep.n < 2**31 else np.int64, copy=False)
         delta = delta[order]
         del order
         out[name] = (initial, pos, np.cumsum(delta, out=delta))
