@@ -38,12 +38,38 @@ def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
 CHUNK = 1 << 20  # entries read back at a time by group_peaks
 
 
+GROUP_ROWS = 1 << 19  # allocations whose events group_peaks sorts at a time (whole groups: a bigger one alone)
+
+
 def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
-    """The most bytes each group held live at once (allocations' alloc/free entry indices)."""
-    rows = np.flatnonzero(group >= 0)
+    """The most bytes each group held live at once (allocations' alloc/free entry indices). Groups are
+    independent: they are taken a few at a time, about GROUP_ROWS allocations together, so that the sort's
+    temporaries stay small on a 10M-entry trace."""
     out = np.zeros(n_groups, np.int64)
+    rows = np.flatnonzero(group >= 0)
     if not len(rows):
         return out
+    g = group[rows]
+    counts = np.bincount(g, minlength=n_groups)
+    bounds, acc = [0], 0
+    for k, c in enumerate(counts.tolist()):
+        if acc and acc + c > GROUP_ROWS:
+            bounds.append(k)
+            acc = 0
+        acc += c
+    bounds.append(n_groups)
+    if len(bounds) == 2:
+        _group_peaks(group, rows, al, out)
+        return out
+    for g0, g1 in zip(bounds[:-1], bounds[1:]):
+        _group_peaks(group, rows[(g >= g0) & (g < g1)], al, out)
+    return out
+
+
+def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray) -> None:
+    """group_peaks of the groups of `rows` (all of each group's allocations), into `out`."""
+    if not len(rows):
+        return
     # one sort key per event: group, then entry index, a free before an allocation at the same index; built
     # in place and read back a chunk at a time, so that a 10M-entry trace's temporaries stay few
     r = len(rows)
@@ -66,7 +92,7 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     size = al.size[rows].astype(np.int64)
     del born, freed, g, rows
     order = np.argsort(key, kind="stable")
-    grp = np.empty(2 * r, np.int32 if n_groups < 2**31 else np.int64)  # group ids
+    grp = np.empty(2 * r, np.int32 if len(out) < 2**31 else np.int64)  # group ids
     live = order = order.astype(np.int64, copy=False)  # each chunk of the order is read, then overwritten
     for lo in range(0, 2 * r, CHUNK):
         o = order[lo:lo + CHUNK]
@@ -80,7 +106,6 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     base = np.r_[0, live[starts[1:] - 1]]
     live -= np.repeat(base, np.diff(np.r_[starts, len(grp)]))
     out[grp[starts]] = np.maximum.reduceat(live, starts)
-    return out
 
 
 def allocation_module_ids(trace: Trace, rep: DeviceReplay):
