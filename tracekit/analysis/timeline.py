@@ -62,6 +62,30 @@ def categories_at(trace: Trace, device: int, indices, rules=None) -> dict:
     return _series_at(trace, device, np.asarray(indices, np.int64), rules).by_category
 
 
+def category_maxima(trace: Trace, device: int, rules=None) -> dict:
+    """{name: the most bytes of the category just after any entry} (0 without entries): the maxima of
+    category_series(trace, device) read from the step functions, without making a point per entry."""
+    rep = replay(trace)[device]
+    if trace.format == "memory_timeline" or not trace.meta.get("has_addresses", True):
+        steps = _event_category_steps(trace, device)
+    else:
+        steps = _allocation_steps(trace, device, rules)
+    out = {}
+    for name, (initial, p, c) in steps.items():
+        if not rep.n:
+            out[name] = 0
+            continue
+        # the value after an entry is the last change at or before it: the last of equal positions counts
+        last = np.ones(len(p), bool)
+        last[:-1] = p[1:] != p[:-1]
+        inside = last & (p < rep.n)
+        best = int(initial + c[inside].max()) if inside.any() else None
+        if not len(p) or p[0] > 0 or best is None:  # entries before the first change hold the initial bytes
+            best = int(initial) if best is None else max(best, int(initial))
+        out[name] = best
+    return out
+
+
 def _series_at(trace, device, idx, rules) -> Series:
     rep = replay(trace)[device]
     if trace.format == "memory_timeline" or not trace.meta.get("has_addresses", True):

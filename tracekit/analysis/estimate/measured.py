@@ -98,10 +98,9 @@ def _factored(shapes) -> int | None:
 
 def measured_max(trace: Trace, device: int, rules=None) -> dict:
     """Each category's largest live bytes over the recording."""
-    from ..timeline import category_series
+    from ..timeline import category_maxima
 
-    series = category_series(trace, device, rules=rules)
-    return {k: int(v.max()) if len(v) else 0 for k, v in series.by_category.items()}
+    return category_maxima(trace, device, rules)  # not the whole series: a point per entry, per category
 
 
 def add_estimates(trace: Trace, devices: list, spec=None, rules=None):
