@@ -86,6 +86,34 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray) -> No
     born += 1
     freed *= 2
     g = group[rows].astype(np.int64)
+    g0 = int(g.min())
+    g -= g0  # the groups here from 0: the keys stay small
+    bits = (2 * r - 1).bit_length()
+    if (int(g.max()) + 1) * span < 1 << (62 - bits):
+        # the event's number in the key's low bits: the keys are distinct, so an in-place sort orders them as
+        # a stable argsort of the keys alone would, without the argsort's index array and its buffer
+        g *= span
+        born += g
+        freed += g
+        del born, freed, g
+        key <<= bits
+        key |= np.arange(2 * r, dtype=np.int64)
+        size = al.size[rows].astype(np.int64)
+        del rows
+        key.sort()
+        grp = np.empty(2 * r, np.int32 if len(out) < 2**31 else np.int64)  # group ids
+        mask = (1 << bits) - 1
+        for lo in range(0, 2 * r, CHUNK):
+            k = key[lo:lo + CHUNK]
+            grp[lo:lo + CHUNK] = (k >> bits) // span + g0
+            o = k & mask
+            d = size[o % r]
+            d[o >= r] *= -1  # the free of an allocation: its size off
+            key[lo:lo + CHUNK] = d  # each chunk of the keys is read, then overwritten
+        del size, k, o, d
+        _peaks_of(key, grp, out)
+        return
+    g += g0
     g *= span
     born += g
     freed += g
@@ -101,6 +129,12 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray) -> No
         d[o >= r] *= -1  # the free of an allocation: its size off
         live[lo:lo + CHUNK] = d
     del key, order, size, o, d
+    _peaks_of(live, grp, out)
+
+
+def _peaks_of(live: np.ndarray, grp: np.ndarray, out: np.ndarray) -> None:
+    """`live`: each event's change of bytes, sorted by group then entry (`grp`: its group); into `out`, each
+    group's most bytes after any of its events (`live` is overwritten)."""
     np.cumsum(live, out=live)
     starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
     base = np.r_[0, live[starts[1:] - 1]]
