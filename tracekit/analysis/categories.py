@@ -230,7 +230,9 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     for i in ooms.tolist():
         at_oom |= (a <= i) & (f_end > i)
     static_sizes = np.unique(block_size(al.size[before & ~freed]))
-    cast_of_weight = has(ph.F_AUTOCAST) & ~freed & np.isin(block_size(2 * al.size), static_sizes)
+    cast_of_weight = has(ph.F_AUTOCAST) & ~freed
+    cast = np.flatnonzero(cast_of_weight)  # block sizes of these few only, not of every allocation
+    cast_of_weight[cast] = np.isin(block_size(2 * al.size[cast]), static_sizes)
     evidence = [  # what the frames say, whatever the phase
         (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
     ]

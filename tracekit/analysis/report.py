@@ -12,11 +12,13 @@ TOP_STACKS = 10
 LIBRARY_ROWS = 30  # library_sites_at_peak rows kept in the report
 
 
-def build_report(trace: Trace, rules=None, estimate=None) -> dict:
+def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) -> dict:
     """Everything `tracekit report` shows, as JSON-ready builtins (sizes in bytes).
 
     `rules`: a user rules file (path) or `Rules`, applied on top of the categories.
-    `estimate`: what `estimate.measured.add_estimates` takes (None: from the recording)."""
+    `estimate`: what `estimate.measured.add_estimates` takes (None: from the recording).
+    `lean`: let go of memoised analyses once the rest of the report no longer reads them (the CLI, which
+    throws the trace away after: a 10M-entry trace's report then peaks lower); the viewer keeps them."""
     from .rules import Rules
 
     if rules is not None and not isinstance(rules, Rules):
@@ -26,6 +28,12 @@ def build_report(trace: Trace, rules=None, estimate=None) -> dict:
     devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
     from .estimate.measured import add_estimates  # predicted vs measured, per device (issue 12)
     add_estimates(trace, devices, estimate, rules)
+    if lean:  # the categories over time: read by the summaries and the estimate (an oom finding makes its own)
+        from .memo import forget
+        from .timeline import _allocation_steps, _event_category_steps
+
+        forget(trace, _allocation_steps)
+        forget(trace, _event_category_steps)
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
     from .holds import add_distributed  # what a rank of a sharded / data-parallel job holds (issue 33)

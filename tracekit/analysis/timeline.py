@@ -141,13 +141,32 @@ def _allocation_steps(trace, device, rules):
         pos = np.concatenate([a[am], f[fm]])
         delta = np.concatenate([size[am], -size[fm]])
         del am, fm
-        order = np.argsort(pos, kind="stable")  # as _steps, with each temporary let go once used
+        pos, delta = _sorted_changes(pos, delta)
         # entry positions in int32 below 2**31 entries (half the memory the viewer and the report keep)
-        pos = pos[order].astype(np.int32 if rep.n < 2**31 else np.int64, copy=False)
-        delta = delta[order]
-        del order
+        pos = pos.astype(np.int32 if rep.n < 2**31 else np.int64, copy=False)
         out[name] = (initial, pos, np.cumsum(delta, out=delta))
     return out
+
+
+def _sorted_changes(pos: np.ndarray, delta: np.ndarray, chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """(pos, delta) ordered by pos as a stable argsort orders them. Each change's number goes in the low bits
+    of its position, so that the keys are distinct and sort in place (no index array, no sort buffer); then
+    the deltas are gathered a chunk at a time. `pos` (int64, not negative) is reused."""
+    k = len(pos)
+    bits = max(1, (k - 1).bit_length())
+    if not k or pos.dtype != np.int64 or int(pos.min()) < 0 or int(pos.max()) >= 1 << (62 - bits):
+        order = np.argsort(pos, kind="stable")
+        return pos[order], delta[order]
+    pos <<= bits
+    pos |= np.arange(k, dtype=np.int64)
+    pos.sort()
+    out = np.empty_like(delta)
+    mask = (1 << bits) - 1
+    for lo in range(0, k, chunk):
+        p = pos[lo:lo + chunk]
+        out[lo:lo + chunk] = delta[p & mask]
+        p >>= bits
+    return pos, out
 
 
 def _from_event_categories(trace, rep, idx):
