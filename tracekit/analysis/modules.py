@@ -35,7 +35,7 @@ def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
     return out
 
 
-CHUNK = 1 << 20  # entries read back at a time by group_peaks
+CHUNK = 1 << 18  # entries read back at a time by group_peaks
 
 
 GROUP_ROWS = 1 << 19  # allocations whose events group_peaks sorts at a time (whole groups: a bigger one alone)
@@ -49,6 +49,8 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     rows = np.flatnonzero(group >= 0)
     if not len(rows):
         return out
+    if len(group) < 2**31:
+        rows = rows.astype(np.int32)
     g = group[rows]
     counts = np.bincount(g, minlength=n_groups)
     bounds, acc = [0], 0
@@ -59,15 +61,15 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
         acc += c
     bounds.append(n_groups)
     if len(bounds) == 2:
-        _group_peaks(group, rows, al, out)
+        _group_peaks(group, rows, al, out, counts)
         return out
     for g0, g1 in zip(bounds[:-1], bounds[1:]):
-        _group_peaks(group, rows[(g >= g0) & (g < g1)], al, out)
+        _group_peaks(group, rows[(g >= g0) & (g < g1)], al, out, counts)
     return out
 
 
-def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray) -> None:
-    """group_peaks of the groups of `rows` (all of each group's allocations), into `out`."""
+def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, counts: np.ndarray) -> None:
+    """group_peaks of the groups of `rows` (all of each group's allocations: `counts` per group), into `out`."""
     if not len(rows):
         return
     # one sort key per event: group, then entry index, a free before an allocation at the same index; built
@@ -89,7 +91,8 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray) -> No
     g0 = int(g.min())
     g -= g0  # the groups here from 0: the keys stay small
     bits = (2 * r - 1).bit_length()
-    if (int(g.max()) + 1) * span < 1 << (62 - bits):
+    gmax = int(g.max())
+    if (gmax + 1) * span < 1 << (62 - bits):
         # the event's number in the key's low bits: the keys are distinct, so an in-place sort orders them as
         # a stable argsort of the keys alone would, without the argsort's index array and its buffer
         g *= span
@@ -101,17 +104,17 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray) -> No
         size = al.size[rows].astype(np.int64)
         del rows
         key.sort()
-        grp = np.empty(2 * r, np.int32 if len(out) < 2**31 else np.int64)  # group ids
         mask = (1 << bits) - 1
         for lo in range(0, 2 * r, CHUNK):
             k = key[lo:lo + CHUNK]
-            grp[lo:lo + CHUNK] = (k >> bits) // span + g0
             o = k & mask
             d = size[o % r]
             d[o >= r] *= -1  # the free of an allocation: its size off
             key[lo:lo + CHUNK] = d  # each chunk of the keys is read, then overwritten
         del size, k, o, d
-        _peaks_of(key, grp, out)
+        # sorted by group first, each group's events are one run: two per allocation
+        present = g0 + np.flatnonzero(counts[g0:g0 + gmax + 1])
+        _peaks_by_run(key, present, 2 * counts[present], out)
         return
     g += g0
     g *= span
@@ -130,6 +133,16 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray) -> No
         live[lo:lo + CHUNK] = d
     del key, order, size, o, d
     _peaks_of(live, grp, out)
+
+
+def _peaks_by_run(live: np.ndarray, groups: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
+    """`live`: each event's change of bytes, one run of `lengths[k]` events per group `groups[k]`, each in
+    entry order; into `out`, each group's most bytes after any of its events (`live` is overwritten)."""
+    np.cumsum(live, out=live)
+    starts = np.r_[0, np.cumsum(lengths)[:-1]]
+    base = np.r_[0, live[starts[1:] - 1]]
+    live -= np.repeat(base, lengths)
+    out[groups] = np.maximum.reduceat(live, starts)
 
 
 def _peaks_of(live: np.ndarray, grp: np.ndarray, out: np.ndarray) -> None:
