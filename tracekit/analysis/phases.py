@@ -203,11 +203,22 @@ class DevicePhases:
     def n(self):
         return len(self.phase)
 
-    def runs(self) -> np.ndarray:
-        """Run id per entry: it changes whenever the phase or the iteration changes."""
+    def _changes(self) -> np.ndarray:
+        """Per entry: True where a run begins (the first entry, and wherever the phase or the iteration changes)."""
         change = np.ones(self.n, bool)
         change[1:] = (self.phase[1:] != self.phase[:-1]) | (self.iteration[1:] != self.iteration[:-1])
-        return np.cumsum(change, dtype=np.int64 if self.n >= 2**31 else np.int32) - 1
+        return change
+
+    def run_starts(self) -> np.ndarray:
+        """The first entry of each run (int64, ascending): where runs() changes, without a run id per entry."""
+        return np.flatnonzero(self._changes())
+
+    def runs(self) -> np.ndarray:
+        """Run id per entry: it changes whenever the phase or the iteration changes."""
+        change = self._changes()
+        out = np.cumsum(change, dtype=np.int64 if self.n >= 2**31 else np.int32)
+        out -= 1  # in place: one per-entry array, not two
+        return out
 
     def next_of(self, phase: int, chunk: int = 1 << 20) -> np.ndarray:
         """For each position i in 0..n, the first entry j >= i in `phase` (n if none); length n + 1
@@ -241,10 +252,9 @@ class DevicePhases:
 
     def intervals(self) -> list[tuple[int, int, int, int]]:
         """[(iteration, phase, first entry, last entry)] for each run of a phase other than none."""
-        runs = self.runs()
-        if not len(runs):
+        if not self.n:
             return []
-        starts = np.flatnonzero(np.diff(runs, prepend=-1))
+        starts = self.run_starts()
         ends = np.concatenate([starts[1:] - 1, [self.n - 1]])
         return [(int(self.iteration[s]), int(self.phase[s]), int(s), int(e))
                 for s, e in zip(starts.tolist(), ends.tolist()) if self.phase[s] != NONE]

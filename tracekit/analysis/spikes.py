@@ -60,9 +60,12 @@ def spike_findings(trace: Trace, device: int) -> list[dict]:
     peak = max(rep.peak_allocated, 1)
     floor = max(MIN_SHARE * peak, MIN_BYTES)
     p = phases(trace)[device]
-    runs = p.runs() if p.source != "none" else np.arange(rep.n) // max(16, rep.n // 100)
     # the highest point of transient bytes in each run, largest first
-    starts = np.flatnonzero(np.r_[True, runs[1:] != runs[:-1]])  # runs[0] >= 0: a run starts at 0
+    if p.source != "none":
+        starts = p.run_starts()  # where p.runs() changes, without its run id per entry
+    else:
+        runs = np.arange(rep.n) // max(16, rep.n // 100)
+        starts = np.flatnonzero(np.r_[True, runs[1:] != runs[:-1]])  # runs[0] >= 0: a run starts at 0
     tops = starts + np.array([int(np.argmax(c)) for c in np.split(curve, starts[1:])])
     tops = tops[curve[tops] >= floor]
     tops = tops[np.argsort(-curve[tops], kind="stable")]
