@@ -101,7 +101,7 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, count
         del born, freed, g
         key <<= bits
         key |= np.arange(2 * r, dtype=np.int64)
-        size = al.size[rows].astype(np.int64)
+        size = al.size[rows].astype(np.int64, copy=False)  # the gather is the copy
         del rows
         key.sort()
         mask = (1 << bits) - 1
@@ -204,7 +204,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     uniq, inv = unique_ids(module_ids[made].astype(np.int64) * 2 + backward[made], return_inverse=True)
     group = np.full(len(al), -1, np.int32 if len(uniq) < 2**31 else np.int64)
     group[made] = inv
-    del inv
+    del inv, made, module_ids, backward  # the groups say it all from here
     grouped = group >= 0
     live = al.live_at(rep.peak_index) & grouped
     n = len(uniq)

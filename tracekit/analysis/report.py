@@ -25,15 +25,15 @@ def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) ->
         rules = Rules.load(rules)
     reps = replay(trace)
     _share_reserved(trace, reps)
-    devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
-    from .estimate.measured import add_estimates  # predicted vs measured, per device (issue 12)
-    add_estimates(trace, devices, estimate, rules)
-    if lean:  # the categories over time: read by the summaries and the estimate (an oom finding makes its own)
-        from .memo import forget
-        from .timeline import _allocation_steps, _event_category_steps
+    from .estimate.measured import add_estimates, wants_estimates  # predicted vs measured, per device (issue 12)
 
-        forget(trace, _allocation_steps)
-        forget(trace, _event_category_steps)
+    # the categories over time are read by the summaries and the estimate (an oom finding makes its own): lean,
+    # they are let go once read, before each summary goes on to the library lines
+    forget_steps = lean and not wants_estimates(trace, estimate)
+    devices = [device_summary(trace, reps[d], rules, forget_steps=forget_steps) for d in trace.devices]
+    add_estimates(trace, devices, estimate, rules)
+    if lean:
+        _forget_steps(trace)
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
     from .holds import add_distributed  # what a rank of a sharded / data-parallel job holds (issue 33)
@@ -57,13 +57,24 @@ def _share_reserved(trace: Trace, reps: dict) -> None:
             model.reserved = rep.reserved
 
 
-def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
+def _forget_steps(trace: Trace) -> None:
+    from .memo import forget
+    from .timeline import _allocation_steps, _event_category_steps
+
+    forget(trace, _allocation_steps)
+    forget(trace, _event_category_steps)
+
+
+def device_summary(trace: Trace, rep: DeviceReplay, rules=None, forget_steps: bool = False) -> dict:
+    """The report's figures of one device (`forget_steps`: let go of the categories' step functions once read)."""
     p = rep.peak_index
     reserved_at_peak = rep.reserved_at(p)
     ev = trace.events
     from .libraries import library_sites
 
     out = {**_summary(trace, rep, p, reserved_at_peak, ev), **category_tables(trace, rep, rules)}
+    if forget_steps:
+        _forget_steps(trace)
     # the third-party line (transformers, peft, ...) that holds the memory, per category (issue 22)
     out["library_sites_at_peak"] = library_sites(trace, rep.device, rep.allocations.live_at(p), rules,
                                                  limit=LIBRARY_ROWS)

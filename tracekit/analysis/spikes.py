@@ -21,6 +21,7 @@ from ..units import fmt_bytes
 MIN_SHARE = 0.10  # of the device's peak
 MIN_BYTES = 64 * 1024
 MAX_SPIKES = 3
+CHUNK = 1 << 18  # allocations whose changes transient_curve adds at a time
 
 
 def transient_mask(trace: Trace, rep: DeviceReplay) -> np.ndarray:
@@ -46,8 +47,12 @@ def transient_curve(rep: DeviceReplay, mask) -> np.ndarray:
     """Bytes of the masked allocations live just after each entry."""
     al = rep.allocations
     delta = np.zeros(rep.n + 1, np.int64)
-    np.add.at(delta, al.alloc_index[mask], al.size[mask])
-    np.add.at(delta, al.free_index[mask], -al.size[mask])
+    for lo in range(0, len(mask), CHUNK):  # a chunk of allocations at a time: few temporaries (sums are exact)
+        m = mask[lo:lo + CHUNK]
+        size = al.size[lo:lo + CHUNK][m]
+        np.add.at(delta, al.alloc_index[lo:lo + CHUNK][m], size)
+        np.negative(size, out=size)
+        np.add.at(delta, al.free_index[lo:lo + CHUNK][m], size)
     return np.cumsum(delta, out=delta)[:-1]  # in place: one curve's memory, not two
 
 

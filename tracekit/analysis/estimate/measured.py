@@ -103,12 +103,17 @@ def measured_max(trace: Trace, device: int, rules=None) -> dict:
     return category_maxima(trace, device, rules)  # not the whole series: a point per entry, per category
 
 
+def wants_estimates(trace: Trace, spec=None) -> bool:
+    """Whether add_estimates(trace, devices, spec) estimates anything: a shape given, or the recorder's model."""
+    return (spec or {}).get("shape") is not None or bool(((trace.recorder or {}).get("model") or {}).get("parameters"))
+
+
 def add_estimates(trace: Trace, devices: list, spec=None, rules=None):
     """Put "estimate" (predicted vs measured) in each device's report dict, where something says what the model is.
 
     spec: None (what the recorder stored) or {"shape": ModelShape | None, "overrides": {Setup field: value}}."""
     spec = spec or {}
-    if spec.get("shape") is None and not ((trace.recorder or {}).get("model") or {}).get("parameters"):
+    if not wants_estimates(trace, spec):
         return
     for d in devices:
         result = compare(trace, d["device"], d, spec.get("shape"), spec.get("overrides"), rules)
