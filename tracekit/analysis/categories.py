@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import NO_TIME, Trace
+from ..model import NO_TIME, Trace, compact_column, isin_few
 from . import distributed as _dist
 from . import phases as ph
 from .memo import per_trace
@@ -125,8 +125,10 @@ def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
             method[m] = RULE
             reason[m] = len(reasons) + hit[m]
             reasons += [f"user rule: {name}" for name in names]
-        out[d] = DeviceCategories(device=d, labels=labels.astype(np.int16), names=names, method=method,
-                                  tagged=tagged.astype(np.int16), reason=reason.astype(np.int16), reasons=reasons)
+        # how and the tags' label are most often one value throughout (no tags, no rules): constant columns
+        out[d] = DeviceCategories(device=d, labels=labels.astype(np.int16), names=names, method=compact_column(method),
+                                  tagged=compact_column(tagged.astype(np.int16)), reason=reason.astype(np.int16),
+                                  reasons=reasons)
     return out
 
 
@@ -270,7 +272,7 @@ def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next
     that makes it (infer makes them one at a time)."""
     phase = phases.phase
     any_optim = bool((phase == ph.OPTIMIZER).any())
-    any_pass = bool(np.isin(phase, (ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE)).any())
+    any_pass = bool(isin_few(phase, (ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE)).any())
     fwd, bwd, opt, none = (traced & (pa == p) for p in (ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.NONE))
     step = traced & np.isin(pa, (ph.PREFILL, ph.DECODE))  # a generation's model calls
     in_generation = none & (phases.generation is not None)

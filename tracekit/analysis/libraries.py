@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import Trace, unique_rows
+from ..model import Trace, compact_column, unique_rows
 from .frames import package_of, stack_roles
 from .memo import per_trace
 
@@ -107,7 +107,8 @@ def _allocation_libraries(trace: Trace, device: int) -> AllocationLibraries:
     if need.any():
         ph = phases(trace)[device]
         _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, source, BACKWARD)
-    return AllocationLibraries(frame, inner, user, how, backward, source)
+    # no backward line found from a forward one: one value throughout, kept as constant columns
+    return AllocationLibraries(frame, inner, user, how, compact_column(backward), compact_column(source))
 
 
 def _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, source, BACKWARD):

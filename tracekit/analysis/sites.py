@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import Trace
+from ..model import Trace, compact_column
 from .frames import USER, describe, frame_kinds, is_user, user_first, where
 from .memo import per_trace
 from .phases import phases
@@ -70,6 +70,9 @@ def stack_sites(trace: Trace) -> StackSites:
     return StackSites(user, node)
 
 
+CHUNK = 1 << 18  # allocations whose site keys are made at a time
+
+
 @dataclass
 class AllocationSites:
     """Per allocation of a device: the stack that names its site, and its group key."""
@@ -98,12 +101,12 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     n = rep.n
     entry_site = _borrowed_entry_sites(stack, ss.user_frame, phases(trace)[device].runs()) if n else stack
     del stack
-    own = al.stack_id.astype(np.int64)
-    site = own.copy()
+    own = al.stack_id
+    site = own.astype(np.int32)  # a copy: stack ids (own, borrowed, forward) are int32
     traced = al.alloc_index >= 0
     if n:
         site[traced] = entry_site[al.alloc_index[traced]]
-    fwd = np.full(len(own), -1, np.int64)
+    fwd = np.full(len(own), -1, np.int32)
     module = np.zeros(len(own), np.int32)
     if n:
         fwd[traced] = trace.events.forward_stack_id[rep.events][al.alloc_index[traced]]
@@ -112,20 +115,29 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     site[forward] = fwd[forward]
     del fwd, entry_site, traced
     borrowed = (site != own) & ~forward
-    user = ss.user_frame[site + 1].astype(np.int64)
-    nodes = ss.node[own + 1].astype(np.int64)
-    if forward.any():  # a line's backward allocations are a site apart from its forward ones
-        nodes = np.where(forward & (nodes == 0), trace.strings.intern("backward"), nodes)
-    # no user frame: the stack itself is the site; no stack at all: what the categories say of it
-    reason = cats.reason.astype(np.int64)
+    # a line's backward allocations are a site apart from its forward ones
+    backward_node = trace.strings.intern("backward") if forward.any() else None
     # a cuBLAS workspace is the handle's, not the line's that happened to run the first matmul: a site apart
     workspace = cats.labels == cats.names.index("workspace")
-    if workspace.any():
-        nodes = np.where(workspace, trace.strings.intern("cuBLAS workspace"), nodes)
-    first = np.where(user >= 0, user, np.where(own >= 0, -2 - own, -(1 << 40) - reason))
-    key = first * (len(trace.strings) + 1) + np.where(user >= 0, nodes, 0)
-    return AllocationSites(site_stack=site.astype(np.int32), key=key, borrowed=borrowed, forward=forward,
-                           module=module)
+    workspace_node = trace.strings.intern("cuBLAS workspace") if workspace.any() else None
+    width = len(trace.strings) + 1
+    key = np.empty(len(own), np.int64)
+    for lo in range(0, len(own), CHUNK):  # the key a chunk at a time: its int64 temporaries stay small
+        hi = lo + CHUNK
+        o = own[lo:hi].astype(np.int64)
+        user = ss.user_frame[site[lo:hi] + 1].astype(np.int64)
+        nodes = ss.node[o + 1].astype(np.int64)
+        if backward_node is not None:
+            nodes = np.where(forward[lo:hi] & (nodes == 0), backward_node, nodes)
+        if workspace_node is not None:
+            nodes = np.where(workspace[lo:hi], workspace_node, nodes)
+        # no user frame: the stack itself is the site; no stack at all: what the categories say of it
+        reason = cats.reason[lo:hi].astype(np.int64)
+        first = np.where(user >= 0, user, np.where(o >= 0, -2 - o, -(1 << 40) - reason))
+        key[lo:hi] = first * width + np.where(user >= 0, nodes, 0)
+    # without the recorder's forward frames and modules these are one value throughout: constant columns
+    return AllocationSites(site_stack=site, key=key, borrowed=compact_column(borrowed),
+                           forward=compact_column(forward), module=compact_column(module))
 
 
 def _borrowed_entry_sites(stack, user_frame, runs, chunk: int = 1 << 20):
