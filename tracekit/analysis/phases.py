@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace
+from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace, isin_few
 from .memo import per_trace
 
 PHASES = ("none", "forward", "backward", "optimizer", "prefill", "decode")
@@ -435,7 +435,7 @@ def _inferred(trace, sl) -> DevicePhases:
     code[has(F_BACKWARD)] = _E_BACKWARD
     code[has(F_OPTIM)] = _E_OPTIM
     code[has(F_ZERO_GRAD)] = _E_ZERO
-    code[~(is_alloc | is_free) & np.isin(code, (_E_USER, _E_FACTORY))] = _E_NONE  # segment events etc. say little
+    code[~(is_alloc | is_free) & isin_few(code, (_E_USER, _E_FACTORY))] = _E_NONE  # segment events etc. say little
     if (is_alloc & has_frames).any():  # Python stacks were recorded: frameless allocations are autograd's
         code[is_alloc & ~has_frames] = _E_FRAMELESS
     _annotate(trace, sl, code)
@@ -457,7 +457,7 @@ def _generation(code, flags, has_frames, is_alloc, is_free) -> DevicePhases | No
     generation loop or growing a KV cache. Each call of the model is a step: the prefill (the first
     call, or transformers' `_prefill`), then decoding steps 1..N; the loop's own code between calls
     (sampling, appending the token) is phase none of the step before. Iteration = the call's number."""
-    if np.isin(code, (_E_BACKWARD, _E_OPTIM)).any():
+    if isin_few(code, (_E_BACKWARD, _E_OPTIM)).any():
         return None
     frameless = int((code == _E_FRAMELESS).sum())
     if frameless > MAX_FRAMELESS_SHARE * max(1, int(is_alloc.sum())):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model import OOM, SNAPSHOT, Trace
+from ..model import OOM, SNAPSHOT, Trace, isin_few
 from .replay import DeviceReplay, replay, time_of
 from .phases import when
 from .sites import group_sites, public, site_info
@@ -341,7 +341,7 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
         return None  # no caching allocator: CPU "segments" are the blocks themselves
     action = trace.events.action[rep.events]
     # large-pool growth only: a 2 MiB small-pool segment says nothing about large free blocks
-    grows = np.flatnonzero(np.isin(action, (SEGMENT_ALLOC, SEGMENT_MAP)) & (trace.events.size[rep.events] > 2 << 20))
+    grows = np.flatnonzero(isin_few(action, (SEGMENT_ALLOC, SEGMENT_MAP)) & (trace.events.size[rep.events] > 2 << 20))
     ooms = np.flatnonzero(action == OOM)
     p = rep.peak_index
     reserved_peak = rep.reserved_at(p) or 0
