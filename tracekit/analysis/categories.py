@@ -218,7 +218,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     after_a = np.where(traced, a + 1, 0)
 
     def alive_at_next(p):  # is the allocation still live when the next entry of phase p comes?
-        nxt = phases.next_of(p)[np.minimum(after_a, n)]
+        nxt = phases.next_at(p, np.minimum(after_a, n))  # next_of(p)[...], without its per-entry column
         return nxt < f_end
 
     fl = ph.stack_flags(trace)

@@ -101,17 +101,15 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, count
         del born, freed, g
         key <<= bits
         key |= np.arange(2 * r, dtype=np.int64)
-        size = al.size[rows].astype(np.int64, copy=False)  # the gather is the copy
-        del rows
         key.sort()
         mask = (1 << bits) - 1
         for lo in range(0, 2 * r, CHUNK):
             k = key[lo:lo + CHUNK]
             o = k & mask
-            d = size[o % r]
+            d = al.size[rows[o % r]].astype(np.int64, copy=False)  # sizes read a chunk at a time, not copied out
             d[o >= r] *= -1  # the free of an allocation: its size off
             key[lo:lo + CHUNK] = d  # each chunk of the keys is read, then overwritten
-        del size, k, o, d
+        del k, o, d
         # sorted by group first, each group's events are one run: two per allocation
         present = g0 + np.flatnonzero(counts[g0:g0 + gmax + 1])
         _peaks_by_run(key, present, 2 * counts[present], out)
@@ -140,8 +138,9 @@ def _peaks_by_run(live: np.ndarray, groups: np.ndarray, lengths: np.ndarray, out
     entry order; into `out`, each group's most bytes after any of its events (`live` is overwritten)."""
     np.cumsum(live, out=live)
     starts = np.r_[0, np.cumsum(lengths)[:-1]]
-    base = np.r_[0, live[starts[1:] - 1]]
-    live -= np.repeat(base, lengths)
+    base = live[starts[1:] - 1]  # each group's start, from the running sum before any is taken off (a copy)
+    for s, e, b in zip(starts[1:].tolist(), (starts[1:] + lengths[1:]).tolist(), base.tolist()):
+        live[s:e] -= b  # in place, a group at a time
     out[groups] = np.maximum.reduceat(live, starts)
 
 

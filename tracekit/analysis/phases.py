@@ -236,6 +236,23 @@ class DevicePhases:
             nxt = out[lo]
         return out
 
+    def next_at(self, phase: int, at: np.ndarray, chunk: int = 1 << 20) -> np.ndarray:
+        """next_of(phase)[at] (`at`: positions in 0..n), made a chunk of entries at a time without the whole
+        column: each chunk's part of it serves the positions that fall in the chunk."""
+        n = self.n
+        dtype = np.int64 if n >= 2**31 else np.int32
+        at = np.asarray(at)
+        out = np.full(at.shape, n, dtype)  # position n: n
+        nxt = dtype(n)  # the first entry in `phase` after the chunk
+        for hi in range(n, 0, -chunk):
+            lo = max(0, hi - chunk)
+            idx = np.where(self.phase[lo:hi] == phase, np.arange(lo, hi, dtype=dtype), nxt)
+            local = np.minimum.accumulate(idx[::-1])[::-1]
+            sel = np.flatnonzero((at >= lo) & (at < hi))
+            out[sel] = local[at[sel] - lo]
+            nxt = local[0]
+        return out
+
     def iterations(self) -> list[tuple[int, int, int]]:
         """[(iteration, first entry, last entry)] in order, for iterations >= 0."""
         it = self.iteration
