@@ -91,7 +91,7 @@ def main():
     def report():
         from tracekit.analysis.report import build_report
 
-        state["report"] = build_report(state["trace"])
+        state["report"] = build_report(state["trace"], lean=True)  # as `report` builds it
 
     def write():
         from tracekit.render import reporter

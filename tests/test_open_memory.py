@@ -104,13 +104,14 @@ def _group_peaks_before(group, al, n_groups):  # the implementation before issue
     return out
 
 
-@pytest.mark.parametrize("chunk", [3, 1 << 20])
-def test_group_peaks_read_back_in_chunks(monkeypatch, chunk):
+@pytest.mark.parametrize("chunk,group_rows", [(3, 1 << 19), (1 << 20, 1 << 19), (3, 7), (1 << 20, 1)])
+def test_group_peaks_read_back_in_chunks(monkeypatch, chunk, group_rows):
     from types import SimpleNamespace
 
     from tracekit.analysis import modules
 
     monkeypatch.setattr(modules, "CHUNK", chunk)
+    monkeypatch.setattr(modules, "GROUP_ROWS", group_rows)  # a few groups at a time, or one
     rng = np.random.default_rng(35)
     for m in (1, 2, 50, 400):
         entries = rng.permutation(3 * m)

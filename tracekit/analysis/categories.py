@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import NO_TIME, Trace
+from ..model import NO_TIME, Trace, compact_column, isin_few
 from . import distributed as _dist
 from . import phases as ph
 from .memo import per_trace
@@ -125,8 +125,10 @@ def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
             method[m] = RULE
             reason[m] = len(reasons) + hit[m]
             reasons += [f"user rule: {name}" for name in names]
-        out[d] = DeviceCategories(device=d, labels=labels.astype(np.int16), names=names, method=method,
-                                  tagged=tagged.astype(np.int16), reason=reason.astype(np.int16), reasons=reasons)
+        # how and the tags' label are most often one value throughout (no tags, no rules): constant columns
+        out[d] = DeviceCategories(device=d, labels=labels.astype(np.int16), names=names, method=compact_column(method),
+                                  tagged=compact_column(tagged.astype(np.int16)), reason=reason.astype(np.int16),
+                                  reasons=reasons)
     return out
 
 
@@ -212,10 +214,11 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     pa = np.where(traced, phase[a0], -1) if n else np.full(m, -1)
     pf = np.where(freed, phase[f0], -1) if n else np.full(m, -1)
     same_run = traced & freed & (runs[a0] == runs[f0]) if n else np.zeros(m, bool)
+    del a0, f0, runs  # per-entry and per-allocation temporaries: not kept through the rules below
     after_a = np.where(traced, a + 1, 0)
 
     def alive_at_next(p):  # is the allocation still live when the next entry of phase p comes?
-        nxt = phases.next_of(p)[np.minimum(after_a, n)]
+        nxt = phases.next_at(p, np.minimum(after_a, n))  # next_of(p)[...], without its per-entry column
         return nxt < f_end
 
     fl = ph.stack_flags(trace)
@@ -229,7 +232,9 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     for i in ooms.tolist():
         at_oom |= (a <= i) & (f_end > i)
     static_sizes = np.unique(block_size(al.size[before & ~freed]))
-    cast_of_weight = has(ph.F_AUTOCAST) & ~freed & np.isin(block_size(2 * al.size), static_sizes)
+    cast_of_weight = has(ph.F_AUTOCAST) & ~freed
+    cast = np.flatnonzero(cast_of_weight)  # block sizes of these few only, not of every allocation
+    cast_of_weight[cast] = np.isin(block_size(2 * al.size[cast]), static_sizes)
     evidence = [  # what the frames say, whatever the phase
         (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
     ]
@@ -251,8 +256,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         rules = evidence + _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next,
                                      has, free_flags, no_stack, at_oom)
     done = np.zeros(m, bool)
-    for mask, cat, why in rules:
-        take = mask & ~done
+    for mask, cat, why in rules:  # a rule's mask is made when its turn comes (a callable), so few are held at once
+        take = (mask() if callable(mask) else mask) & ~done
         labels[take] = cat
         reason[take] = R[why]
         done |= take
@@ -263,10 +268,11 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
 
 def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next, has, free_flags, no_stack,
               at_oom) -> list:
-    """(mask, category, reason) rules from the phase each allocation was made and freed in."""
+    """(mask, category, reason) rules from the phase each allocation was made and freed in; each mask a callable
+    that makes it (infer makes them one at a time)."""
     phase = phases.phase
     any_optim = bool((phase == ph.OPTIMIZER).any())
-    any_pass = bool(np.isin(phase, (ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE)).any())
+    any_pass = bool(isin_few(phase, (ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE)).any())
     fwd, bwd, opt, none = (traced & (pa == p) for p in (ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.NONE))
     step = traced & np.isin(pa, (ph.PREFILL, ph.DECODE))  # a generation's model calls
     in_generation = none & (phases.generation is not None)
@@ -275,38 +281,38 @@ def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next
     freed_by = lambda bits: (free_flags & bits) != 0  # noqa: E731
     return [
         # a generation (inference): nothing is kept for a backward pass
-        (step & same_run, TEMPORARY, REASONS[39]),
-        (step, TEMPORARY, REASONS[40]),
-        (in_generation & same_run, TEMPORARY, REASONS[41]),
-        (in_generation, INPUT, REASONS[42]),
-        (fwd & at_backward, ACTIVATION, REASONS[9]),
-        (fwd & at_oom, ACTIVATION, REASONS[10]),
-        (fwd & ~freed & has(ph.F_NO_GRAD), TEMPORARY, REASONS[11]),
-        (fwd & ~freed, ACTIVATION, REASONS[12]),
-        (fwd, TEMPORARY, REASONS[13]),
-        (bwd & (at_optim | ~freed), GRADIENT, REASONS[14]),
-        (bwd & ~same_run & (not any_optim), GRADIENT, REASONS[14]),
-        (bwd, TEMPORARY, REASONS[15]),
-        (opt & ~same_run, OPTIMIZER_STATE, REASONS[16]),
-        (opt, TEMPORARY, REASONS[17]),
-        (none & has(ph.F_PARAM_INIT) & ~same_run, PARAMETER, REASONS[18]),
-        (none & has(ph.F_DATA), INPUT, REASONS[19]),
-        (none & (at_forward | at_backward) & ~same_run, INPUT, REASONS[20]),
-        (none & at_oom, OTHER, REASONS[34]),
-        (none & same_run, TEMPORARY, REASONS[21]),
-        (none & ~freed, OTHER, REASONS[22]),
+        (lambda: step & same_run, TEMPORARY, REASONS[39]),
+        (lambda: step, TEMPORARY, REASONS[40]),
+        (lambda: in_generation & same_run, TEMPORARY, REASONS[41]),
+        (lambda: in_generation, INPUT, REASONS[42]),
+        (lambda: fwd & at_backward, ACTIVATION, REASONS[9]),
+        (lambda: fwd & at_oom, ACTIVATION, REASONS[10]),
+        (lambda: fwd & ~freed & has(ph.F_NO_GRAD), TEMPORARY, REASONS[11]),
+        (lambda: fwd & ~freed, ACTIVATION, REASONS[12]),
+        (lambda: fwd, TEMPORARY, REASONS[13]),
+        (lambda: bwd & (at_optim | ~freed), GRADIENT, REASONS[14]),
+        (lambda: bwd & ~same_run & (not any_optim), GRADIENT, REASONS[14]),
+        (lambda: bwd, TEMPORARY, REASONS[15]),
+        (lambda: opt & ~same_run, OPTIMIZER_STATE, REASONS[16]),
+        (lambda: opt, TEMPORARY, REASONS[17]),
+        (lambda: none & has(ph.F_PARAM_INIT) & ~same_run, PARAMETER, REASONS[18]),
+        (lambda: none & has(ph.F_DATA), INPUT, REASONS[19]),
+        (lambda: none & (at_forward | at_backward) & ~same_run, INPUT, REASONS[20]),
+        (lambda: none & at_oom, OTHER, REASONS[34]),
+        (lambda: none & same_run, TEMPORARY, REASONS[21]),
+        (lambda: none & ~freed, OTHER, REASONS[22]),
         # allocations made before the trace
-        (before & ~freed & has(ph.F_INIT_STATE | ph.F_OPTIM), OPTIMIZER_STATE, REASONS[7]),
-        (before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD), GRADIENT, REASONS[14]),
-        (before & ~freed & has(ph.F_PARAM_INIT), PARAMETER, REASONS[18]),
-        (before & ~freed & has(ph.F_MODULE), ACTIVATION, REASONS[32]),
-        (before & ~freed & no_stack & any_pass, PARAMETER, REASONS[25]),
-        (before & ~freed, OTHER, REASONS[26]),
-        (before & freed_by(ph.F_ZERO_GRAD), GRADIENT, REASONS[27]),
-        (before & (pf == ph.BACKWARD), ACTIVATION, REASONS[28]),
-        (before & (pf == ph.OPTIMIZER), OPTIMIZER_STATE, REASONS[29]),
-        (before & (pf == ph.FORWARD), OTHER, REASONS[31]),
-        (before, OTHER, REASONS[30]),
+        (lambda: before & ~freed & has(ph.F_INIT_STATE | ph.F_OPTIM), OPTIMIZER_STATE, REASONS[7]),
+        (lambda: before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD), GRADIENT, REASONS[14]),
+        (lambda: before & ~freed & has(ph.F_PARAM_INIT), PARAMETER, REASONS[18]),
+        (lambda: before & ~freed & has(ph.F_MODULE), ACTIVATION, REASONS[32]),
+        (lambda: before & ~freed & no_stack & any_pass, PARAMETER, REASONS[25]),
+        (lambda: before & ~freed, OTHER, REASONS[26]),
+        (lambda: before & freed_by(ph.F_ZERO_GRAD), GRADIENT, REASONS[27]),
+        (lambda: before & (pf == ph.BACKWARD), ACTIVATION, REASONS[28]),
+        (lambda: before & (pf == ph.OPTIMIZER), OPTIMIZER_STATE, REASONS[29]),
+        (lambda: before & (pf == ph.FORWARD), OTHER, REASONS[31]),
+        (lambda: before, OTHER, REASONS[30]),
     ]
 
 
@@ -425,7 +431,9 @@ def _before_trace(trace, rep, labels, reason, iteration, any_optim, workspace_fr
     traced_ws = np.unique(size[workspace_frames & (al.alloc_index >= 0)]).tolist()
     ws_sizes = set(CUBLAS_WORKSPACE_SIZES) | set(traced_ws)
     ev = trace.events
-    streams = max(1, len(np.unique(ev.stream[rep.events][ev.action[rep.events] == 0]))) if rep.n else 1
+    stream = ev.stream[rep.events]
+    # one stream throughout (a constant column): 1 without copying the allocations' streams out
+    streams = max(1, len(np.unique(stream[ev.action[rep.events] == 0]))) if rep.n and stream.strides != (0,) else 1
     max_ws = WORKSPACES_PER_STREAM * streams
     csize, ccount = np.unique(size[static], return_counts=True)
     for s, c in zip(csize.tolist(), ccount.tolist()):
@@ -566,11 +574,18 @@ def tag_labels(trace: Trace, rep: DeviceReplay) -> np.ndarray:
 def allocation_times(trace: Trace, rep: DeviceReplay):
     """(alloc_time, free_time) per allocation in µs; -inf before the trace, +inf live at the end."""
     al = rep.allocations
-    t = trace.events.time_us[rep.events].astype(np.float64)
-    t[trace.events.time_us[rep.events] == NO_TIME] = np.nan
-    ta = np.where(al.alloc_index >= 0, t[np.maximum(al.alloc_index, 0)] if len(t) else 0, -np.inf)
-    tf = np.where(al.free_index >= 0, t[np.maximum(al.free_index, 0)] if len(t) else 0, np.inf)
-    return ta, tf
+    t = trace.events.time_us[rep.events]
+
+    def at(index, missing):  # the entries' times as floats (NaN: no time), read only where they are asked for
+        if not len(t):
+            return np.where(index >= 0, 0.0, missing)
+        raw = t[np.maximum(index, 0)]
+        out = raw.astype(np.float64)
+        out[raw == NO_TIME] = np.nan
+        out[index < 0] = missing
+        return out
+
+    return at(al.alloc_index, -np.inf), at(al.free_index, np.inf)
 
 
 def match_tags(trace: Trace, rep: DeviceReplay, tags: list) -> np.ndarray:

@@ -183,7 +183,7 @@ def _ddp_buckets(trace: Trace, times) -> np.ndarray | None:
 def evidence(trace: Trace, al, same_run: np.ndarray, times=None) -> list:
     """(mask, category name, reason) rules for categories.infer, in order; `times`: categories.allocation_times."""
     role, why = stack_roles(trace)
-    sid = al.stack_id.astype(np.int64) + 1
+    sid = al.stack_id + al.stack_id.dtype.type(1)  # stack ids are below 2**31 - 1: no overflow, no int64 copy
     r, w = role[sid], why[sid]
     out = []
     for code, cat, mask in ((PARAM, "parameter", None), (UNSHARD, "unsharded_parameter", None),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import Trace, unique_rows
+from ..model import Trace, compact_column, unique_rows
 from .frames import package_of, stack_roles
 from .memo import per_trace
 
@@ -43,7 +43,7 @@ class AllocationLibraries:
     user: np.ndarray  # int32: user frame id, -1 where none
     how: np.ndarray  # int8: index into HOW
     backward: np.ndarray  # bool: the line is the forward op of a backward allocation
-    source: np.ndarray  # int64: the forward allocation (row) whose line it took, -1 where its own
+    source: np.ndarray  # int32 row (int64 from 2**31 rows): the forward allocation whose line it took, -1: its own
 
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -83,17 +83,17 @@ def _allocation_libraries(trace: Trace, device: int) -> AllocationLibraries:
     m = len(al)
     roles = stack_roles(trace)
     ss = stack_sites(trace)
-    own = al.stack_id.astype(np.int64) + 1
-    frame = roles.library[own].copy()
-    inner = roles.inner[own].copy()
-    user = ss.user_frame[own].copy()
+    own = al.stack_id + 1  # in the ids' own type (stack ids are below 2**31 - 1): no int64 copy
+    frame = roles.library[own]  # fancy indexing copies: these are the result's own arrays
+    inner = roles.inner[own]
+    user = ss.user_frame[own]
     how = np.where(frame >= 0, OWN, NONE).astype(np.int8)
     backward = np.zeros(m, bool)
-    source = np.full(m, -1, np.int64)
+    source = np.full(m, -1, np.int32 if m < 2**31 else np.int64)  # rows
     traced = al.alloc_index >= 0
     if not m or not rep.n:
         return AllocationLibraries(frame, inner, user, how, backward, source)
-    fwd = np.full(m, -1, np.int64)
+    fwd = np.full(m, -1, trace.events.forward_stack_id.dtype)
     fwd[traced] = trace.events.forward_stack_id[rep.events][al.alloc_index[traced]]
     rec = (fwd >= 0) & (frame < 0)
     if rec.any():
@@ -107,7 +107,8 @@ def _allocation_libraries(trace: Trace, device: int) -> AllocationLibraries:
     if need.any():
         ph = phases(trace)[device]
         _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, source, BACKWARD)
-    return AllocationLibraries(frame, inner, user, how, backward, source)
+    # no backward line found from a forward one: one value throughout, kept as constant columns
+    return AllocationLibraries(frame, inner, user, how, compact_column(backward), compact_column(source))
 
 
 def _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward, source, BACKWARD):
@@ -118,16 +119,15 @@ def _by_node(trace, al, ph, need, node, roles, frame, inner, user, how, backward
     if ph.source == "none":
         bstarts, bends = np.array([0]), np.array([n - 1])
     else:
-        runs = ph.runs()
         is_b = ph.phase == BACKWARD
-        change = np.flatnonzero(np.diff(runs, prepend=-1))
+        change = ph.run_starts()
         b_runs = change[is_b[change]]
         if not len(b_runs):
             return
         bstarts = b_runs
         bends = np.append(change, n)[np.searchsorted(change, b_runs) + 1] - 1
     prev_end = np.concatenate([[-1], bends[:-1]])
-    own = al.stack_id.astype(np.int64) + 1
+    own = al.stack_id + 1  # no int64 copy
     candidates = np.flatnonzero((a >= 0) & (frame >= 0) & (roles.node[own] == 0) & (how == OWN))
     cand_a = a[candidates]
     order = np.argsort(cand_a, kind="stable")

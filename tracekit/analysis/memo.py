@@ -16,3 +16,13 @@ def per_trace(fn):
         return cache[key]
 
     return wrapper
+
+
+def forget(trace, fn) -> None:
+    """Drop what the memoised `fn` (a per_trace function) remembered on `trace`, for every argument: for a
+    caller that knows nothing reads it again (a report that is printed and thrown away)."""
+    cache = trace.__dict__.get("_memo")
+    if not cache:
+        return
+    for key in [k for k in cache if k[:2] == (fn.__module__, fn.__qualname__)]:
+        del cache[key]

@@ -388,7 +388,7 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
         return done()
     # the stack that names each allocation's module: its own, or its forward op's for backward allocations
     libs = allocation_libraries(trace, device)
-    stack = al.stack_id.astype(np.int64).copy()
+    stack = al.stack_id.astype(np.int64)  # a copy
     src = libs.source
     take = src >= 0
     stack[take] = al.stack_id[src[take]]
@@ -517,7 +517,7 @@ def _instances(trace, rep, sm, stack) -> np.ndarray:
         before = np.where(last_reset > 0, count[np.maximum(last_reset - 1, 0)], 0)
         out[order[p], level] = count - before - 1
     # allocations whose module is another allocation's (backward memory: its forward op's) take its numbers
-    borrowed = np.flatnonzero(stack != al.stack_id.astype(np.int64))
+    borrowed = np.flatnonzero(stack != al.stack_id)  # compared as int64, without an int64 copy
     if len(borrowed):
         from .libraries import allocation_libraries
 

@@ -35,15 +35,43 @@ def recorded_modules(trace: Trace, rep: DeviceReplay) -> np.ndarray:
     return out
 
 
-CHUNK = 1 << 20  # entries read back at a time by group_peaks
+CHUNK = 1 << 18  # entries read back at a time by group_peaks
+
+
+GROUP_ROWS = 1 << 19  # allocations whose events group_peaks sorts at a time (whole groups: a bigger one alone)
 
 
 def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
-    """The most bytes each group held live at once (allocations' alloc/free entry indices)."""
-    rows = np.flatnonzero(group >= 0)
+    """The most bytes each group held live at once (allocations' alloc/free entry indices). Groups are
+    independent: they are taken a few at a time, about GROUP_ROWS allocations together, so that the sort's
+    temporaries stay small on a 10M-entry trace."""
     out = np.zeros(n_groups, np.int64)
+    rows = np.flatnonzero(group >= 0)
     if not len(rows):
         return out
+    if len(group) < 2**31:
+        rows = rows.astype(np.int32)
+    g = group[rows]
+    counts = np.bincount(g, minlength=n_groups)
+    bounds, acc = [0], 0
+    for k, c in enumerate(counts.tolist()):
+        if acc and acc + c > GROUP_ROWS:
+            bounds.append(k)
+            acc = 0
+        acc += c
+    bounds.append(n_groups)
+    if len(bounds) == 2:
+        _group_peaks(group, rows, al, out, counts)
+        return out
+    for g0, g1 in zip(bounds[:-1], bounds[1:]):
+        _group_peaks(group, rows[(g >= g0) & (g < g1)], al, out, counts)
+    return out
+
+
+def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, counts: np.ndarray) -> None:
+    """group_peaks of the groups of `rows` (all of each group's allocations: `counts` per group), into `out`."""
+    if not len(rows):
+        return
     # one sort key per event: group, then entry index, a free before an allocation at the same index; built
     # in place and read back a chunk at a time, so that a 10M-entry trace's temporaries stay few
     r = len(rows)
@@ -60,13 +88,40 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     born += 1
     freed *= 2
     g = group[rows].astype(np.int64)
+    g0 = int(g.min())
+    g -= g0  # the groups here from 0: the keys stay small
+    bits = (2 * r - 1).bit_length()
+    gmax = int(g.max())
+    if (gmax + 1) * span < 1 << (62 - bits):
+        # the event's number in the key's low bits: the keys are distinct, so an in-place sort orders them as
+        # a stable argsort of the keys alone would, without the argsort's index array and its buffer
+        g *= span
+        born += g
+        freed += g
+        del born, freed, g
+        key <<= bits
+        key |= np.arange(2 * r, dtype=np.int64)
+        key.sort()
+        mask = (1 << bits) - 1
+        for lo in range(0, 2 * r, CHUNK):
+            k = key[lo:lo + CHUNK]
+            o = k & mask
+            d = al.size[rows[o % r]].astype(np.int64, copy=False)  # sizes read a chunk at a time, not copied out
+            d[o >= r] *= -1  # the free of an allocation: its size off
+            key[lo:lo + CHUNK] = d  # each chunk of the keys is read, then overwritten
+        del k, o, d
+        # sorted by group first, each group's events are one run: two per allocation
+        present = g0 + np.flatnonzero(counts[g0:g0 + gmax + 1])
+        _peaks_by_run(key, present, 2 * counts[present], out)
+        return
+    g += g0
     g *= span
     born += g
     freed += g
     size = al.size[rows].astype(np.int64)
     del born, freed, g, rows
     order = np.argsort(key, kind="stable")
-    grp = np.empty(2 * r, np.int32 if n_groups < 2**31 else np.int64)  # group ids
+    grp = np.empty(2 * r, np.int32 if len(out) < 2**31 else np.int64)  # group ids
     live = order = order.astype(np.int64, copy=False)  # each chunk of the order is read, then overwritten
     for lo in range(0, 2 * r, CHUNK):
         o = order[lo:lo + CHUNK]
@@ -75,12 +130,28 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
         d[o >= r] *= -1  # the free of an allocation: its size off
         live[lo:lo + CHUNK] = d
     del key, order, size, o, d
+    _peaks_of(live, grp, out)
+
+
+def _peaks_by_run(live: np.ndarray, groups: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
+    """`live`: each event's change of bytes, one run of `lengths[k]` events per group `groups[k]`, each in
+    entry order; into `out`, each group's most bytes after any of its events (`live` is overwritten)."""
+    np.cumsum(live, out=live)
+    starts = np.r_[0, np.cumsum(lengths)[:-1]]
+    base = live[starts[1:] - 1]  # each group's start, from the running sum before any is taken off (a copy)
+    for s, e, b in zip(starts[1:].tolist(), (starts[1:] + lengths[1:]).tolist(), base.tolist()):
+        live[s:e] -= b  # in place, a group at a time
+    out[groups] = np.maximum.reduceat(live, starts)
+
+
+def _peaks_of(live: np.ndarray, grp: np.ndarray, out: np.ndarray) -> None:
+    """`live`: each event's change of bytes, sorted by group then entry (`grp`: its group); into `out`, each
+    group's most bytes after any of its events (`live` is overwritten)."""
     np.cumsum(live, out=live)
     starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
     base = np.r_[0, live[starts[1:] - 1]]
     live -= np.repeat(base, np.diff(np.r_[starts, len(grp)]))
     out[grp[starts]] = np.maximum.reduceat(live, starts)
-    return out
 
 
 def allocation_module_ids(trace: Trace, rep: DeviceReplay):
@@ -132,7 +203,7 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     uniq, inv = unique_ids(module_ids[made].astype(np.int64) * 2 + backward[made], return_inverse=True)
     group = np.full(len(al), -1, np.int32 if len(uniq) < 2**31 else np.int64)
     group[made] = inv
-    del inv
+    del inv, made, module_ids, backward  # the groups say it all from here
     grouped = group >= 0
     live = al.live_at(rep.peak_index) & grouped
     n = len(uniq)

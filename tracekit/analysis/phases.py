@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace
+from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace, isin_few
 from .memo import per_trace
 
 PHASES = ("none", "forward", "backward", "optimizer", "prefill", "decode")
@@ -203,21 +203,54 @@ class DevicePhases:
     def n(self):
         return len(self.phase)
 
-    def runs(self) -> np.ndarray:
-        """Run id per entry: it changes whenever the phase or the iteration changes."""
+    def _changes(self) -> np.ndarray:
+        """Per entry: True where a run begins (the first entry, and wherever the phase or the iteration changes)."""
         change = np.ones(self.n, bool)
         change[1:] = (self.phase[1:] != self.phase[:-1]) | (self.iteration[1:] != self.iteration[:-1])
-        return np.cumsum(change, dtype=np.int64 if self.n >= 2**31 else np.int32) - 1
+        return change
 
-    def next_of(self, phase: int) -> np.ndarray:
+    def run_starts(self) -> np.ndarray:
+        """The first entry of each run (int64, ascending): where runs() changes, without a run id per entry."""
+        return np.flatnonzero(self._changes())
+
+    def runs(self) -> np.ndarray:
+        """Run id per entry: it changes whenever the phase or the iteration changes."""
+        change = self._changes()
+        out = np.cumsum(change, dtype=np.int64 if self.n >= 2**31 else np.int32)
+        out -= 1  # in place: one per-entry array, not two
+        return out
+
+    def next_of(self, phase: int, chunk: int = 1 << 20) -> np.ndarray:
         """For each position i in 0..n, the first entry j >= i in `phase` (n if none); length n + 1
-        (int32 below 2**31 entries, to keep large traces small)."""
+        (int32 below 2**31 entries, to keep large traces small). Made a chunk at a time from the end, so that
+        a 10M-entry trace makes no per-entry temporaries."""
         n = self.n
         dtype = np.int64 if n >= 2**31 else np.int32
-        idx = np.where(self.phase == phase, np.arange(n, dtype=dtype), dtype(n))
         out = np.empty(n + 1, dtype)
         out[n] = n
-        out[:n] = np.minimum.accumulate(idx[::-1])[::-1] if n else idx
+        nxt = dtype(n)  # the first entry in `phase` after the chunk
+        for hi in range(n, 0, -chunk):
+            lo = max(0, hi - chunk)
+            idx = np.where(self.phase[lo:hi] == phase, np.arange(lo, hi, dtype=dtype), nxt)
+            out[lo:hi] = np.minimum.accumulate(idx[::-1])[::-1]
+            nxt = out[lo]
+        return out
+
+    def next_at(self, phase: int, at: np.ndarray, chunk: int = 1 << 20) -> np.ndarray:
+        """next_of(phase)[at] (`at`: positions in 0..n), made a chunk of entries at a time without the whole
+        column: each chunk's part of it serves the positions that fall in the chunk."""
+        n = self.n
+        dtype = np.int64 if n >= 2**31 else np.int32
+        at = np.asarray(at)
+        out = np.full(at.shape, n, dtype)  # position n: n
+        nxt = dtype(n)  # the first entry in `phase` after the chunk
+        for hi in range(n, 0, -chunk):
+            lo = max(0, hi - chunk)
+            idx = np.where(self.phase[lo:hi] == phase, np.arange(lo, hi, dtype=dtype), nxt)
+            local = np.minimum.accumulate(idx[::-1])[::-1]
+            sel = np.flatnonzero((at >= lo) & (at < hi))
+            out[sel] = local[at[sel] - lo]
+            nxt = local[0]
         return out
 
     def iterations(self) -> list[tuple[int, int, int]]:
@@ -236,10 +269,9 @@ class DevicePhases:
 
     def intervals(self) -> list[tuple[int, int, int, int]]:
         """[(iteration, phase, first entry, last entry)] for each run of a phase other than none."""
-        runs = self.runs()
-        if not len(runs):
+        if not self.n:
             return []
-        starts = np.flatnonzero(np.diff(runs, prepend=-1))
+        starts = self.run_starts()
         ends = np.concatenate([starts[1:] - 1, [self.n - 1]])
         return [(int(self.iteration[s]), int(self.phase[s]), int(s), int(e))
                 for s, e in zip(starts.tolist(), ends.tolist()) if self.phase[s] != NONE]
@@ -407,7 +439,7 @@ def _inferred(trace, sl) -> DevicePhases:
     ev = trace.events
     action, stack = ev.action[sl], ev.stack_id[sl]
     n = len(action)
-    flags = stack_flags(trace)[stack.astype(np.int64) + 1]
+    flags = stack_flags(trace)[stack + stack.dtype.type(1)]  # stack ids are below 2**31 - 1: no overflow
     is_alloc = action == ALLOC
     is_free = action == FREE_COMPLETED
     code = np.zeros(n, np.int8)
@@ -420,7 +452,7 @@ def _inferred(trace, sl) -> DevicePhases:
     code[has(F_BACKWARD)] = _E_BACKWARD
     code[has(F_OPTIM)] = _E_OPTIM
     code[has(F_ZERO_GRAD)] = _E_ZERO
-    code[~(is_alloc | is_free) & np.isin(code, (_E_USER, _E_FACTORY))] = _E_NONE  # segment events etc. say little
+    code[~(is_alloc | is_free) & isin_few(code, (_E_USER, _E_FACTORY))] = _E_NONE  # segment events etc. say little
     if (is_alloc & has_frames).any():  # Python stacks were recorded: frameless allocations are autograd's
         code[is_alloc & ~has_frames] = _E_FRAMELESS
     _annotate(trace, sl, code)
@@ -442,7 +474,7 @@ def _generation(code, flags, has_frames, is_alloc, is_free) -> DevicePhases | No
     generation loop or growing a KV cache. Each call of the model is a step: the prefill (the first
     call, or transformers' `_prefill`), then decoding steps 1..N; the loop's own code between calls
     (sampling, appending the token) is phase none of the step before. Iteration = the call's number."""
-    if np.isin(code, (_E_BACKWARD, _E_OPTIM)).any():
+    if isin_few(code, (_E_BACKWARD, _E_OPTIM)).any():
         return None
     frameless = int((code == _E_FRAMELESS).sum())
     if frameless > MAX_FRAMELESS_SHARE * max(1, int(is_alloc.sum())):
@@ -524,10 +556,7 @@ def _resolve(code):
     computation (tensors made from nothing or copied in before it are inputs).
     """
     n = len(code)
-    nz = np.flatnonzero(code)
-    keep = np.ones(len(nz), bool)
-    keep[1:] = code[nz[1:]] != code[nz[:-1]]
-    starts = nz[keep]
+    starts = _run_starts(code)
     codes = code[starts].tolist()
     any_optim = _E_OPTIM in codes
     phase_at, iter_at = [], []
@@ -569,8 +598,26 @@ def _resolve(code):
     iteration = np.zeros(n, np.int32)
     if len(starts):
         # each entry takes the state of the last run that began at or before it
-        pos = np.searchsorted(starts, np.arange(n), side="right") - 1
-        ok = pos >= 0
-        phase[ok] = np.array(phase_at, np.int8)[pos[ok]]
-        iteration[ok] = np.array(iter_at, np.int32)[pos[ok]]
+        lengths = np.diff(starts, append=n)
+        phase[starts[0]:] = np.repeat(np.array(phase_at, np.int8), lengths)
+        iteration[starts[0]:] = np.repeat(np.array(iter_at, np.int32), lengths)
     return phase, iteration
+
+
+def _run_starts(code, chunk: int = 1 << 20) -> np.ndarray:
+    """The entries where a run of one non-zero evidence code begins (entries with code 0 belong to the run
+    before them), read a chunk at a time: the positions of a 10M-entry trace's non-zero codes are not made."""
+    out = []
+    prev = 0  # the last non-zero code before the chunk
+    for lo in range(0, len(code), chunk):
+        c = code[lo:lo + chunk]
+        nz = np.flatnonzero(c)
+        if not len(nz):
+            continue
+        cz = c[nz]
+        keep = np.empty(len(nz), bool)
+        keep[0] = cz[0] != prev
+        keep[1:] = cz[1:] != cz[:-1]
+        out.append(nz[keep] + lo)
+        prev = cz[-1]
+    return np.concatenate(out) if out else np.zeros(0, np.int64)

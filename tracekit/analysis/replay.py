@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
-                     SEGMENT_UNMAP, Trace, isin_ints)
+                     SEGMENT_UNMAP, Trace, compact_column, isin_few, isin_ints)
 from .memo import per_trace
 
 LIVE_STATES = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
@@ -147,7 +147,6 @@ def replay_device(trace: Trace, device: int) -> DeviceReplay:
     action, size, addr = ev.action[sl], ev.size[sl], ev.addr[sl]
     stack = ev.stack_id[sl]
     is_alloc, is_free = action == ALLOC, action == FREE_COMPLETED
-    delta = np.where(is_alloc, size, 0) - np.where(is_free, size, 0)
     has_segments = trace.meta.get("has_segments", True)
     has_addresses = trace.meta.get("has_addresses", True)
 
@@ -176,7 +175,8 @@ def replay_device(trace: Trace, device: int) -> DeviceReplay:
     else:
         invariant = Invariant(checked=False, ok=True)
         initial_allocated = int(trace.meta.get("initial_allocated", {}).get(device, live_at_start))
-    allocated = initial_allocated + np.cumsum(delta)
+    allocated = _running_sum(size, is_alloc, is_free, initial_allocated)
+    del is_alloc, is_free
 
     reserved, initial_reserved = _reserved(trace, device, action, size, has_segments)
     return DeviceReplay(device=device, events=sl, allocated=allocated, reserved=reserved,
@@ -185,12 +185,26 @@ def replay_device(trace: Trace, device: int) -> DeviceReplay:
                         unattributed_bytes=initial_allocated - live_at_start)
 
 
+def _running_sum(size, up, down, initial) -> np.ndarray:
+    """initial + the cumulative sum of +size where `up`, -size where `down` (disjoint masks), as int64 per entry:
+    made in one array, in place (a 10M-entry trace makes no other per-entry int64 temporaries)."""
+    out = np.where(up, size, 0).astype(np.int64, copy=False)
+    np.subtract(out, size, out=out, where=down)
+    np.cumsum(out, out=out)
+    out += initial
+    return out
+
+
 def _lifetimes(addr, size, stack, is_alloc, is_free):
     """Pair each alloc with the next free_completed of its address (vectorised)."""
     idx = np.flatnonzero(is_alloc | is_free)
     a, s, al = addr[idx], size[idx], is_alloc[idx]
     order = np.argsort(a, kind="stable")  # by address, then time (idx is ascending: a stable sort keeps it)
-    idx, a, s, al = idx[order], a[order], s[order], al[order]
+    idx = idx[order]  # one column at a time: each old one goes as its sorted copy comes
+    a = a[order]
+    s = s[order]
+    al = al[order]
+    del order
     same_next = np.zeros(len(idx), bool)
     same_next[:-1] = a[:-1] == a[1:]
     paired = same_next & al & np.roll(~al, -1)  # an alloc followed by a free of the same address
@@ -211,14 +225,16 @@ def _lifetimes(addr, size, stack, is_alloc, is_free):
     )
     order = _order_of_distinct(np.where(rows.alloc_index < 0, rows.free_index, rows.alloc_index),
                                len(addr))
-    rows = Allocations(**{k: getattr(rows, k)[order] for k in Allocations.__dataclass_fields__})
+    for k in Allocations.__dataclass_fields__:  # one column at a time, as above
+        setattr(rows, k, getattr(rows, k)[order])
     return rows, a[last], al[last], s[last]
 
 
 def _order_of_distinct(key: np.ndarray, bound: int) -> np.ndarray:
     """argsort of distinct integers in [0, bound), in linear time (each entry index is one row's key)."""
-    slot = np.full(bound, -1, np.int64)
-    slot[key] = np.arange(len(key))
+    dtype = np.int32 if bound < 2**31 else np.int64  # positions: half the memory below 2**31 entries
+    slot = np.full(bound, -1, dtype)
+    slot[key] = np.arange(len(key), dtype=dtype)
     return slot[slot >= 0]
 
 
@@ -255,18 +271,19 @@ def _check(last_addr, last_is_alloc, last_size, b_addr, b_size, b_requested) -> 
 
 
 def _reserved(trace, device, action, size, has_segments):
-    grow = np.isin(action, (SEGMENT_ALLOC, SEGMENT_MAP))
-    shrink = np.isin(action, (SEGMENT_FREE, SEGMENT_UNMAP))
-    delta = np.where(grow, size, 0) - np.where(shrink, size, 0)
+    grow = isin_few(action, (SEGMENT_ALLOC, SEGMENT_MAP))
+    shrink = isin_few(action, (SEGMENT_FREE, SEGMENT_UNMAP))
     if has_segments:
         final = int(trace.segments.total_size[trace.segments.device == device].sum())
-        initial = final - int(delta.sum())
+        # what the segment entries add up to, from the few entries that change it
+        initial = final - (int(size[grow].sum()) - int(size[shrink].sum()))
     else:
         initial = trace.meta.get("initial_reserved", {}).get(device)
         if initial is None:
             return None, None
         initial = int(initial)
-    return initial + np.cumsum(delta), initial
+    # a trace that reserves nothing new (a warmed-up step) has one value throughout: kept as a constant column
+    return compact_column(_running_sum(size, grow, shrink, initial)), initial
 
 
 MIN_BLOCK = 512  # the caching allocator rounds every request up to a multiple of this

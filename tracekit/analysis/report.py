@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model import OOM, SNAPSHOT, Trace
+from ..model import OOM, SNAPSHOT, Trace, isin_few
 from .replay import DeviceReplay, replay, time_of
 from .phases import when
 from .sites import group_sites, public, site_info
@@ -12,20 +12,28 @@ TOP_STACKS = 10
 LIBRARY_ROWS = 30  # library_sites_at_peak rows kept in the report
 
 
-def build_report(trace: Trace, rules=None, estimate=None) -> dict:
+def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) -> dict:
     """Everything `tracekit report` shows, as JSON-ready builtins (sizes in bytes).
 
     `rules`: a user rules file (path) or `Rules`, applied on top of the categories.
-    `estimate`: what `estimate.measured.add_estimates` takes (None: from the recording)."""
+    `estimate`: what `estimate.measured.add_estimates` takes (None: from the recording).
+    `lean`: let go of memoised analyses once the rest of the report no longer reads them (the CLI, which
+    throws the trace away after: a 10M-entry trace's report then peaks lower); the viewer keeps them."""
     from .rules import Rules
 
     if rules is not None and not isinstance(rules, Rules):
         rules = Rules.load(rules)
     reps = replay(trace)
     _share_reserved(trace, reps)
-    devices = [device_summary(trace, reps[d], rules) for d in trace.devices]
-    from .estimate.measured import add_estimates  # predicted vs measured, per device (issue 12)
+    from .estimate.measured import add_estimates, wants_estimates  # predicted vs measured, per device (issue 12)
+
+    # the categories over time are read by the summaries and the estimate (an oom finding makes its own): lean,
+    # they are let go once read, before each summary goes on to the library lines
+    forget_steps = lean and not wants_estimates(trace, estimate)
+    devices = [device_summary(trace, reps[d], rules, forget_steps=forget_steps) for d in trace.devices]
     add_estimates(trace, devices, estimate, rules)
+    if lean:
+        _forget_steps(trace)
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
     from .holds import add_distributed  # what a rank of a sharded / data-parallel job holds (issue 33)
@@ -49,13 +57,24 @@ def _share_reserved(trace: Trace, reps: dict) -> None:
             model.reserved = rep.reserved
 
 
-def device_summary(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
+def _forget_steps(trace: Trace) -> None:
+    from .memo import forget
+    from .timeline import _allocation_steps, _event_category_steps
+
+    forget(trace, _allocation_steps)
+    forget(trace, _event_category_steps)
+
+
+def device_summary(trace: Trace, rep: DeviceReplay, rules=None, forget_steps: bool = False) -> dict:
+    """The report's figures of one device (`forget_steps`: let go of the categories' step functions once read)."""
     p = rep.peak_index
     reserved_at_peak = rep.reserved_at(p)
     ev = trace.events
     from .libraries import library_sites
 
     out = {**_summary(trace, rep, p, reserved_at_peak, ev), **category_tables(trace, rep, rules)}
+    if forget_steps:
+        _forget_steps(trace)
     # the third-party line (transformers, peft, ...) that holds the memory, per category (issue 22)
     out["library_sites_at_peak"] = library_sites(trace, rep.device, rep.allocations.live_at(p), rules,
                                                  limit=LIBRARY_ROWS)
@@ -322,7 +341,7 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
         return None  # no caching allocator: CPU "segments" are the blocks themselves
     action = trace.events.action[rep.events]
     # large-pool growth only: a 2 MiB small-pool segment says nothing about large free blocks
-    grows = np.flatnonzero(np.isin(action, (SEGMENT_ALLOC, SEGMENT_MAP)) & (trace.events.size[rep.events] > 2 << 20))
+    grows = np.flatnonzero(isin_few(action, (SEGMENT_ALLOC, SEGMENT_MAP)) & (trace.events.size[rep.events] > 2 << 20))
     ooms = np.flatnonzero(action == OOM)
     p = rep.peak_index
     reserved_peak = rep.reserved_at(p) or 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import Trace
+from ..model import Trace, compact_column
 from .frames import USER, describe, frame_kinds, is_user, user_first, where
 from .memo import per_trace
 from .phases import phases
@@ -70,6 +70,9 @@ def stack_sites(trace: Trace) -> StackSites:
     return StackSites(user, node)
 
 
+CHUNK = 1 << 18  # allocations whose site keys are made at a time
+
+
 @dataclass
 class AllocationSites:
     """Per allocation of a device: the stack that names its site, and its group key."""
@@ -98,12 +101,12 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     n = rep.n
     entry_site = _borrowed_entry_sites(stack, ss.user_frame, phases(trace)[device].runs()) if n else stack
     del stack
-    own = al.stack_id.astype(np.int64)
-    site = own.copy()
+    own = al.stack_id
+    site = own.astype(np.int32)  # a copy: stack ids (own, borrowed, forward) are int32
     traced = al.alloc_index >= 0
     if n:
         site[traced] = entry_site[al.alloc_index[traced]]
-    fwd = np.full(len(own), -1, np.int64)
+    fwd = np.full(len(own), -1, np.int32)
     module = np.zeros(len(own), np.int32)
     if n:
         fwd[traced] = trace.events.forward_stack_id[rep.events][al.alloc_index[traced]]
@@ -112,38 +115,61 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     site[forward] = fwd[forward]
     del fwd, entry_site, traced
     borrowed = (site != own) & ~forward
-    user = ss.user_frame[site + 1].astype(np.int64)
-    nodes = ss.node[own + 1].astype(np.int64)
-    if forward.any():  # a line's backward allocations are a site apart from its forward ones
-        nodes = np.where(forward & (nodes == 0), trace.strings.intern("backward"), nodes)
-    # no user frame: the stack itself is the site; no stack at all: what the categories say of it
-    reason = cats.reason.astype(np.int64)
+    # a line's backward allocations are a site apart from its forward ones
+    backward_node = trace.strings.intern("backward") if forward.any() else None
     # a cuBLAS workspace is the handle's, not the line's that happened to run the first matmul: a site apart
     workspace = cats.labels == cats.names.index("workspace")
-    if workspace.any():
-        nodes = np.where(workspace, trace.strings.intern("cuBLAS workspace"), nodes)
-    first = np.where(user >= 0, user, np.where(own >= 0, -2 - own, -(1 << 40) - reason))
-    key = first * (len(trace.strings) + 1) + np.where(user >= 0, nodes, 0)
-    return AllocationSites(site_stack=site.astype(np.int32), key=key, borrowed=borrowed, forward=forward,
-                           module=module)
+    workspace_node = trace.strings.intern("cuBLAS workspace") if workspace.any() else None
+    width = len(trace.strings) + 1
+    key = np.empty(len(own), np.int64)
+    for lo in range(0, len(own), CHUNK):  # the key a chunk at a time: its int64 temporaries stay small
+        hi = lo + CHUNK
+        o = own[lo:hi].astype(np.int64)
+        user = ss.user_frame[site[lo:hi] + 1].astype(np.int64)
+        nodes = ss.node[o + 1].astype(np.int64)
+        if backward_node is not None:
+            nodes = np.where(forward[lo:hi] & (nodes == 0), backward_node, nodes)
+        if workspace_node is not None:
+            nodes = np.where(workspace[lo:hi], workspace_node, nodes)
+        # no user frame: the stack itself is the site; no stack at all: what the categories say of it
+        reason = cats.reason[lo:hi].astype(np.int64)
+        first = np.where(user >= 0, user, np.where(o >= 0, -2 - o, -(1 << 40) - reason))
+        key[lo:hi] = first * width + np.where(user >= 0, nodes, 0)
+    # without the recorder's forward frames and modules these are one value throughout: constant columns
+    return AllocationSites(site_stack=site, key=key, borrowed=compact_column(borrowed),
+                           forward=compact_column(forward), module=compact_column(module))
 
 
-def _borrowed_entry_sites(stack, user_frame, runs):
+def _borrowed_entry_sites(stack, user_frame, runs, chunk: int = 1 << 20):
     """Each entry's site: its own stack, or, for a stack with no user frame, the stack of the nearest entry
-    in the same run that has one (before it, else after it). A function of its own so that its n-sized
-    temporaries are gone before the rest of the sites are computed (the peak memory of a first open)."""
+    in the same run that has one (before it, else after it). Two passes a chunk at a time (the nearest before,
+    carried forward; then the nearest after, carried back), so that a 10M-entry trace makes no per-entry
+    temporaries beyond a mask: the peak memory of a first open."""
     n = len(stack)
-    has_user = user_frame[stack.astype(np.int64) + 1] >= 0
-    idx = np.arange(n, dtype=np.int64)
-    prev = np.maximum.accumulate(np.where(has_user, idx, -1))
-    ok_prev = (prev >= 0) & (runs[np.maximum(prev, 0)] == runs)
-    nxt = np.minimum.accumulate(np.where(has_user, idx, n)[::-1])[::-1]
-    del idx
-    ok_next = (nxt < n) & (runs[np.minimum(nxt, n - 1)] == runs)
-    take = np.where(ok_prev, prev, np.where(ok_next, nxt, -1))
-    del prev, nxt, ok_prev, ok_next
-    borrow = ~has_user & (take >= 0) & (stack >= 0)
-    return np.where(borrow, stack[np.maximum(take, 0)], stack)
+    out = np.array(stack, copy=True)
+    has_user = np.empty(n, bool)
+    need_next = np.empty(n, bool)  # no user frame, a stack, and no entry before it in its run to borrow from
+    prev = -1  # the last entry with a user frame before the chunk
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        st = stack[lo:hi]
+        hu = has_user[lo:hi]
+        np.greater_equal(user_frame[st + st.dtype.type(1)], 0, out=hu)  # stack ids are below 2**31 - 1
+        p = np.maximum.accumulate(np.where(hu, np.arange(lo, hi, dtype=np.int64), prev))
+        prev = int(p[-1])
+        ok = (p >= 0) & (runs[np.maximum(p, 0)] == runs[lo:hi])
+        lone = ~hu & (st >= 0)
+        take = lone & ok
+        out[lo:hi][take] = stack[p[take]]
+        need_next[lo:hi] = lone & ~ok
+    nxt = n  # the first entry with a user frame after the chunk
+    for hi in range(n, 0, -chunk):
+        lo = max(0, hi - chunk)
+        q = np.minimum.accumulate(np.where(has_user[lo:hi], np.arange(lo, hi, dtype=np.int64), nxt)[::-1])[::-1]
+        nxt = int(q[0])
+        take = need_next[lo:hi] & (q < n) & (runs[np.minimum(q, n - 1)] == runs[lo:hi])
+        out[lo:hi][take] = stack[q[take]]
+    return out
 
 
 def site_frames(trace: Trace, own_stack: int, site_stack: int) -> list[dict]:

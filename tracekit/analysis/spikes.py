@@ -21,6 +21,7 @@ from ..units import fmt_bytes
 MIN_SHARE = 0.10  # of the device's peak
 MIN_BYTES = 64 * 1024
 MAX_SPIKES = 3
+CHUNK = 1 << 18  # allocations whose changes transient_curve adds at a time
 
 
 def transient_mask(trace: Trace, rep: DeviceReplay) -> np.ndarray:
@@ -46,8 +47,12 @@ def transient_curve(rep: DeviceReplay, mask) -> np.ndarray:
     """Bytes of the masked allocations live just after each entry."""
     al = rep.allocations
     delta = np.zeros(rep.n + 1, np.int64)
-    np.add.at(delta, al.alloc_index[mask], al.size[mask])
-    np.add.at(delta, al.free_index[mask], -al.size[mask])
+    for lo in range(0, len(mask), CHUNK):  # a chunk of allocations at a time: few temporaries (sums are exact)
+        m = mask[lo:lo + CHUNK]
+        size = al.size[lo:lo + CHUNK][m]
+        np.add.at(delta, al.alloc_index[lo:lo + CHUNK][m], size)
+        np.negative(size, out=size)
+        np.add.at(delta, al.free_index[lo:lo + CHUNK][m], size)
     return np.cumsum(delta, out=delta)[:-1]  # in place: one curve's memory, not two
 
 
@@ -60,9 +65,12 @@ def spike_findings(trace: Trace, device: int) -> list[dict]:
     peak = max(rep.peak_allocated, 1)
     floor = max(MIN_SHARE * peak, MIN_BYTES)
     p = phases(trace)[device]
-    runs = p.runs() if p.source != "none" else np.arange(rep.n) // max(16, rep.n // 100)
     # the highest point of transient bytes in each run, largest first
-    starts = np.flatnonzero(np.r_[True, runs[1:] != runs[:-1]])  # runs[0] >= 0: a run starts at 0
+    if p.source != "none":
+        starts = p.run_starts()  # where p.runs() changes, without its run id per entry
+    else:
+        runs = np.arange(rep.n) // max(16, rep.n // 100)
+        starts = np.flatnonzero(np.r_[True, runs[1:] != runs[:-1]])  # runs[0] >= 0: a run starts at 0
     tops = starts + np.array([int(np.argmax(c)) for c in np.split(curve, starts[1:])])
     tops = tops[curve[tops] >= floor]
     tops = tops[np.argsort(-curve[tops], kind="stable")]

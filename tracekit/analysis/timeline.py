@@ -67,6 +67,30 @@ def categories_at(trace: Trace, device: int, indices, rules=None) -> dict:
     return _series_at(trace, device, np.asarray(indices, np.int64), rules).by_category
 
 
+def category_maxima(trace: Trace, device: int, rules=None) -> dict:
+    """{name: the most bytes of the category just after any entry} (0 without entries): the maxima of
+    category_series(trace, device) read from the step functions, without making a point per entry."""
+    rep = replay(trace)[device]
+    if trace.format == "memory_timeline" or not trace.meta.get("has_addresses", True):
+        steps = _event_category_steps(trace, device)
+    else:
+        steps = _allocation_steps(trace, device, rules)
+    out = {}
+    for name, (initial, p, c) in steps.items():
+        if not rep.n:
+            out[name] = 0
+            continue
+        # the value after an entry is the last change at or before it: the last of equal positions counts
+        last = np.ones(len(p), bool)
+        last[:-1] = p[1:] != p[:-1]
+        inside = last & (p < rep.n)
+        best = int(initial + c[inside].max()) if inside.any() else None
+        if not len(p) or p[0] > 0 or best is None:  # entries before the first change hold the initial bytes
+            best = int(initial) if best is None else max(best, int(initial))
+        out[name] = best
+    return out
+
+
 def _series_at(trace, device, idx, rules) -> Series:
     rep = replay(trace)[device]
     if trace.format == "memory_timeline" or not trace.meta.get("has_addresses", True):
@@ -95,6 +119,9 @@ def _steps(pos, delta, initial):
 def _read_steps(steps, idx):
     """Value of a step function just after each entry in idx (-1: before the first)."""
     initial, p, c = steps
+    if p.dtype != idx.dtype and len(idx) and p.dtype.kind == idx.dtype.kind == "i" \
+            and np.iinfo(p.dtype).min <= int(idx.min()) and int(idx.max()) <= np.iinfo(p.dtype).max:
+        idx = idx.astype(p.dtype)  # the few points in the positions' type: searchsorted would copy all of them
     k = np.searchsorted(p, idx, side="right") - 1
     return (initial + np.where(k >= 0, c[np.maximum(k, 0)] if len(c) else 0, 0)).astype(np.int64)
 
@@ -119,12 +146,32 @@ def _allocation_steps(trace, device, rules):
         pos = np.concatenate([a[am], f[fm]])
         delta = np.concatenate([size[am], -size[fm]])
         del am, fm
-        order = np.argsort(pos, kind="stable")  # as _steps, with each temporary let go once used
-        pos = pos[order]
-        delta = delta[order]
-        del order
+        pos, delta = _sorted_changes(pos, delta)
+        # entry positions in int32 below 2**31 entries (half the memory the viewer and the report keep)
+        pos = pos.astype(np.int32 if rep.n < 2**31 else np.int64, copy=False)
         out[name] = (initial, pos, np.cumsum(delta, out=delta))
     return out
+
+
+def _sorted_changes(pos: np.ndarray, delta: np.ndarray, chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """(pos, delta) ordered by pos as a stable argsort orders them. Each change's number goes in the low bits
+    of its position, so that the keys are distinct and sort in place (no index array, no sort buffer); then
+    the deltas are gathered a chunk at a time. `pos` (int64, not negative) is reused."""
+    k = len(pos)
+    bits = max(1, (k - 1).bit_length())
+    if not k or pos.dtype != np.int64 or int(pos.min()) < 0 or int(pos.max()) >= 1 << (62 - bits):
+        order = np.argsort(pos, kind="stable")
+        return pos[order], delta[order]
+    pos <<= bits
+    pos |= np.arange(k, dtype=np.int64)
+    pos.sort()
+    out = np.empty_like(delta)
+    mask = (1 << bits) - 1
+    for lo in range(0, k, chunk):
+        p = pos[lo:lo + chunk]
+        out[lo:lo + chunk] = delta[p & mask]
+        p >>= bits
+    return pos, out
 
 
 def _from_event_categories(trace, rep, idx):

@@ -61,7 +61,7 @@ def _analyse(trace, **options):
     """The report of a trace (imported here, so that a report served from the cache never loads the analysis)."""
     from ..analysis.report import build_report
 
-    return build_report(trace, **options)
+    return build_report(trace, **options, lean=True)  # the trace is thrown away after: no analysis is kept
 
 
 def _ranks(files, as_json, rules, no_cache, jobs, no_summaries):

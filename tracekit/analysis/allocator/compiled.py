@@ -16,7 +16,7 @@ from ...model import SEGMENT_MAP, SEGMENT_UNMAP, Trace
 from .config import AllocatorConfig
 from .core import Allocator, Device
 from .model_replay import (REASONS, AllocatorReplay, compare_final, replay_device_in_python as _python, settings_of,
-                           total_memory)
+                           sparse_blocks, total_memory)
 from .state import initial_state, load
 
 _compiled: Callable[..., tuple] | None
@@ -119,7 +119,7 @@ def _replay(trace, device, config, stop=None):
         mismatch = compare_final(trace, device, {a: (z, states[s]) for a, z, s, _ in final},
                                  bool(alloc.segments))
     return AllocatorReplay(device=device, config=config, allocated=out_alloc, reserved=out_res,
-                           initial_allocated=int(alloc0), initial_reserved=int(res0), block_size=out_blk,
+                           initial_allocated=int(alloc0), initial_reserved=int(res0), **sparse_blocks(out_blk),
                            placed=int(placed), unplaced=unplaced, open_bytes=init.open_bytes,
                            final_mismatch=mismatch, initial=init, notes=notes, unplaced_slack=int(slack),
                            engine="compiled"), final

@@ -59,7 +59,11 @@ class AllocatorReplay:
     reserved: np.ndarray  # int64 per entry
     initial_allocated: int
     initial_reserved: int
-    block_size: np.ndarray  # int64 per entry: the block an alloc entry got (0 for other entries)
+    # the block each alloc entry got, kept for the entries that got one (of a 10M-entry trace, a third): their
+    # positions in the device's trace, ascending (int32 below 2**31 entries), and the block sizes (int64);
+    # `block_size` is the whole per-entry column, made when asked for
+    block_entries: np.ndarray
+    block_sizes: np.ndarray
     placed: int  # alloc entries served where the allocator served them
     unplaced: dict[str, int]  # entries the model could not follow, by reason: count
     open_bytes: int  # allocated figures may be up to this much higher (pre-trace block sizes not determined)
@@ -68,6 +72,24 @@ class AllocatorReplay:
     notes: list[str] = field(default_factory=list)
     unplaced_slack: int = 0  # how much larger the blocks of allocations it could not place may be
     engine: str = "python"
+
+    @property
+    def block_size(self) -> np.ndarray:
+        """int64 per entry: the block an alloc entry got (0 for other entries)."""
+        out = np.zeros(len(self.allocated), np.int64)
+        out[self.block_entries] = self.block_sizes
+        return out
+
+    def block_size_at(self, entries) -> np.ndarray:
+        """block_size[entries] (int64), without making the whole column."""
+        entries = np.asarray(entries)
+        pos = np.searchsorted(self.block_entries, entries)
+        out = np.zeros(entries.shape, np.int64)
+        if len(self.block_entries):
+            pos = np.minimum(pos, len(self.block_entries) - 1)
+            hit = self.block_entries[pos] == entries
+            out[hit] = self.block_sizes[pos[hit]]
+        return out
 
     @property
     def unplaced_events(self) -> int:
@@ -109,6 +131,14 @@ class AllocatorReplay:
 
     def reserved_at(self, i) -> int:
         return self.initial_reserved if i < 0 else int(self.reserved[i])
+
+
+def sparse_blocks(block_size: np.ndarray) -> dict:
+    """AllocatorReplay's block_entries and block_sizes from a per-entry column of block sizes."""
+    n = len(block_size)
+    entries = np.flatnonzero(block_size)
+    return {"block_entries": entries.astype(np.int32 if n < 2**31 else np.int64),
+            "block_sizes": block_size[entries].astype(np.int64)}
 
 
 def settings_of(trace: Trace) -> tuple[AllocatorConfig, list]:
@@ -260,7 +290,7 @@ def replay_device_in_python(trace: Trace, device: int, config: AllocatorConfig |
     if stop_after is None and trace.meta.get("has_segments", True):
         mismatch = _compare_final(trace, device, alloc)
     res = AllocatorReplay(device=device, config=config, allocated=allocated, reserved=reserved,
-                          initial_allocated=init_alloc, initial_reserved=init_res, block_size=block_size,
+                          initial_allocated=init_alloc, initial_reserved=init_res, **sparse_blocks(block_size),
                           placed=placed, unplaced=unplaced, open_bytes=init.open_bytes, final_mismatch=mismatch,
                           initial=init, notes=notes, unplaced_slack=slack)
     return (res, alloc) if (stop_after is not None or keep) else res

@@ -98,10 +98,14 @@ def _factored(shapes) -> int | None:
 
 def measured_max(trace: Trace, device: int, rules=None) -> dict:
     """Each category's largest live bytes over the recording."""
-    from ..timeline import category_series
+    from ..timeline import category_maxima
 
-    series = category_series(trace, device, rules=rules)
-    return {k: int(v.max()) if len(v) else 0 for k, v in series.by_category.items()}
+    return category_maxima(trace, device, rules)  # not the whole series: a point per entry, per category
+
+
+def wants_estimates(trace: Trace, spec=None) -> bool:
+    """Whether add_estimates(trace, devices, spec) estimates anything: a shape given, or the recorder's model."""
+    return (spec or {}).get("shape") is not None or bool(((trace.recorder or {}).get("model") or {}).get("parameters"))
 
 
 def add_estimates(trace: Trace, devices: list, spec=None, rules=None):
@@ -109,7 +113,7 @@ def add_estimates(trace: Trace, devices: list, spec=None, rules=None):
 
     spec: None (what the recorder stored) or {"shape": ModelShape | None, "overrides": {Setup field: value}}."""
     spec = spec or {}
-    if spec.get("shape") is None and not ((trace.recorder or {}).get("model") or {}).get("parameters"):
+    if not wants_estimates(trace, spec):
         return
     for d in devices:
         result = compare(trace, d["device"], d, spec.get("shape"), spec.get("overrides"), rules)

@@ -287,7 +287,7 @@ def recorded_peak(trace: Trace, device: int | None = None, lines: int = 10) -> d
     model = allocator_replays(trace).get(device)  # the report's own figures: the allocator model's blocks
     if model is not None:
         traced = rep.allocations.alloc_index >= 0
-        got = model.block_size[rep.allocations.alloc_index[traced]]
+        got = model.block_size_at(rep.allocations.alloc_index[traced])
         sizes[traced] = np.where(got > 0, got, sizes[traced])
         curve, initial, peak = model.allocated, model.initial_allocated, model.peak_allocated
     idx = int(np.argmax(curve)) if len(curve) and curve.max() >= initial else -1
