@@ -11,7 +11,8 @@ import math
 
 import numpy as np
 
-from ..model import ALLOC, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, Blocks, Events, Segments, Trace
+from ..model import (ALLOC, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, Blocks, Events, Segments, Trace,
+                     index_column)
 from .columns import MAX_DEVICE, MAX_SIZE, MAX_TIME, MAX_TOTAL, Interner, check_sizes
 from .limits import shown, text
 
@@ -134,7 +135,7 @@ def _trace(path, fmt, rows, meta, categories=None) -> Trace:
     dev = np.array(rows["device"], dtype=np.int32)
     order = np.argsort(dev, kind="stable")
     n = len(dev)
-    index = np.zeros(n, dtype=np.int64)
+    index = index_column(n)  # each device's own positions, below
     sorted_dev = dev[order]
     for d in np.unique(sorted_dev):
         m = sorted_dev == d

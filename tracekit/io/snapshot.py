@@ -11,7 +11,8 @@ from operator import itemgetter
 
 import numpy as np
 
-from ..model import (ACTION, BLOCK_STATE, NO_TIME, OOM, OTHER, Blocks, Events, Segments, Trace, constant_column)
+from ..model import (ACTION, BLOCK_STATE, NO_TIME, OOM, OTHER, Blocks, Events, Segments, Trace, constant_column,
+                     index_column)
 from .columns import MAX_DEVICE, MAX_SIZE, MAX_TIME, MAX_TOTAL, FramesError, Interner, check_sizes, int_column
 from .extras import check_extras
 from .limits import shown, text
@@ -104,7 +105,7 @@ def _events_of(device, entries, it, present, unknown) -> dict:
     what = f"device {device} entry"
     col = {
         "device": np.full(n, device, dtype=np.int32),
-        "index": np.arange(n, dtype=np.int64),
+        "index": index_column(n),
         "action": action,
         "addr": int_column(_values(entries, "addr", keys, 0), np.uint64, what),
         "size": int_column(_values(entries, "size", keys, 0), np.int64, what),
@@ -207,7 +208,7 @@ def _concat_column(parts, dtype):
 
 
 _EVENT_DTYPES = {
-    "device": np.int32, "index": np.int64, "action": np.int8, "addr": np.uint64, "size": np.int64,
+    "device": np.int32, "index": np.int32, "action": np.int8, "addr": np.uint64, "size": np.int64,
     "stream": np.int64, "time_us": np.int64, "stack_id": np.int32, "user_metadata": np.int32,
     "compile_context": np.int32, "category": np.int32, "device_free": np.int64,
     "forward_stack_id": np.int32, "module": np.int32,

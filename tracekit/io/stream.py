@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import TracekitError
-from ..model import ACTION, NO_TIME, OOM, OTHER, compact_column, constant_column, unique_ids
+from ..model import ACTION, NO_TIME, OOM, OTHER, compact_column, constant_column, index_column, unique_ids
 from .columns import MAX_SIZE, MAX_TIME, MAX_TOTAL, check_sizes
 from .limits import CappedReader, decompressed_cap, max_depth
 
@@ -306,7 +306,7 @@ class Tape:
         col["device_free"] = self._device_free(action, first, n)
         col["forward_stack_id"] = self._stacks(take("forward_frames"), it, uses[1])
         col["module"] = self._texts(take("module"), it, uses[5])
-        col["index"] = np.arange(n, dtype=np.int64)  # last: the scanner's columns are gone by now
+        col["index"] = index_column(n)  # last: the scanner's columns are gone by now
         return col
 
     def _texts(self, sids, it, used=None):

@@ -51,14 +51,14 @@ from .folder import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _
 from ...model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
 from ..limits import env_number
 
-MAGIC = b"TKCACHE7"  # 7: each column's checksum covers all of it (6: its first and last 64 KiB)
+MAGIC = b"TKCACHE8"  # 8: events.index in int32 (7: each column's checksum covers all of it; 6: its first and last 64 KiB)
 _PRE = struct.Struct("<8sQI")  # magic, head length, head CRC-32
 ALIGN = 64
 _TABLES: dict[str, tuple[str, Any]] = {"ev": ("events", Events), "fr": ("frames", Frames), "st": ("stacks", Stacks),
            "sg": ("segments", Segments), "bl": ("blocks", Blocks)}
 _I32, _I64, _U64, _I8 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int8)
 DTYPES: dict[str, dict[str, np.dtype]] = {
-    "ev": {"device": _I32, "index": _I64, "action": _I8, "addr": _U64, "size": _I64, "stream": _I64,
+    "ev": {"device": _I32, "index": _I32, "action": _I8, "addr": _U64, "size": _I64, "stream": _I64,
            "time_us": _I64, "stack_id": _I32, "user_metadata": _I32, "compile_context": _I32,
            "category": _I32, "device_free": _I64, "forward_stack_id": _I32, "module": _I32},
     "fr": {"filename": _I32, "line": _I32, "name": _I32},
