@@ -131,8 +131,8 @@ def _tampered(entry):
     yield "negative sizes", *with_(ev_size=-good["ev_size"])
     yield "unsorted devices", *with_(ev_device=np.arange(n, 0, -1).astype(np.int32))
     yield "other key", *head_with(key="0" * 40)
-    yield "head not JSON", b"TKCACHE7" + (2).to_bytes(8, "little") + zlib.crc32(b"\xff{").to_bytes(4, "little") + b"\xff{"
-    yield "head a list", b"TKCACHE7" + (3).to_bytes(8, "little") + zlib.crc32(b"[1]").to_bytes(4, "little") + b"[1]"
+    yield "head not JSON", cache.MAGIC + (2).to_bytes(8, "little") + zlib.crc32(b"\xff{").to_bytes(4, "little") + b"\xff{"
+    yield "head a list", cache.MAGIC + (3).to_bytes(8, "little") + zlib.crc32(b"[1]").to_bytes(4, "little") + b"[1]"
     yield "strings not strings", *head_with(strings=["", 5])
     yield "devices disagree", *head_with(devices=[0, 7])
     yield "unknown meta tag", *head_with(meta={"~": "object", "v": 1})
