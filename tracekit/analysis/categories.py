@@ -261,8 +261,12 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         labels[take] = cat
         reason[take] = R[why]
         done |= take
+    del mask, take, done, rules, evidence, dist, alive_at_next, f_end, after_a, pa, pf, same_run, at_oom
+    del cast_of_weight, cast, free_flags, no_stack, before, traced, freed  # not held under _before_trace's own
+    workspace_frames = has(ph.F_WORKSPACE)
+    del has, sflags
     _before_trace(trace, rep, labels, reason, phases.iteration, bool((phase == ph.OPTIMIZER).any()),
-                  has(ph.F_WORKSPACE))
+                  workspace_frames)
     return labels, reason
 
 
@@ -320,7 +324,7 @@ def requested_sizes(trace: Trace, rep: DeviceReplay) -> np.ndarray:
     """Bytes each allocation asked for: the trace's size for traced ones (newer torch records requests), the
     final block's `requested_size` for blocks live before the trace (their `size` is the block's)."""
     al = rep.allocations
-    out = al.size.astype(np.int64).copy()
+    out = np.array(al.size, np.int64)  # one copy
     before = np.flatnonzero(al.alloc_index < 0)
     b = trace.blocks
     bm = np.flatnonzero(b.device == rep.device)
