@@ -61,6 +61,7 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
         acc += c
     bounds.append(n_groups)
     if len(bounds) == 2:
+        del g  # one call takes every row: not held under its own
         _group_peaks(group, rows, al, out, counts)
         return out
     for g0, g1 in zip(bounds[:-1], bounds[1:]):
@@ -87,20 +88,24 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, count
     born *= 2
     born += 1
     freed *= 2
-    g = group[rows].astype(np.int64)
-    g0 = int(g.min())
-    g -= g0  # the groups here from 0: the keys stay small
+    gr = group[rows]
+    g0 = int(gr.min())  # the groups here from 0: the keys stay small
     bits = (2 * r - 1).bit_length()
-    gmax = int(g.max())
+    gmax = int(gr.max()) - g0
     if (gmax + 1) * span < 1 << (62 - bits):
         # the event's number in the key's low bits: the keys are distinct, so an in-place sort orders them as
-        # a stable argsort of the keys alone would, without the argsort's index array and its buffer
-        g *= span
-        born += g
-        freed += g
-        del born, freed, g
+        # a stable argsort of the keys alone would, without the argsort's index array and its buffer; the
+        # groups and the numbers go in a chunk at a time (no int64 per event beside the keys)
+        for lo in range(0, r, CHUNK):
+            gk = gr[lo:lo + CHUNK].astype(np.int64)
+            gk -= g0
+            gk *= span
+            born[lo:lo + CHUNK] += gk
+            freed[lo:lo + CHUNK] += gk
+        del born, freed, gr
         key <<= bits
-        key |= np.arange(2 * r, dtype=np.int64)
+        for lo in range(0, 2 * r, CHUNK):
+            key[lo:lo + CHUNK] |= np.arange(lo, min(lo + CHUNK, 2 * r), dtype=np.int64)
         key.sort()
         mask = (1 << bits) - 1
         for lo in range(0, 2 * r, CHUNK):
@@ -114,7 +119,8 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, count
         present = g0 + np.flatnonzero(counts[g0:g0 + gmax + 1])
         _peaks_by_run(key, present, 2 * counts[present], out)
         return
-    g += g0
+    g = gr.astype(np.int64)
+    del gr
     g *= span
     born += g
     freed += g
