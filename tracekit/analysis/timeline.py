@@ -143,8 +143,13 @@ def _allocation_steps(trace, device, rules):
         initial = int(size[m & (a < 0)].sum()) + (rep.unattributed_bytes if k == OTHER else 0)
         am, fm = m & (a >= 0), m & (f >= 0)
         del m
-        pos = np.concatenate([a[am], f[fm]])
-        delta = np.concatenate([size[am], -size[fm]])
+        na, nf = int(np.count_nonzero(am)), int(np.count_nonzero(fm))
+        pos, delta = np.empty(na + nf, np.int64), np.empty(na + nf, np.int64)  # filled in place: no parts
+        np.compress(am, a, out=pos[:na])
+        np.compress(fm, f, out=pos[na:])
+        np.compress(am, size, out=delta[:na])
+        np.compress(fm, size, out=delta[na:])
+        np.negative(delta[na:], out=delta[na:])
         del am, fm
         pos, delta = _sorted_changes(pos, delta)
         # entry positions in int32 below 2**31 entries (half the memory the viewer and the report keep)
@@ -163,7 +168,8 @@ def _sorted_changes(pos: np.ndarray, delta: np.ndarray, chunk: int = 1 << 20) ->
         order = np.argsort(pos, kind="stable")
         return pos[order], delta[order]
     pos <<= bits
-    pos |= np.arange(k, dtype=np.int64)
+    for lo in range(0, k, chunk):  # each change's number, a chunk at a time (no int64 per change beside pos)
+        pos[lo:lo + chunk] |= np.arange(lo, min(lo + chunk, k), dtype=np.int64)
     pos.sort()
     out = np.empty_like(delta)
     mask = (1 << bits) - 1
