@@ -225,15 +225,26 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
         from .modtree import HOWS, allocation_modules
 
         how = allocation_modules(trace, rep.device).how
-        rows_g = np.flatnonzero(grouped)
-        gid, at = unique_ids(group[rows_g], return_index=True)
-        first = dict(zip(gid.tolist(), rows_g[at].tolist()))
+        first = _first_rows(group, n)
         for k, row in enumerate(rows):
             r = first.get(k)
             row["classes"] = names[int(classes[r])] if r is not None and classes[r] > 0 else None
             row["how"] = HOWS[int(how[r])] if r is not None else None
     rows.sort(key=lambda r: (-r["bytes_at_peak"], -r["peak_bytes"], r["module"], r["pass"]))
     return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows), "source": source}
+
+
+def _first_rows(group: np.ndarray, n: int) -> dict:
+    """{group: its first allocation} over the allocations in a group (`group` >= 0), a chunk at a time."""
+    first = np.full(n, -1, np.int64)
+    for lo in range(0, len(group), CHUNK):
+        g = group[lo:lo + CHUNK]
+        pos = np.flatnonzero(g >= 0)
+        gid, at = unique_ids(g[pos], return_index=True)
+        new = first[gid] < 0
+        first[gid[new]] = lo + pos[at[new]]
+    seen = np.flatnonzero(first >= 0)
+    return dict(zip(seen.tolist(), first[seen].tolist()))
 
 
 def _layers(rows: list[dict]) -> list[dict]:

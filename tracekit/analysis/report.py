@@ -1,6 +1,8 @@
 """The report: per-device figures and the findings, as one plain dict (what `report --json` prints)."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..model import OOM, SNAPSHOT, Trace, isin_few
@@ -23,19 +25,27 @@ def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) ->
 
     if rules is not None and not isinstance(rules, Rules):
         rules = Rules.load(rules)
+    trim = _trim if lean else _no_trim
     reps = replay(trace)
+    trim()
     _share_reserved(trace, reps)
+    trim()
     from .estimate.measured import add_estimates, wants_estimates  # predicted vs measured, per device (issue 12)
 
     # the categories over time are read by the summaries and the estimate (an oom finding makes its own): lean,
     # they are let go once read, before each summary goes on to the library lines
     forget_steps = lean and not wants_estimates(trace, estimate)
-    devices = [device_summary(trace, reps[d], rules, forget_steps=forget_steps) for d in trace.devices]
+    devices = []
+    for d in trace.devices:
+        devices.append(device_summary(trace, reps[d], rules, forget_steps=forget_steps))
+        trim()
     add_estimates(trace, devices, estimate, rules)
     if lean:
         _forget_steps(trace)
+    trim()
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
+    trim()
     from .holds import add_distributed  # what a rank of a sharded / data-parallel job holds (issue 33)
     add_distributed(trace, devices)
     findings = []
@@ -43,6 +53,29 @@ def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) ->
     for d, summary in zip(trace.devices, devices):
         findings += device_findings(trace, reps[d], rules, summary, shape)
     return {"file": trace.path, "format": trace.format, "devices": devices, "findings": findings}
+
+
+def _trim() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere), between the
+    stages of a lean report: glibc keeps freed blocks below its growing mmap threshold in the heap, so one
+    stage's freed temporaries would otherwise stay in the process's memory under the next stage's own."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = _no_trim
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            pass
+    _malloc_trim(0)
+
+
+def _no_trim(*_) -> None:
+    pass
+
+
+_malloc_trim: Any = None
 
 
 def _share_reserved(trace: Trace, reps: dict) -> None:
