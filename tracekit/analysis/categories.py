@@ -211,11 +211,11 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     f_end = np.where(freed, f, n).astype(pos_t, copy=False)  # "freed after the last entry" for the live ones
     a0 = np.where(traced, a, 0)
     f0 = np.where(freed, f, 0)
-    phase, runs = phases.phase, phases.runs()
+    phase = phases.phase
     pa = np.where(traced, phase[a0], -1) if n else np.full(m, -1)
     pf = np.where(freed, phase[f0], -1) if n else np.full(m, -1)
-    same_run = traced & freed & (runs[a0] == runs[f0]) if n else np.zeros(m, bool)
-    del a0, f0, runs  # per-entry and per-allocation temporaries: not kept through the rules below
+    same_run = traced & freed & (phases.run_of(a0) == phases.run_of(f0)) if n else np.zeros(m, bool)
+    del a0, f0  # per-allocation temporaries: not kept through the rules below
     after_a = np.where(traced, a, -1).astype(pos_t)  # the entry after each allocation's, at most n: made once
     after_a += 1
     np.minimum(after_a, n, out=after_a)

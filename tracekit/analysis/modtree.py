@@ -494,8 +494,8 @@ def _instances(trace, rep, sm, stack) -> np.ndarray:
     order = own[np.argsort(a[own], kind="stable")]
     if not len(order):
         return out
-    runs = phases(trace)[rep.device].runs() if rep.n else np.zeros(0, np.int64)
-    run_of = runs[a[order]].astype(np.int64)
+    run_of = phases(trace)[rep.device].run_of(a[order]).astype(np.int64, copy=False) if rep.n \
+        else np.zeros(0, np.int64)  # a run id per allocation, none per entry
     uniq_st, st_inv = unique_ids(al.stack_id[order].astype(np.int64), return_inverse=True)
     for level in range(depth):
         node_of = np.full(len(uniq_st), -1, np.int64)

@@ -221,6 +221,12 @@ class DevicePhases:
             parts.append(np.flatnonzero(change) + lo)
         return np.concatenate(parts)
 
+    def run_of(self, at: np.ndarray) -> np.ndarray:
+        """runs()[at] (`at`: entry positions), from the runs' starts: no run id per entry."""
+        out = np.searchsorted(self.run_starts(), at, side="right")
+        out -= 1
+        return out
+
     def runs(self) -> np.ndarray:
         """Run id per entry: it changes whenever the phase or the iteration changes."""
         change = self._changes()
