@@ -374,7 +374,10 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
         return None  # no caching allocator: CPU "segments" are the blocks themselves
     action = trace.events.action[rep.events]
     # large-pool growth only: a 2 MiB small-pool segment says nothing about large free blocks
-    grows = np.flatnonzero(isin_few(action, (SEGMENT_ALLOC, SEGMENT_MAP)) & (trace.events.size[rep.events] > 2 << 20))
+    size, chunk = trace.events.size[rep.events], 1 << 20  # a chunk of entries at a time: no per-entry masks
+    grows = np.concatenate([np.zeros(0, np.int64)] + [
+        lo + np.flatnonzero(isin_few(action[lo:lo + chunk], (SEGMENT_ALLOC, SEGMENT_MAP))
+                            & (size[lo:lo + chunk] > 2 << 20)) for lo in range(0, rep.n, chunk)])
     ooms = np.flatnonzero(action == OOM)
     p = rep.peak_index
     reserved_peak = rep.reserved_at(p) or 0

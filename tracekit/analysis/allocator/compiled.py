@@ -65,8 +65,9 @@ def _plain(snapshot):
 def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray, start: Allocator,
                     config: AllocatorConfig, out_allocated: np.ndarray, out_reserved: np.ndarray,
                     out_block: np.ndarray, stop: int = -1) -> tuple[int, int, list[int], int, int, list]:
-    """_replay.replay with its arguments named: the entries' columns (`stream` may be one value, every entry's), the allocator `start` holding the state at
-    the first entry (its blocks and segments become the C loop's arrays), the settings, the per-entry outputs."""
+    """_replay.replay with its arguments named: the entries' columns (`stream` may be one value, every
+    entry's), the allocator `start` holding the state at the first entry (its blocks and segments become the
+    C loop's arrays), the settings, the per-entry outputs."""
     assert _compiled is not None
     blocks = sorted(start.blocks.values(), key=lambda b: b.addr)
     segs = sorted(start.segments.items())
