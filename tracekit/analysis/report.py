@@ -42,6 +42,7 @@ def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) ->
     add_estimates(trace, devices, estimate, rules)
     if lean:
         _forget_steps(trace)
+        _forget_allocator(trace)
     trim()
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
@@ -96,6 +97,16 @@ def _forget_steps(trace: Trace) -> None:
 
     forget(trace, _allocation_steps)
     forget(trace, _event_category_steps)
+
+
+def _forget_allocator(trace: Trace) -> None:
+    """Let go of the allocator model's replays (read by the summaries and the estimate only) before the module
+    tables and the findings: a 10M-entry trace's model holds a curve per entry and its block sizes."""
+    from .allocator.summary import _replays, allocator_replays
+    from .memo import forget
+
+    forget(trace, allocator_replays)
+    forget(trace, _replays)
 
 
 def device_summary(trace: Trace, rep: DeviceReplay, rules=None, forget_steps: bool = False) -> dict:
@@ -263,7 +274,7 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None, s
     from .spikes import spike_findings
 
     summary = summary or device_summary(trace, rep, rules)
-    peak = peak_finding(trace, rep)
+    peak = peak_finding(trace, rep, summary.get("headline_peak"))  # the summary's: the model is not read again
     peak["by_category"] = summary["categories_at_peak"]
     if peak["by_category"]:
         peak["summary"] += f" ({shares(peak['by_category'])})"
@@ -328,7 +339,8 @@ def shares(by_category: dict, limit=4) -> str:
     return ", ".join(f"{k} {v / total:.0%}" for k, v in top if v > 0)
 
 
-def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
+def peak_finding(trace: Trace, rep: DeviceReplay, head: dict | None = None) -> dict:
+    """The peak's finding; `head`: the device summary's headline_peak when there is one (else made here)."""
     from ..units import fmt_bytes
 
     p = rep.peak_index
@@ -338,7 +350,8 @@ def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
     largest = f"; largest site: {fmt_bytes(stacks[0]['bytes'])} from {stacks[0]['where']}" if stacks else ""
     from .allocator.summary import headline_peak
 
-    head = headline_peak(trace, rep.device, rep)  # the allocator's counter first, as the report's headline
+    if head is None:  # the allocator's counter first, as the report's headline
+        head = headline_peak(trace, rep.device, rep)
     counted = (f"{fmt_bytes(head['bytes'])} allocated ({'exact, ' if head['exact'] else ''}as "
                f"torch.cuda.max_memory_allocated counts it; tensors requested {fmt_bytes(rep.peak_allocated)})"
                if head["measure"] == "blocks" else f"{fmt_bytes(rep.peak_allocated)} allocated")
