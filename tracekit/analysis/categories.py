@@ -207,18 +207,21 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         return labels, reason
     a, f = al.alloc_index, al.free_index
     traced, freed = a >= 0, f >= 0
-    f_end = np.where(freed, f, n)  # "freed after the last entry" for the live ones
+    pos_t = np.int32 if n < 2**31 else np.int64  # entry positions (0..n) in int32 below 2**31 entries
+    f_end = np.where(freed, f, n).astype(pos_t, copy=False)  # "freed after the last entry" for the live ones
     a0 = np.where(traced, a, 0)
     f0 = np.where(freed, f, 0)
-    phase, runs = phases.phase, phases.runs()
+    phase = phases.phase
     pa = np.where(traced, phase[a0], -1) if n else np.full(m, -1)
     pf = np.where(freed, phase[f0], -1) if n else np.full(m, -1)
-    same_run = traced & freed & (runs[a0] == runs[f0]) if n else np.zeros(m, bool)
-    del a0, f0, runs  # per-entry and per-allocation temporaries: not kept through the rules below
-    after_a = np.where(traced, a + 1, 0)
+    same_run = traced & freed & (phases.run_of(a0) == phases.run_of(f0)) if n else np.zeros(m, bool)
+    del a0, f0  # per-allocation temporaries: not kept through the rules below
+    after_a = np.where(traced, a, -1).astype(pos_t)  # the entry after each allocation's, at most n: made once
+    after_a += 1
+    np.minimum(after_a, n, out=after_a)
 
     def alive_at_next(p):  # is the allocation still live when the next entry of phase p comes?
-        nxt = phases.next_at(p, np.minimum(after_a, n))  # next_of(p)[...], without its per-entry column
+        nxt = phases.next_at(p, after_a)  # next_of(p)[...], without its per-entry column
         return nxt < f_end
 
     fl = ph.stack_flags(trace)
@@ -261,8 +264,12 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         labels[take] = cat
         reason[take] = R[why]
         done |= take
+    del mask, take, done, rules, evidence, dist, alive_at_next, f_end, after_a, pa, pf, same_run, at_oom
+    del cast_of_weight, cast, free_flags, no_stack, before, traced, freed  # not held under _before_trace's own
+    workspace_frames = has(ph.F_WORKSPACE)
+    del has, sflags
     _before_trace(trace, rep, labels, reason, phases.iteration, bool((phase == ph.OPTIMIZER).any()),
-                  has(ph.F_WORKSPACE))
+                  workspace_frames)
     return labels, reason
 
 
@@ -320,7 +327,7 @@ def requested_sizes(trace: Trace, rep: DeviceReplay) -> np.ndarray:
     """Bytes each allocation asked for: the trace's size for traced ones (newer torch records requests), the
     final block's `requested_size` for blocks live before the trace (their `size` is the block's)."""
     al = rep.allocations
-    out = al.size.astype(np.int64).copy()
+    out = np.array(al.size, np.int64)  # one copy
     before = np.flatnonzero(al.alloc_index < 0)
     b = trace.blocks
     bm = np.flatnonzero(b.device == rep.device)

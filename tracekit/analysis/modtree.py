@@ -398,8 +398,9 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
     if not len(rows):
         return done()
     depth = index_of.shape[1]
-    key = np.concatenate([stack[rows][:, None], index_of[rows]], axis=1) if depth else stack[rows][:, None]
-    uniq, inv = _unique_rows(key)
+    cols = [stack[rows]] + [index_of[rows, c] for c in range(depth)]  # the key's columns, without the rows
+    del stack, index_of
+    uniq, inv = _unique_rows(cols)
     paths, cls_ids, worsts = (np.zeros(len(uniq), t) for t in (np.int32, np.int32, np.int8))
     for k, row in enumerate(uniq.tolist()):
         path, cls, worst = _path(sm.nodes, sm.chains[row[0] + 1], row[1:])
@@ -408,21 +409,31 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
     return done()
 
 
-def _unique_rows(key: np.ndarray):
-    """np.unique(key, axis=0, return_inverse=True) for rows of small integers >= -1: the rows packed into
-    one int64 each (lexicographic order kept) when they fit, which is much faster than sorting rows."""
-    if len(key):
-        span = key.max(axis=0).astype(np.int64) + 2  # values -1 .. max, shifted to 0 .. max + 1
-        if key.min() >= -1 and float(np.prod(span.astype(np.float64))) < 2.0**62:
-            packed = np.zeros(len(key), np.int64)
-            for c in range(key.shape[1]):
-                packed = packed * span[c] + (key[:, c].astype(np.int64) + 1)
+def _unique_rows(cols: list | np.ndarray):
+    """np.unique(key, axis=0, return_inverse=True) for rows of small integers >= -1, the key given as its
+    columns (`cols`, emptied as they are read; or a 2-d array): the rows packed into one int64 each
+    (lexicographic order kept) when they fit, which is much faster than sorting rows, and made in place, a
+    column at a time."""
+    if isinstance(cols, np.ndarray):
+        cols = [cols[:, c] for c in range(cols.shape[1])]
+    if len(cols[0]):
+        span = [int(c.max()) + 2 for c in cols]  # values -1 .. max, shifted to 0 .. max + 1
+        if min(int(c.min()) for c in cols) >= -1 and float(np.prod(np.array(span, np.float64))) < 2.0**62:
+            packed = np.zeros(len(cols[0]), np.int64)
+            for c in range(len(cols)):
+                packed *= span[c]
+                packed += cols[c].astype(np.int64, copy=False)
+                packed += 1
+                cols[c] = None  # read: let go
             u, inv = np.unique(packed, return_inverse=True)
-            rows = np.zeros((len(u), key.shape[1]), np.int64)
-            for c in range(key.shape[1] - 1, -1, -1):
+            del packed
+            rows = np.zeros((len(u), len(span)), np.int64)
+            for c in range(len(span) - 1, -1, -1):
                 rows[:, c] = u % span[c] - 1
                 u = u // span[c]
             return rows, inv.reshape(-1)
+    key = np.stack([np.asarray(c, np.int64) for c in cols], axis=1)
+    cols.clear()
     uniq, inv = np.unique(key, axis=0, return_inverse=True)
     return uniq, inv.reshape(-1)
 
@@ -483,8 +494,8 @@ def _instances(trace, rep, sm, stack) -> np.ndarray:
     order = own[np.argsort(a[own], kind="stable")]
     if not len(order):
         return out
-    runs = phases(trace)[rep.device].runs() if rep.n else np.zeros(0, np.int64)
-    run_of = runs[a[order]].astype(np.int64)
+    run_of = phases(trace)[rep.device].run_of(a[order]).astype(np.int64, copy=False) if rep.n \
+        else np.zeros(0, np.int64)  # a run id per allocation, none per entry
     uniq_st, st_inv = unique_ids(al.stack_id[order].astype(np.int64), return_inverse=True)
     for level in range(depth):
         node_of = np.full(len(uniq_st), -1, np.int64)

@@ -46,11 +46,9 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
     independent: they are taken a few at a time, about GROUP_ROWS allocations together, so that the sort's
     temporaries stay small on a 10M-entry trace."""
     out = np.zeros(n_groups, np.int64)
-    rows = np.flatnonzero(group >= 0)
+    rows = _rows_of(group >= 0)
     if not len(rows):
         return out
-    if len(group) < 2**31:
-        rows = rows.astype(np.int32)
     g = group[rows]
     counts = np.bincount(g, minlength=n_groups)
     bounds, acc = [0], 0
@@ -61,10 +59,24 @@ def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
         acc += c
     bounds.append(n_groups)
     if len(bounds) == 2:
+        del g  # one call takes every row: not held under its own
         _group_peaks(group, rows, al, out, counts)
         return out
     for g0, g1 in zip(bounds[:-1], bounds[1:]):
         _group_peaks(group, rows[(g >= g0) & (g < g1)], al, out, counts)
+    return out
+
+
+def _rows_of(mask: np.ndarray) -> np.ndarray:
+    """np.flatnonzero(mask), in int32 below 2**31 rows, found a chunk at a time (no int64 per row beside it)."""
+    if len(mask) >= 2**31:
+        return np.flatnonzero(mask)
+    out = np.empty(int(np.count_nonzero(mask)), np.int32)
+    at = 0
+    for lo in range(0, len(mask), CHUNK):
+        nz = np.flatnonzero(mask[lo:lo + CHUNK])
+        out[at:at + len(nz)] = nz + lo
+        at += len(nz)
     return out
 
 
@@ -77,9 +89,9 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, count
     r = len(rows)
     key = np.empty(2 * r, np.int64)
     born, freed = key[:r], key[r:]
-    born[:] = al.alloc_index[rows]
+    np.take(al.alloc_index, rows, out=born, mode="clip")  # into the keys (rows are in range: "clip", unbuffered)
     born += 1  # made before the trace (-1): 0, first
-    freed[:] = al.free_index[rows]
+    np.take(al.free_index, rows, out=freed, mode="clip")
     freed += 1
     end = int(max(born.max(), freed.max())) + 1
     freed[freed <= 0] = end  # never freed: after every entry
@@ -87,20 +99,24 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, count
     born *= 2
     born += 1
     freed *= 2
-    g = group[rows].astype(np.int64)
-    g0 = int(g.min())
-    g -= g0  # the groups here from 0: the keys stay small
+    gr = group[rows]
+    g0 = int(gr.min())  # the groups here from 0: the keys stay small
     bits = (2 * r - 1).bit_length()
-    gmax = int(g.max())
+    gmax = int(gr.max()) - g0
     if (gmax + 1) * span < 1 << (62 - bits):
         # the event's number in the key's low bits: the keys are distinct, so an in-place sort orders them as
-        # a stable argsort of the keys alone would, without the argsort's index array and its buffer
-        g *= span
-        born += g
-        freed += g
-        del born, freed, g
+        # a stable argsort of the keys alone would, without the argsort's index array and its buffer; the
+        # groups and the numbers go in a chunk at a time (no int64 per event beside the keys)
+        for lo in range(0, r, CHUNK):
+            gk = gr[lo:lo + CHUNK].astype(np.int64)
+            gk -= g0
+            gk *= span
+            born[lo:lo + CHUNK] += gk
+            freed[lo:lo + CHUNK] += gk
+        del born, freed, gr
         key <<= bits
-        key |= np.arange(2 * r, dtype=np.int64)
+        for lo in range(0, 2 * r, CHUNK):
+            key[lo:lo + CHUNK] |= np.arange(lo, min(lo + CHUNK, 2 * r), dtype=np.int64)
         key.sort()
         mask = (1 << bits) - 1
         for lo in range(0, 2 * r, CHUNK):
@@ -114,7 +130,8 @@ def _group_peaks(group: np.ndarray, rows: np.ndarray, al, out: np.ndarray, count
         present = g0 + np.flatnonzero(counts[g0:g0 + gmax + 1])
         _peaks_by_run(key, present, 2 * counts[present], out)
         return
-    g += g0
+    g = gr.astype(np.int64)
+    del gr
     g *= span
     born += g
     freed += g
@@ -200,17 +217,16 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     if not len(al) or not (module_ids > 0).any():
         return None
     made = (al.alloc_index >= 0) & ~workspace_mask(trace, rep)  # made in the trace; module 0: outside any
-    uniq, inv = unique_ids(module_ids[made].astype(np.int64) * 2 + backward[made], return_inverse=True)
+    key = module_ids[made].astype(np.int64)
+    key *= 2  # in place: one int64 per allocation, not three
+    key += backward[made]
+    uniq, inv = unique_ids(key, return_inverse=True)
+    del key
     group = np.full(len(al), -1, np.int32 if len(uniq) < 2**31 else np.int64)
     group[made] = inv
     del inv, made, module_ids, backward  # the groups say it all from here
-    grouped = group >= 0
-    live = al.live_at(rep.peak_index) & grouped
     n = len(uniq)
-    at_peak = np.bincount(group[live], weights=al.size[live], minlength=n)
-    del live
-    total = np.bincount(group[grouped], weights=al.size[grouped], minlength=n)
-    count = np.bincount(group[grouped], minlength=n)
+    at_peak, total, count = _group_sums(group, al, rep.peak_index, n)
     most = group_peaks(group, al, n)
     rows: list[dict[str, Any]] = [{"module": names[int(u // 2)] if u >= 2 else "(outside any module)", "pass": "backward" if u % 2 else "forward",
              "bytes_at_peak": int(at_peak[k]), "peak_bytes": int(most[k]),
@@ -219,15 +235,41 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
         from .modtree import HOWS, allocation_modules
 
         how = allocation_modules(trace, rep.device).how
-        rows_g = np.flatnonzero(grouped)
-        gid, at = unique_ids(group[rows_g], return_index=True)
-        first = dict(zip(gid.tolist(), rows_g[at].tolist()))
+        first = _first_rows(group, n)
         for k, row in enumerate(rows):
             r = first.get(k)
             row["classes"] = names[int(classes[r])] if r is not None and classes[r] > 0 else None
             row["how"] = HOWS[int(how[r])] if r is not None else None
     rows.sort(key=lambda r: (-r["bytes_at_peak"], -r["peak_bytes"], r["module"], r["pass"]))
     return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows), "source": source}
+
+
+def _group_sums(group: np.ndarray, al, peak: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group: (bytes live just after entry `peak`, bytes allocated, allocations), a chunk of allocations at
+    a time (the byte sums as float64, as np.bincount's weights make them: exact below 2**53 each)."""
+    at_peak, total, count = np.zeros(n), np.zeros(n), np.zeros(n, np.int64)
+    for lo in range(0, len(group), CHUNK):
+        g, size = group[lo:lo + CHUNK], al.size[lo:lo + CHUNK]
+        a, f = al.alloc_index[lo:lo + CHUNK], al.free_index[lo:lo + CHUNK]
+        grouped = g >= 0
+        live = grouped & (a <= peak) & ((f == -1) | (f > peak))  # Allocations.live_at, of the chunk
+        at_peak += np.bincount(g[live], weights=size[live], minlength=n)
+        total += np.bincount(g[grouped], weights=size[grouped], minlength=n)
+        count += np.bincount(g[grouped], minlength=n)
+    return at_peak, total, count
+
+
+def _first_rows(group: np.ndarray, n: int) -> dict:
+    """{group: its first allocation} over the allocations in a group (`group` >= 0), a chunk at a time."""
+    first = np.full(n, -1, np.int64)
+    for lo in range(0, len(group), CHUNK):
+        g = group[lo:lo + CHUNK]
+        pos = np.flatnonzero(g >= 0)
+        gid, at = unique_ids(g[pos], return_index=True)
+        new = first[gid] < 0
+        first[gid[new]] = lo + pos[at[new]]
+    seen = np.flatnonzero(first >= 0)
+    return dict(zip(seen.tolist(), first[seen].tolist()))
 
 
 def _layers(rows: list[dict]) -> list[dict]:

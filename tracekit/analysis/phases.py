@@ -209,9 +209,23 @@ class DevicePhases:
         change[1:] = (self.phase[1:] != self.phase[:-1]) | (self.iteration[1:] != self.iteration[:-1])
         return change
 
-    def run_starts(self) -> np.ndarray:
-        """The first entry of each run (int64, ascending): where runs() changes, without a run id per entry."""
-        return np.flatnonzero(self._changes())
+    def run_starts(self, chunk: int = 1 << 20) -> np.ndarray:
+        """The first entry of each run (int64, ascending): where runs() changes, without a run id per entry,
+        found a chunk of entries at a time (no per-entry temporaries)."""
+        n = self.n
+        parts = [np.zeros(min(n, 1), np.int64)]
+        for lo in range(1, n, chunk):
+            hi = min(n, lo + chunk)
+            change = self.phase[lo:hi] != self.phase[lo - 1:hi - 1]
+            change |= self.iteration[lo:hi] != self.iteration[lo - 1:hi - 1]
+            parts.append(np.flatnonzero(change) + lo)
+        return np.concatenate(parts)
+
+    def run_of(self, at: np.ndarray) -> np.ndarray:
+        """runs()[at] (`at`: entry positions), from the runs' starts: no run id per entry."""
+        out = np.searchsorted(self.run_starts(), at, side="right")
+        out -= 1
+        return out
 
     def runs(self) -> np.ndarray:
         """Run id per entry: it changes whenever the phase or the iteration changes."""

@@ -1,6 +1,8 @@
 """The report: per-device figures and the findings, as one plain dict (what `report --json` prints)."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..model import OOM, SNAPSHOT, Trace, isin_few
@@ -23,19 +25,28 @@ def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) ->
 
     if rules is not None and not isinstance(rules, Rules):
         rules = Rules.load(rules)
+    trim = _trim if lean else _no_trim
     reps = replay(trace)
+    trim()
     _share_reserved(trace, reps)
+    trim()
     from .estimate.measured import add_estimates, wants_estimates  # predicted vs measured, per device (issue 12)
 
     # the categories over time are read by the summaries and the estimate (an oom finding makes its own): lean,
     # they are let go once read, before each summary goes on to the library lines
     forget_steps = lean and not wants_estimates(trace, estimate)
-    devices = [device_summary(trace, reps[d], rules, forget_steps=forget_steps) for d in trace.devices]
+    devices = []
+    for d in trace.devices:
+        devices.append(device_summary(trace, reps[d], rules, forget_steps=forget_steps))
+        trim()
     add_estimates(trace, devices, estimate, rules)
     if lean:
         _forget_steps(trace)
+        _forget_allocator(trace)
+    trim()
     from .modules import add_modules  # per nn.Module (issue 11)
     add_modules(trace, devices, reps)
+    trim()
     from .holds import add_distributed  # what a rank of a sharded / data-parallel job holds (issue 33)
     add_distributed(trace, devices)
     findings = []
@@ -43,6 +54,29 @@ def build_report(trace: Trace, rules=None, estimate=None, lean: bool = False) ->
     for d, summary in zip(trace.devices, devices):
         findings += device_findings(trace, reps[d], rules, summary, shape)
     return {"file": trace.path, "format": trace.format, "devices": devices, "findings": findings}
+
+
+def _trim() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere), between the
+    stages of a lean report: glibc keeps freed blocks below its growing mmap threshold in the heap, so one
+    stage's freed temporaries would otherwise stay in the process's memory under the next stage's own."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = _no_trim
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            pass
+    _malloc_trim(0)
+
+
+def _no_trim(*_) -> None:
+    pass
+
+
+_malloc_trim: Any = None
 
 
 def _share_reserved(trace: Trace, reps: dict) -> None:
@@ -63,6 +97,16 @@ def _forget_steps(trace: Trace) -> None:
 
     forget(trace, _allocation_steps)
     forget(trace, _event_category_steps)
+
+
+def _forget_allocator(trace: Trace) -> None:
+    """Let go of the allocator model's replays (read by the summaries and the estimate only) before the module
+    tables and the findings: a 10M-entry trace's model holds a curve per entry and its block sizes."""
+    from .allocator.summary import _replays, allocator_replays
+    from .memo import forget
+
+    forget(trace, allocator_replays)
+    forget(trace, _replays)
 
 
 def device_summary(trace: Trace, rep: DeviceReplay, rules=None, forget_steps: bool = False) -> dict:
@@ -230,7 +274,7 @@ def device_findings(trace: Trace, rep: DeviceReplay, rules=None, summary=None, s
     from .spikes import spike_findings
 
     summary = summary or device_summary(trace, rep, rules)
-    peak = peak_finding(trace, rep)
+    peak = peak_finding(trace, rep, summary.get("headline_peak"))  # the summary's: the model is not read again
     peak["by_category"] = summary["categories_at_peak"]
     if peak["by_category"]:
         peak["summary"] += f" ({shares(peak['by_category'])})"
@@ -295,7 +339,8 @@ def shares(by_category: dict, limit=4) -> str:
     return ", ".join(f"{k} {v / total:.0%}" for k, v in top if v > 0)
 
 
-def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
+def peak_finding(trace: Trace, rep: DeviceReplay, head: dict | None = None) -> dict:
+    """The peak's finding; `head`: the device summary's headline_peak when there is one (else made here)."""
     from ..units import fmt_bytes
 
     p = rep.peak_index
@@ -305,7 +350,8 @@ def peak_finding(trace: Trace, rep: DeviceReplay) -> dict:
     largest = f"; largest site: {fmt_bytes(stacks[0]['bytes'])} from {stacks[0]['where']}" if stacks else ""
     from .allocator.summary import headline_peak
 
-    head = headline_peak(trace, rep.device, rep)  # the allocator's counter first, as the report's headline
+    if head is None:  # the allocator's counter first, as the report's headline
+        head = headline_peak(trace, rep.device, rep)
     counted = (f"{fmt_bytes(head['bytes'])} allocated ({'exact, ' if head['exact'] else ''}as "
                f"torch.cuda.max_memory_allocated counts it; tensors requested {fmt_bytes(rep.peak_allocated)})"
                if head["measure"] == "blocks" else f"{fmt_bytes(rep.peak_allocated)} allocated")
@@ -341,7 +387,10 @@ def fragmentation_finding(trace: Trace, rep: DeviceReplay) -> dict | None:
         return None  # no caching allocator: CPU "segments" are the blocks themselves
     action = trace.events.action[rep.events]
     # large-pool growth only: a 2 MiB small-pool segment says nothing about large free blocks
-    grows = np.flatnonzero(isin_few(action, (SEGMENT_ALLOC, SEGMENT_MAP)) & (trace.events.size[rep.events] > 2 << 20))
+    size, chunk = trace.events.size[rep.events], 1 << 20  # a chunk of entries at a time: no per-entry masks
+    grows = np.concatenate([np.zeros(0, np.int64)] + [
+        lo + np.flatnonzero(isin_few(action[lo:lo + chunk], (SEGMENT_ALLOC, SEGMENT_MAP))
+                            & (size[lo:lo + chunk] > 2 << 20)) for lo in range(0, rep.n, chunk)])
     ooms = np.flatnonzero(action == OOM)
     p = rep.peak_index
     reserved_peak = rep.reserved_at(p) or 0

@@ -39,8 +39,7 @@ def transient_mask(trace: Trace, rep: DeviceReplay) -> np.ndarray:
     p = phases(trace)[rep.device]
     if p.source == "none" or not rep.n:
         return both & (f - a <= max(16, rep.n // 100))
-    runs = p.runs()
-    return both & (runs[np.maximum(a, 0)] == runs[np.maximum(f, 0)])
+    return both & (p.run_of(np.maximum(a, 0)) == p.run_of(np.maximum(f, 0)))  # no run id per entry
 
 
 def transient_curve(rep: DeviceReplay, mask) -> np.ndarray:

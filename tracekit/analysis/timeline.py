@@ -143,14 +143,62 @@ def _allocation_steps(trace, device, rules):
         initial = int(size[m & (a < 0)].sum()) + (rep.unattributed_bytes if k == OTHER else 0)
         am, fm = m & (a >= 0), m & (f >= 0)
         del m
-        pos = np.concatenate([a[am], f[fm]])
-        delta = np.concatenate([size[am], -size[fm]])
+        packed = _packed_changes(a, f, size, am, fm, rep.n)
+        if packed is not None:
+            pos, delta = packed
+            out[name] = (initial, pos, np.cumsum(delta, out=delta))
+            continue
+        na, nf = int(np.count_nonzero(am)), int(np.count_nonzero(fm))
+        pos, delta = np.empty(na + nf, np.int64), np.empty(na + nf, np.int64)  # filled in place: no parts
+        np.compress(am, a, out=pos[:na])
+        np.compress(fm, f, out=pos[na:])
+        np.compress(am, size, out=delta[:na])
+        np.compress(fm, size, out=delta[na:])
+        np.negative(delta[na:], out=delta[na:])
         del am, fm
         pos, delta = _sorted_changes(pos, delta)
         # entry positions in int32 below 2**31 entries (half the memory the viewer and the report keep)
         pos = pos.astype(np.int32 if rep.n < 2**31 else np.int64, copy=False)
         out[name] = (initial, pos, np.cumsum(delta, out=delta))
     return out
+
+
+def _packed_changes(a, f, size, am, fm, n: int, chunk: int = 1 << 20):
+    """(pos, delta) of the changes of the allocations `am` (made at `a`) and `fm` (freed at `f`), ordered by
+    entry, or None where they do not pack. One int64 key per change: its entry, its allocation's row, whether
+    it is the free; sorted in place, then read a chunk at a time into the entries (int32) and the signed sizes,
+    gathered from `size` by row (no column of the changes' sizes beside the keys). Each entry is one change
+    (an alloc or a free of one allocation), so the order by entry is the one a stable sort makes."""
+    m = len(size)
+    row_bits = max(1, (m - 1).bit_length()) + 1
+    if n >= 2**31 or max(1, n).bit_length() + row_bits > 62:
+        return None
+    k = int(np.count_nonzero(am)) + int(np.count_nonzero(fm))
+    key = np.empty(k, np.int64)
+    at = 0
+    for lo in range(0, m, chunk):
+        for mask, idx, flag in ((am, a, 0), (fm, f, 1)):
+            r = np.flatnonzero(mask[lo:lo + chunk])
+            part = key[at:at + len(r)]
+            np.take(idx[lo:lo + chunk], r, out=part, mode="clip")
+            part <<= row_bits
+            r += lo
+            r <<= 1
+            r |= flag
+            part |= r
+            at += len(r)
+    key.sort()
+    pos, delta = np.empty(k, np.int32), np.empty(k, np.int64)
+    row_mask = (1 << row_bits) - 1
+    for lo in range(0, k, chunk):
+        c = key[lo:lo + chunk]
+        rows = c & row_mask
+        d = size[rows >> 1]
+        d[(rows & 1) == 1] *= -1  # a free: its size off
+        delta[lo:lo + chunk] = d
+        c >>= row_bits
+        pos[lo:lo + chunk] = c
+    return pos, delta
 
 
 def _sorted_changes(pos: np.ndarray, delta: np.ndarray, chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +211,8 @@ def _sorted_changes(pos: np.ndarray, delta: np.ndarray, chunk: int = 1 << 20) ->
         order = np.argsort(pos, kind="stable")
         return pos[order], delta[order]
     pos <<= bits
-    pos |= np.arange(k, dtype=np.int64)
+    for lo in range(0, k, chunk):  # each change's number, a chunk at a time (no int64 per change beside pos)
+        pos[lo:lo + chunk] |= np.arange(lo, min(lo + chunk, k), dtype=np.int64)
     pos.sort()
     out = np.empty_like(delta)
     mask = (1 << bits) - 1

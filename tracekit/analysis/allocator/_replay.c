@@ -7,7 +7,8 @@
  * same counts of entries the model could not follow. model_replay.py is the reference; the tests
  * compare the two on every fixture and on random request streams.
  *
- * replay(action, addr, size, stream,             per-entry columns (int8, uint64, int64, int64)
+ * replay(action, addr, size, stream,             per-entry columns (int8, uint64, int64, int64; stream may
+ *                                               be one value, every entry's: a constant column is not copied out)
  *        blk_addr, blk_size, blk_stream, blk_state, blk_small, blk_seg, blk_req,
  *                                               the state at the first entry, by address (state 0 free,
  *                                               1 allocated, 2 pending; seg: start of its segment)
@@ -496,7 +497,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     for (int k = 0; k < 17; k++)
         if (get_buf(o[k], &B[k], items[k], k >= 14, names[k]) < 0) goto done;
     Py_ssize_t n = LEN(B[0]);
-    if (LEN(B[1]) != n || LEN(B[2]) != n || LEN(B[3]) != n || LEN(B[14]) != n || LEN(B[15]) != n || LEN(B[16]) != n
+    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n || LEN(B[15]) != n || LEN(B[16]) != n
         || LEN(B[13]) != INTERVALS) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
@@ -504,6 +505,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     const int8_t *action = B[0].v.buf;
     const uint64_t *addr = B[1].v.buf;
     const int64_t *size = B[2].v.buf, *stream = B[3].v.buf;
+    const Py_ssize_t stream_step = LEN(B[3]) == n ? 1 : 0;  /* one value: every entry's stream */
     int64_t *out_alloc = B[14].v.buf, *out_res = B[15].v.buf, *out_blk = B[16].v.buf;
     memcpy(s->div, B[13].v.buf, sizeof(s->div));
     s->mss = mss;
@@ -550,7 +552,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         out_blk[i] = 0;
         if (a == A_ALLOC) {
             uint64_t p = addr[i];
-            int64_t r = size[i], st = stream[i];
+            int64_t r = size[i], st = stream[i * stream_step];
             int64_t sz = round_size(s, r);
             int small = sz <= SMALL_SIZE;
             int32_t bi = NONE;
@@ -636,19 +638,19 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             }
         } else if (a == A_SEGMENT_ALLOC) {
             if (reserve((void **)&s->fresh, &s->capfresh, s->nfresh + 1, sizeof(Fresh)) < 0) { PyErr_NoMemory(); goto done; }
-            s->fresh[s->nfresh].stream = stream[i];
+            s->fresh[s->nfresh].stream = stream[i * stream_step];
             s->fresh[s->nfresh].addr = addr[i];
             s->fresh[s->nfresh].size = size[i];
             s->nfresh++;
             s->reserved += size[i];
         } else if (a == A_SEGMENT_FREE) {
-            if (flush(s, stream[i]) < 0) { PyErr_NoMemory(); goto done; }
+            if (flush(s, stream[i * stream_step]) < 0) { PyErr_NoMemory(); goto done; }
             if (!release(s, addr[i], size[i])) reasons[R_SEG_FREE]++;
         } else if (a == A_OOM) {
             int64_t sz = size[i];
             int after_frees = i > 0 && (action[i - 1] == A_FREE_COMPLETED || action[i - 1] == A_SEGMENT_FREE
                                         || action[i - 1] == A_SEGMENT_UNMAP);
-            if (!after_frees && find_free(s, sz <= SMALL_SIZE, sz, stream[i]) != NONE) reasons[R_OOM_CACHED]++;
+            if (!after_frees && find_free(s, sz <= SMALL_SIZE, sz, stream[i * stream_step]) != NONE) reasons[R_OOM_CACHED]++;
         } else if (a == A_SEGMENT_MAP || a == A_SEGMENT_UNMAP) {
             PyErr_SetString(PyExc_ValueError, "expandable segments: use the Python replay");
             goto done;

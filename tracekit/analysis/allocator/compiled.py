@@ -65,8 +65,9 @@ def _plain(snapshot):
 def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray, start: Allocator,
                     config: AllocatorConfig, out_allocated: np.ndarray, out_reserved: np.ndarray,
                     out_block: np.ndarray, stop: int = -1) -> tuple[int, int, list[int], int, int, list]:
-    """_replay.replay with its arguments named: the entries' columns, the allocator `start` holding the state at
-    the first entry (its blocks and segments become the C loop's arrays), the settings, the per-entry outputs."""
+    """_replay.replay with its arguments named: the entries' columns (`stream` may be one value, every
+    entry's), the allocator `start` holding the state at the first entry (its blocks and segments become the
+    C loop's arrays), the settings, the per-entry outputs."""
     assert _compiled is not None
     blocks = sorted(start.blocks.values(), key=lambda b: b.addr)
     segs = sorted(start.segments.items())
@@ -80,6 +81,14 @@ def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stre
         i64([b.requested for b in blocks]), u64([a for a, _ in segs]), i64([z for _, z in segs]),
         i64(config.roundup_power2_divisions), int(config.max_split_size), int(config.max_non_split_rounding),
         out_allocated, out_reserved, out_block, stop)
+
+
+def _stream_column(stream: np.ndarray) -> np.ndarray:
+    """The entries' streams as the compiled loop reads them: a constant column (one value seen through a
+    stride of 0, as a file of one stream has it) as its one value, not copied out to an int64 per entry."""
+    if len(stream) > 1 and stream.strides == (0,):
+        return np.ascontiguousarray(stream[:1], np.int64)
+    return np.ascontiguousarray(stream, np.int64)
 
 
 def _replay(trace, device, config, stop=None):
@@ -108,7 +117,7 @@ def _replay(trace, device, config, stop=None):
     out_alloc, out_res, out_blk = (np.zeros(n, np.int64) for _ in range(3))
     placed, slack, counts, alloc0, res0, final = compiled_replay(
         action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),
-        np.ascontiguousarray(ev.stream[sl], np.int64), alloc, config, out_alloc, out_res, out_blk,
+        _stream_column(ev.stream[sl]), alloc, config, out_alloc, out_res, out_blk,
         -1 if stop is None else int(stop))
     if stop is not None:
         return None, final

@@ -136,9 +136,19 @@ class AllocatorReplay:
 def sparse_blocks(block_size: np.ndarray) -> dict:
     """AllocatorReplay's block_entries and block_sizes from a per-entry column of block sizes."""
     n = len(block_size)
-    entries = np.flatnonzero(block_size)
-    return {"block_entries": entries.astype(np.int32 if n < 2**31 else np.int64),
-            "block_sizes": block_size[entries].astype(np.int64)}
+    k = int(np.count_nonzero(block_size))
+    entries, sizes = np.empty(k, np.int32 if n < 2**31 else np.int64), np.empty(k, np.int64)
+    at = 0
+    for lo in range(0, n, SPARSE_CHUNK):  # a chunk at a time: no int64 index per block entry beside them
+        part = block_size[lo:lo + SPARSE_CHUNK]
+        nz = np.flatnonzero(part)
+        entries[at:at + len(nz)] = nz + lo
+        sizes[at:at + len(nz)] = part[nz]
+        at += len(nz)
+    return {"block_entries": entries, "block_sizes": sizes}
+
+
+SPARSE_CHUNK = 1 << 20
 
 
 def settings_of(trace: Trace) -> tuple[AllocatorConfig, list]:
