@@ -195,8 +195,36 @@ def _running_sum(size, up, down, initial) -> np.ndarray:
     return out
 
 
+try:  # the one-pass pairing (analysis/allocator/_replay.c), when it is built
+    from .allocator._replay import pair_lifetimes as _pair_compiled
+except ImportError:  # pragma: no cover - no C compiler where it was installed
+    _pair_compiled = None
+
+
 def _lifetimes(addr, size, stack, is_alloc, is_free):
-    """Pair each alloc with the next free_completed of its address (vectorised)."""
+    """Pair each alloc with the next entry of its address when that is a free_completed: the compiled pass, else
+    the vectorised sort by address (_lifetimes_sorted). Returns the allocations in order of their first entry
+    and, per address in ascending order, its last entry's address, whether it was an alloc, and its size."""
+    got = None
+    if _pair_compiled is not None:
+        one_stack = len(stack) > 1 and stack.strides == (0,)  # a constant column: passed as its one value
+        got = _pair_compiled(*(np.ascontiguousarray(c, t) for c, t in (
+            (addr, np.uint64), (size, np.int64), (stack[:1] if one_stack else stack, np.int32),
+            (is_alloc, bool), (is_free, bool))))
+    if got is None:
+        return _lifetimes_sorted(addr, size, stack, is_alloc, is_free)
+    cols = [np.frombuffer(b, t) for b, t in zip(got, (np.uint64, np.int64, np.int64, np.int64, np.int32, np.int32,
+                                                      np.int8, np.int64))]
+    rows = Allocations(*cols[:7])
+    last = cols[7]
+    la = addr[last]
+    order = np.argsort(la)  # addresses are distinct: by address, as the sorted pairing gives them
+    last = last[order]
+    return rows, la[order], is_alloc[last], size[last]
+
+
+def _lifetimes_sorted(addr, size, stack, is_alloc, is_free):
+    """Pair each alloc with the next free_completed of its address (vectorised: a stable sort by address)."""
     idx = np.flatnonzero(is_alloc | is_free)
     a, s, al = addr[idx], size[idx], is_alloc[idx]
     order = np.argsort(a, kind="stable")  # by address, then time (idx is ascending: a stable sort keeps it)

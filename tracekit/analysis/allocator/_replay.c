@@ -751,9 +751,114 @@ done:
     return result;
 }
 
+/* A growable column held in a bytearray (handed to numpy without a copy). */
+typedef struct { PyObject *o; Py_ssize_t n, cap, item; } Col;
+static int col_push(Col *c, const void *v) {
+    if (c->n == c->cap) {
+        Py_ssize_t cap = c->cap ? c->cap + c->cap / 2 + 1024 : 1 << 16;
+        if (!c->o) c->o = PyByteArray_FromStringAndSize(NULL, cap * c->item);
+        else if (PyByteArray_Resize(c->o, cap * c->item) < 0) return -1;
+        if (!c->o) return -1;
+        c->cap = cap;
+    }
+    memcpy(PyByteArray_AS_STRING(c->o) + c->n * c->item, v, (size_t)c->item);
+    c->n++;
+    return 0;
+}
+static PyObject *col_take(Col *c) {
+    if (!c->o) return PyByteArray_FromStringAndSize(NULL, 0);
+    if (PyByteArray_Resize(c->o, c->n * c->item) < 0) return NULL;
+    PyObject *o = c->o;
+    c->o = NULL;
+    return o;
+}
+
+/* pair_lifetimes(addr, size, stack, is_alloc, is_free) -> (addr, size, alloc_index, free_index, stack_id,
+ * free_stack_id, origin, last) as bytearrays, or None when an address is UINT64_MAX (the map's empty key) or there
+ * are 2**31 entries or more. One device's entries in order (`stack` may be one value for all); each alloc pairs with
+ * the next entry of its address when that is a free; a free whose address's previous entry is not an alloc stands
+ * alone (allocated before the trace: origin 1). One row per lifetime, in order of its first entry, -1 where it has
+ * no alloc or no free; `last`: the last alloc or free entry of each address (int64), in no order. What
+ * analysis/replay.py's pairing by a sort of the addresses gives, in one pass. */
+static PyObject *pair_lifetimes(PyObject *self, PyObject *args) {
+    PyObject *o[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])) return NULL;
+    static const Py_ssize_t items[5] = {8, 8, 4, 1, 1};
+    static const char *names[5] = {"addr", "size", "stack", "is_alloc", "is_free"};
+    Buf B[5];
+    memset(B, 0, sizeof B);
+    Map m = {0};
+    Col c[8] = {{NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 4}, {NULL, 0, 0, 4},
+                {NULL, 0, 0, 1}, {NULL, 0, 0, 8}};
+    PyObject *result = NULL;
+    int32_t *row_at = NULL;
+    for (int k = 0; k < 5; k++)
+        if (get_buf(o[k], &B[k], items[k], 0, names[k]) < 0) goto done;
+    Py_ssize_t n = LEN(B[0]);
+    if (LEN(B[1]) != n || LEN(B[3]) != n || LEN(B[4]) != n || (LEN(B[2]) != n && LEN(B[2]) != 1)) {
+        PyErr_SetString(PyExc_ValueError, "column lengths differ");
+        goto done;
+    }
+    if (n >= INT32_MAX) { result = Py_None; Py_INCREF(result); goto done; }
+    const uint64_t *addr = B[0].v.buf;
+    const int64_t *size = B[1].v.buf;
+    const int32_t *stack = B[2].v.buf;
+    const uint8_t *al = B[3].v.buf, *fr = B[4].v.buf;
+    int one_stack = LEN(B[2]) == 1 && n != 1;
+    row_at = PyMem_RawMalloc((n ? (size_t)n : 1) * sizeof(int32_t));  /* an alloc's row, by entry */
+    if (!row_at || map_init(&m, 1024) < 0) { PyErr_NoMemory(); goto done; }
+    const int64_t none = -1;
+    const int32_t no_stack = -1;
+    const int8_t traced = 0, before = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!al[i] && !fr[i]) continue;
+        uint64_t x = addr[i];
+        if (x == EMPTY) { result = Py_None; Py_INCREF(result); goto done; }
+        int32_t prev = map_get(&m, x);
+        int64_t at = i;
+        int32_t st = stack[one_stack ? 0 : i];
+        if (al[i]) {
+            row_at[i] = (int32_t)c[0].n;
+            if (col_push(&c[0], &x) || col_push(&c[1], &size[i]) || col_push(&c[2], &at) || col_push(&c[3], &none) ||
+                col_push(&c[4], &st) || col_push(&c[5], &no_stack) || col_push(&c[6], &traced))
+                goto done;
+        } else if (prev != NONE && al[prev]) {  /* the free of the alloc just before it at this address */
+            int32_t r = row_at[prev];
+            ((int64_t *)PyByteArray_AS_STRING(c[3].o))[r] = at;
+            ((int32_t *)PyByteArray_AS_STRING(c[5].o))[r] = st;
+        } else if (col_push(&c[0], &x) || col_push(&c[1], &size[i]) || col_push(&c[2], &none) ||
+                   col_push(&c[3], &at) || col_push(&c[4], &no_stack) || col_push(&c[5], &st) ||
+                   col_push(&c[6], &before)) {
+            goto done;
+        }
+        if (map_put(&m, x, (int32_t)i) < 0) { PyErr_NoMemory(); goto done; }
+    }
+    for (size_t i = 0; i < m.cap; i++) {
+        if (m.keys[i] == EMPTY) continue;
+        int64_t at = m.vals[i];
+        if (col_push(&c[7], &at)) goto done;
+    }
+    result = PyTuple_New(8);
+    if (!result) goto done;
+    for (int k = 0; k < 8; k++) {
+        PyObject *t = col_take(&c[k]);
+        if (!t) { Py_CLEAR(result); goto done; }
+        PyTuple_SET_ITEM(result, k, t);
+    }
+done:
+    for (int k = 0; k < 5; k++)
+        if (B[k].have) PyBuffer_Release(&B[k].v);
+    for (int k = 0; k < 8; k++) Py_XDECREF(c[k].o);
+    PyMem_RawFree(m.keys);
+    PyMem_RawFree(m.vals);
+    PyMem_RawFree(row_at);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS, "Replay one device's trace through the caching-allocator model."},
     {"first_touches", first_touches, METH_VARARGS, "First alloc/free entry of every address, in order of entry."},
+    {"pair_lifetimes", pair_lifetimes, METH_VARARGS, "One device's allocs and frees paired into lifetimes, in one pass."},
     {NULL, NULL, 0, NULL},
 };
 

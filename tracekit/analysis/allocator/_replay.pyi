@@ -39,3 +39,9 @@ def replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.nd
 
 def first_touches(action: np.ndarray, addr: np.ndarray, /) -> tuple[bytes, bytes, bytes]:
     """(addresses uint64, index of the first alloc/free entry of each int64, its action int8), in order of entry."""
+
+def pair_lifetimes(addr: np.ndarray, size: np.ndarray, stack: np.ndarray, is_alloc: np.ndarray, is_free: np.ndarray,
+                   /) -> tuple[bytearray, ...] | None:
+    """(addr, size, alloc_index, free_index, stack_id, free_stack_id, origin, last entry of each address) of one
+    device's lifetimes, in order of their first entry; None when an address is 2**64 - 1 or there are 2**31 entries
+    or more. `stack` may be one value for every entry."""
