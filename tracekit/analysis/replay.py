@@ -198,7 +198,7 @@ def _running_sum(size, up, down, initial) -> np.ndarray:
 try:  # the one-pass pairing (analysis/allocator/_replay.c), when it is built
     from .allocator._replay import pair_lifetimes as _pair_compiled
 except ImportError:  # pragma: no cover - no C compiler where it was installed
-    _pair_compiled = None
+    _pair_compiled = None  # type: ignore[assignment]
 
 
 def _lifetimes(addr, size, stack, is_alloc, is_free):
