@@ -15,7 +15,7 @@ import numpy as np
 
 import tracekit
 from tracekit.io.cache import memo
-from tracekit.io.cache.folder import code_stamp
+from tracekit.io.cache.folder import code_stamp, join_all
 from tracekit.analysis.categories import categorize
 from tracekit.analysis.live import has_timeline, live_by_site
 from tracekit.analysis.sites import allocation_sites, allocation_where, site_frames, site_info
@@ -34,16 +34,7 @@ _keeping: list[threading.Thread] = []  # the threads keeping a document's analys
 
 def wait_kept() -> None:
     """Wait for the analyses being kept for the next open (Document.open of a big file)."""
-    while _keeping:
-        try:
-            t = _keeping[0]
-        except IndexError:
-            break
-        t.join()
-        try:
-            _keeping.remove(t)
-        except ValueError:  # another waiter took it off
-            pass
+    join_all(_keeping)
 
 
 

@@ -257,11 +257,15 @@ def bucket_peaks(values, idx, lo, hi, max_points) -> np.ndarray:
     holds its bucket's most (both points of a flat bucket)."""
     if not len(idx):
         return np.zeros(0, bool)
-    buckets = int(max_points) // 2
-    bucket = (idx - lo) // -(-(hi - lo) // buckets)
+    bucket = (idx - lo) // _bucket_width(hi - lo, max_points)
     starts = np.flatnonzero(np.diff(bucket, prepend=-1))
     top = np.maximum.reduceat(values, starts)
     return values >= np.repeat(top, np.diff(np.append(starts, len(idx))))
+
+
+def _bucket_width(count, max_points) -> int:
+    """Entries per bucket of envelope(): two points (least and most) a bucket, `max_points` at most."""
+    return -(-int(count) // (int(max_points) // 2))
 
 
 def envelope(curve, lo, hi, max_points) -> np.ndarray:
@@ -272,7 +276,7 @@ def envelope(curve, lo, hi, max_points) -> np.ndarray:
     if max_points < 2:
         return np.array([lo + int(np.argmax(curve[lo:hi]))], np.int64)
     buckets = int(max_points) // 2
-    width = -(-count // buckets)
+    width = _bucket_width(count, max_points)
     seg = curve[lo:hi]
     pad = width * buckets - count
     if pad:

@@ -93,14 +93,20 @@ writing: list[threading.Thread] = []  # the threads writing entries (traces.writ
 def wait_written() -> None:
     """Wait for the entries traces.write_soon is writing (from any thread: each waits for all of them, not only
     for those no other waiter has taken)."""
-    while writing:
+    join_all(writing)
+
+
+def join_all(threads: list) -> None:
+    """Join every thread of `threads` (a list other threads add to and wait on), taking each off as it ends;
+    each waiter waits for all of them, not only for those no other waiter has taken."""
+    while threads:
         try:
-            t = writing[0]
+            t = threads[0]
         except IndexError:
             break
         t.join()
         try:
-            writing.remove(t)
+            threads.remove(t)
         except ValueError:  # another waiter took it off
             pass
 
