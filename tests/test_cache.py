@@ -476,3 +476,61 @@ def test_a_first_report_of_a_big_file_hashes_it_once(tmp_path, cache_dir, not_ra
     assert json.dumps(report) == json.dumps(build_report(tracekit.load(p, use_cache=False)))
     again, trace = file_report(str(p), opened, build_report)
     assert again == report and trace is None  # the kept report
+
+
+def _head_of(entry):
+    data = open(entry, "rb").read()
+    n = int.from_bytes(data[8:16], "little")
+    return json.loads(data[20:20 + n])
+
+
+def test_one_valued_columns_are_stored_as_their_value(cache_dir):
+    """A constant column (the scanner's zero-stride columns: stream, device, ...) is written as its value, with no
+    bytes, and read back as a constant column equal to the original."""
+    path = fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle")
+    first = tracekit.load(path, use_cache=False)
+    tracekit.load(path)
+    const = {f"ev_{k}" for k in type(first.events).__dataclass_fields__
+             if getattr(first.events, k).strides == (0,) and len(first.events) > 1}
+    assert const  # the fixture has some (a file of one stream, one device)
+    head = _head_of(_entry(path))
+    assert {k for k, spec in head["columns"].items() if len(spec) == 7} == const
+    naive = 0  # the bytes the data would take had every column been written out
+    for spec in head["columns"].values():
+        naive += spec[1] * np.dtype(spec[0]).itemsize
+    assert head["data"] < naive - sum(len(first.events) * getattr(first.events, k[3:]).itemsize for k in const) + 64 * 40
+    second = tracekit.load(path)
+    for k in const:
+        a, b = getattr(first.events, k[3:]), getattr(second.events, k[3:])
+        assert b.strides == (0,) and b.dtype == a.dtype and np.array_equal(a, b), k
+
+
+@pytest.mark.parametrize("damage", ["out of range", "stats", "count", "float", "dtype"])
+def test_a_damaged_constant_column_is_a_miss(tmp_path, cache_dir, damage):
+    path = fixture("snapshot_cpp_frames_attention_fwd_bwd.pickle")
+    tracekit.load(path)
+    entry = _entry(path)
+    data = bytearray(open(entry, "rb").read())
+    n = int.from_bytes(data[8:16], "little")
+    head = json.loads(data[20:20 + n])
+    name = next(k for k, spec in head["columns"].items() if len(spec) == 7 and spec[0] == "<i4")
+    spec = head["columns"][name]
+    if damage == "out of range":
+        spec[6] = spec[5][0] = spec[5][1] = 2**40
+    elif damage == "stats":
+        spec[5][1] = spec[6] + 1
+    elif damage == "count":
+        spec[1] = 1
+    elif damage == "float":
+        spec[6] = 0.5
+    else:
+        spec[0] = "<f8"
+    body = json.dumps(head, separators=(",", ":")).encode()
+    assert len(body) <= n  # padded to the same length, so the columns stay where they are
+    body = body.ljust(n)
+    data[20:20 + n] = body
+    data[16:20] = zlib.crc32(body).to_bytes(4, "little")
+    with open(entry, "wb") as f:
+        f.write(bytes(data))
+    assert cache.read(cache.key_for(str(path), os.stat(path)), str(path)) is None
+    assert not os.path.exists(entry)

@@ -14,10 +14,17 @@
  *                                               1 allocated, 2 pending; seg: start of its segment)
  *        seg_start, seg_size,                   its segments
  *        divisions (16 x int64), max_split_size, max_non_split_rounding,
- *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry
+ *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry; an empty one:
+ *                                               out_allocated not written, out_reserved and out_block
+ *                                               written sparse (below), not one int64 per entry
  *        [stop])                                 stop after this entry (default: the whole trace)
  * -> (placed, slack, [count per reason], allocated0, reserved0,
- *     [(addr, size, state, first block of its segment), ...] the blocks at the end)
+ *     [(addr, size, state, first block of its segment), ...] the blocks at the end,
+ *     block entries, block sizes, reserved entries, reserved values)
+ * The last four are bytes, empty unless out_block / out_reserved is: the entries that got a block (int32
+ * below 2**31 entries, else int64) and its size (int64), the entries after which reserved changed and its
+ * value then (both int64): a 10M-entry trace's block sizes are a third of its entries, and reserved most
+ * often changes a few times, where the dense buffers take 76 MiB each.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -475,6 +482,19 @@ static int get_buf(PyObject *o, Buf *b, Py_ssize_t item, int writable, const cha
 
 #define LEN(b) ((b).v.len / (b).v.itemsize)
 
+typedef struct { char *p; Py_ssize_t n, cap; } Grow;  /* a growing array of fixed-size items */
+
+static int grow_push(Grow *g, const void *item, size_t size) {
+    if (reserve((void **)&g->p, &g->cap, g->n + 1, size) < 0) return -1;
+    memcpy(g->p + (size_t)g->n * size, item, size);
+    g->n++;
+    return 0;
+}
+
+static PyObject *grow_bytes(Grow *g, size_t size) {
+    return PyBytes_FromStringAndSize(g->p ? g->p : "", (Py_ssize_t)((size_t)g->n * size));
+}
+
 static PyObject *replay(PyObject *self, PyObject *args) {
     PyObject *o[20];
     unsigned long long mss;
@@ -494,11 +514,14 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     memset(&S, 0, sizeof(S));
     St *s = &S;
     PyObject *result = NULL;
+    /* the sparse outputs: (entry, block size) of every entry that got a block, (entry, reserved) where it changed */
+    Grow g_bi = {0}, g_bs = {0}, g_ri = {0}, g_rv = {0};
+    size_t bi_size = 8;
     for (int k = 0; k < 17; k++)
         if (get_buf(o[k], &B[k], items[k], k >= 14, names[k]) < 0) goto done;
     Py_ssize_t n = LEN(B[0]);
-    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n || LEN(B[15]) != n || LEN(B[16]) != n
-        || LEN(B[13]) != INTERVALS) {
+    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || (LEN(B[14]) != n && LEN(B[14]))
+        || (LEN(B[15]) != n && LEN(B[15])) || (LEN(B[16]) != n && LEN(B[16])) || LEN(B[13]) != INTERVALS) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
     }
@@ -506,7 +529,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     const uint64_t *addr = B[1].v.buf;
     const int64_t *size = B[2].v.buf, *stream = B[3].v.buf;
     const Py_ssize_t stream_step = LEN(B[3]) == n ? 1 : 0;  /* one value: every entry's stream */
-    int64_t *out_alloc = B[14].v.buf, *out_res = B[15].v.buf, *out_blk = B[16].v.buf;
+    int64_t *out_alloc = LEN(B[14]) ? B[14].v.buf : NULL, *out_res = LEN(B[15]) ? B[15].v.buf : NULL,
+            *out_blk = LEN(B[16]) ? B[16].v.buf : NULL;
+    bi_size = n < ((Py_ssize_t)1 << 31) ? 4 : 8;
     memcpy(s->div, B[13].v.buf, sizeof(s->div));
     s->mss = mss;
     s->rounding = rounding;
@@ -544,12 +569,23 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             prev = bi;
         }
     }
-    int64_t allocated0 = s->allocated, reserved0 = s->reserved;
+    int64_t allocated0 = s->allocated, reserved0 = s->reserved, last_res = s->reserved;
+#define BLOCK_OUT(i, v) do { int64_t v_ = (v); \
+        if (out_blk) out_blk[i] = v_; \
+        else if (v_) { int64_t i64_ = (i); int32_t i32_ = (int32_t)(i); \
+            if (grow_push(&g_bi, bi_size == 4 ? (void *)&i32_ : (void *)&i64_, bi_size) < 0 \
+                || grow_push(&g_bs, &v_, 8) < 0) { PyErr_NoMemory(); goto done; } } } while (0)
+#define CURVES_OUT(i) do { \
+        if (out_alloc) out_alloc[i] = s->allocated; \
+        if (out_res) out_res[i] = s->reserved; \
+        else if (s->reserved != last_res) { int64_t i64_ = (i); last_res = s->reserved; \
+            if (grow_push(&g_ri, &i64_, 8) < 0 || grow_push(&g_rv, &last_res, 8) < 0) { PyErr_NoMemory(); goto done; } } \
+    } while (0)
     if (stop >= 0 && stop + 1 < n) n = stop + 1;  /* the state after entry `stop` */
     long long placed = 0, slack = 0, reasons[N_REASONS] = {0};
     for (Py_ssize_t i = 0; i < n; i++) {
         int a = action[i];
-        out_blk[i] = 0;
+        if (out_blk) out_blk[i] = 0;
         if (a == A_ALLOC) {
             uint64_t p = addr[i];
             int64_t r = size[i], st = stream[i * stream_step];
@@ -597,9 +633,8 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                     b->prev = b->next = NONE; b->flags = F_ALLOCATED | F_PHANTOM;
                     s->allocated += sz;
                     if (map_put(&s->live, p, ph) < 0) { PyErr_NoMemory(); goto done; }
-                    out_blk[i] = sz;
-                    out_alloc[i] = s->allocated;
-                    out_res[i] = s->reserved;
+                    BLOCK_OUT(i, sz);
+                    CURVES_OUT(i);
                     continue;
                 }
             }
@@ -608,7 +643,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             int32_t old = map_get(&s->live, p);
             if (old != NONE && (s->b[old].flags & (F_ALLOCATED | F_PENDING))) reasons[R_TWICE]++;
             if (map_put(&s->live, p, bi) < 0) { PyErr_NoMemory(); goto done; }
-            out_blk[i] = s->b[bi].size;
+            BLOCK_OUT(i, s->b[bi].size);
         } else if (a == A_FREE_REQUESTED) {
             int32_t bi = map_get(&s->live, addr[i]);
             if (bi == NONE || !(s->b[bi].flags & F_ALLOCATED)) reasons[R_FREE_UNKNOWN]++;
@@ -655,9 +690,10 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "expandable segments: use the Python replay");
             goto done;
         }
-        out_alloc[i] = s->allocated;
-        out_res[i] = s->reserved;
+        CURVES_OUT(i);
     }
+#undef BLOCK_OUT
+#undef CURVES_OUT
     while (s->nfresh) {
         if (flush(s, s->fresh[0].stream) < 0) { PyErr_NoMemory(); goto done; }
     }
@@ -678,7 +714,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 Py_DECREF(t);
             }
         }
-        result = Py_BuildValue("(LLNLLN)", placed, slack, counts, (long long)allocated0, (long long)reserved0, final);
+        result = Py_BuildValue("(LLNLLNNNNN)", placed, slack, counts, (long long)allocated0, (long long)reserved0, final,
+                               grow_bytes(&g_bi, bi_size), grow_bytes(&g_bs, 8), grow_bytes(&g_ri, 8),
+                               grow_bytes(&g_rv, 8));
     }
 done:
     for (int k = 0; k < 17; k++)
@@ -693,6 +731,10 @@ done:
     PyMem_RawFree(s->pool[1].k);
     PyMem_RawFree(s->segs);
     PyMem_RawFree(s->fresh);
+    PyMem_RawFree(g_bi.p);
+    PyMem_RawFree(g_bs.p);
+    PyMem_RawFree(g_ri.p);
+    PyMem_RawFree(g_rv.p);
     return result;
 }
 

@@ -93,16 +93,23 @@ def allocator_summary(trace: Trace, device: int) -> dict:
         "final_allocated_bytes": r.final_allocated,
         "engine": r.engine,
     }
-    from .compiled import segments_at  # the state at the allocated peak: what is cached and how scattered
-
     p = r.peak_index
-    free = [b["size"] for s in segments_at(trace, device, p) for b in s["blocks"] if b["state"] == "inactive"]
     out["unused_at_peak_bytes"] = r.reserved_at(p) - r.allocated_at(p)
-    out["largest_free_block_at_peak_bytes"] = max(free, default=0)
-    out["free_blocks_at_peak"] = len(free)
+    out["largest_free_block_at_peak_bytes"], out["free_blocks_at_peak"] = free_at_peak(trace, device)
     if r.notes:
         out["notes"] = list(r.notes)
     return out
+
+
+@per_trace
+def free_at_peak(trace: Trace, device: int) -> tuple[int, int]:
+    """(largest free block, free blocks) in the model's segments at its allocated peak: what is cached there and
+    how scattered (a replay up to the peak: remembered, so that a lean report can let go of the addresses)."""
+    from .compiled import segments_at
+
+    free = [b["size"] for s in segments_at(trace, device, allocator_replays(trace)[device].peak_index)
+            for b in s["blocks"] if b["state"] == "inactive"]
+    return max(free, default=0), len(free)
 
 
 def not_exact_because(trace: Trace, device: int, r) -> list:

@@ -48,10 +48,11 @@ import numpy as np
 
 from .folder import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _unlink, cache_dir,  # noqa: F401
                           key_for, open_regular, result, store_result, writing)
-from ...model import ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace
+from ...model import (ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace,
+                      constant_column)
 from ..limits import env_number
 
-MAGIC = b"TKCACHE8"  # 8: events.index in int32 (7: each column's checksum covers all of it; 6: its first and last 64 KiB)
+MAGIC = b"TKCACHE9"  # 9: a one-valued column stored as its value; 8: events.index in int32 (7: each column's checksum covers all of it; 6: its first and last 64 KiB)
 _PRE = struct.Struct("<8sQI")  # magic, head length, head CRC-32
 ALIGN = 64
 _TABLES: dict[str, tuple[str, Any]] = {"ev": ("events", Events), "fr": ("frames", Frames), "st": ("stacks", Stacks),
@@ -104,19 +105,24 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None, verify: bool = 
     each column's `column_sum`, which `unpack` checks. `sums` overrides the stored sums (to make a damaged
     entry). Without `verify` a bad write is found by `unpack` instead (for entries a miss only recomputes:
     the analysis memo, where reading back its ~1 GB at 10M entries would hold up the viewer's exit)."""
-    table, parts, end = {}, [], 0
+    table, parts, written, end = {}, [], [], 0
     for name, a in arrays.items():
+        if _one_value(a):  # its value in the head, no bytes: most of a big trace's columns (device, stream, ...)
+            v = int(a[0])
+            table[name] = [a.dtype.str, int(a.shape[0]), 0, 0, 1, [v, v, True], v]
+            continue
         col_sum, crc, length = _sums(a, with_crc=verify)
         offset = -(-end // ALIGN) * ALIGN
         table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
                        (sums or {}).get(name, col_sum), a.ndim, _stats(a)]
         parts.append((offset, length, crc))
+        written.append(a)
         end = offset + length
     body = json.dumps({**head, "columns": table, "data": end}).encode()
     start = _start(len(body))
     with open(fn, "wb") as f:
         f.write(_PRE.pack(MAGIC, len(body), zlib.crc32(body)) + body)
-        for (offset, _, _), a in zip(parts, arrays.values()):
+        for (offset, _, _), a in zip(parts, written):
             f.seek(start + offset)
             for raw in _pieces(a):
                 f.write(raw)
@@ -157,6 +163,11 @@ def _pieces(a):
     step = PIECE // a.itemsize
     for lo in range(0, len(a), step):
         yield memoryview(np.ascontiguousarray(a[lo:lo + step])).cast("B")
+
+
+def _one_value(a) -> bool:
+    """Whether `a` is a constant column (model.constant_column: a zero-stride view) of integers or booleans."""
+    return a.ndim == 1 and len(a) > 1 and a.strides == (0,) and a.dtype.kind in "biu"
 
 
 def _sums(a, with_crc=True) -> tuple[int, int, int]:
@@ -210,9 +221,13 @@ def unpack(fn) -> tuple[dict, dict]:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     columns, head["stats"] = {}, {}
     for name, spec in head.pop("columns").items():
-        if not (isinstance(spec, list) and len(spec) == 6 and isinstance(spec[0], str)
+        if not (isinstance(spec, list) and len(spec) in (6, 7) and isinstance(spec[0], str)
                 and all(type(v) is int and v >= 0 for v in spec[1:5])):
             raise Odd(f"{name}: bad spec")
+        if len(spec) == 7:  # a constant column: its value, no bytes
+            columns[name] = _constant_of(name, spec)
+            head["stats"][name] = spec[5]
+            continue
         dstr, count, off, crc, ndim, stats = spec
         if stats is not None and not (isinstance(stats, list) and len(stats) == 3 and type(stats[0]) is int
                                       and type(stats[1]) is int and type(stats[2]) is bool):
@@ -226,6 +241,21 @@ def unpack(fn) -> tuple[dict, dict]:
             raise Odd(f"{name}: damaged")
         columns[name] = a
     return head, columns
+
+
+def _constant_of(name, spec) -> np.ndarray:
+    """The constant column a 7-item spec names ([dtype, count, 0, 0, 1, stats, value]), or Odd."""
+    dstr, count, _, _, ndim, stats, value = spec
+    try:
+        dtype = np.dtype(dstr)
+    except TypeError:
+        raise Odd(f"{name}: bad dtype") from None
+    if dtype.kind not in "biu" or ndim != 1 or count < 2 or type(value) is not int or stats != [value, value, True]:
+        raise Odd(f"{name}: bad constant")
+    lo, hi = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+    if not lo <= value <= hi:
+        raise Odd(f"{name}: {value} out of {dstr}")
+    return constant_column(value, count, dtype)
 
 
 # -- traces -------------------------------------------------------------------------------------------
