@@ -112,6 +112,7 @@ def test_group_peaks_read_back_in_chunks(monkeypatch, chunk, group_rows):
 
     monkeypatch.setattr(modules, "CHUNK", chunk)
     monkeypatch.setattr(modules, "GROUP_ROWS", group_rows)  # a few groups at a time, or one
+    monkeypatch.setattr(modules, "_peaks_compiled", None)  # the sort (tests/test_walk_compiled.py: the walk)
     rng = np.random.default_rng(35)
     for m in (1, 2, 50, 400):
         entries = rng.permutation(3 * m)

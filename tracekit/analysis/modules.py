@@ -19,6 +19,11 @@ from ..model import Trace, unique_ids
 from .replay import DeviceReplay
 from .sites import allocation_sites
 
+try:  # the walk of the entries (analysis/allocator/_replay.c), when it is built
+    from .allocator._replay import group_peaks as _peaks_compiled
+except ImportError:  # pragma: no cover - no C compiler where it was installed
+    _peaks_compiled = None  # type: ignore[assignment]
+
 _INDEX = re.compile(r"(?<![^.])\d+(?=\.|$)")
 _BRACKET = re.compile(r"\[(\d+|\*)\]")
 
@@ -42,9 +47,22 @@ GROUP_ROWS = 1 << 19  # allocations whose events group_peaks sorts at a time (wh
 
 
 def group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
-    """The most bytes each group held live at once (allocations' alloc/free entry indices). Groups are
-    independent: they are taken a few at a time, about GROUP_ROWS allocations together, so that the sort's
-    temporaries stay small on a 10M-entry trace."""
+    """The most bytes each group held live at once (allocations' alloc/free entry indices). Each entry is at most
+    one change, so one walk of the entries in order (_replay.group_peaks) keeps every group's running sum and
+    its most, without a sort; the sort below where it is not built or gives up (two changes at one entry, or
+    allocations not in order of their first entry: a free goes before an alloc at one entry there)."""
+    if _peaks_compiled is not None and group.dtype.kind == "i":
+        a, f, size = (np.ascontiguousarray(c, np.int64) for c in (al.alloc_index, al.free_index, al.size))
+        got = _peaks_compiled(a, f, size, np.ascontiguousarray(group), n_groups)
+        if got is not None:
+            return np.frombuffer(got, np.int64)
+    return _sorted_group_peaks(group, al, n_groups)
+
+
+def _sorted_group_peaks(group: np.ndarray, al, n_groups: int) -> np.ndarray:
+    """group_peaks by a sort of the changes by group, then entry. Groups are independent: they are taken a few
+    at a time, about GROUP_ROWS allocations together, so that the sort's temporaries stay small on a 10M-entry
+    trace."""
     out = np.zeros(n_groups, np.int64)
     rows = _rows_of(group >= 0)
     if not len(rows):

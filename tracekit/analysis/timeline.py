@@ -17,6 +17,11 @@ from .categories import CATEGORIES, OTHER, PROFILER_NAMES, categorize
 from .memo import per_trace
 from .replay import replay
 
+try:  # the walk of the entries (analysis/allocator/_replay.c), when it is built
+    from .allocator._replay import change_steps as _steps_compiled
+except ImportError:  # pragma: no cover - no C compiler where it was installed
+    _steps_compiled = None  # type: ignore[assignment]
+
 
 def time_origin(trace: Trace) -> int | None:
     """The time base of every time shown: the trace's first entry with a time, on any device (µs).
@@ -132,21 +137,46 @@ def _from_allocations(trace, rep, idx, rules):
 
 @per_trace
 def _allocation_steps(trace, device, rules):
-    """Per category, its bytes as a step function of the entry index (sorted once, read per query)."""
+    """Per category, its bytes as a step function of the entry index (made once, read per query)."""
     rep = replay(trace)[device]
     cats = categorize(trace, rules)[device]
     al = rep.allocations
     a, f, size, lab = al.alloc_index, al.free_index, np.asarray(al.size, np.int64), cats.labels
-    out = {}
-    for k, name in enumerate(cats.names):
+    count = len(cats.names)
+    steps = _walked_steps(a, f, size, lab, count, rep.n)
+    if steps is None:
+        steps = _sorted_steps(a, f, size, lab, count, rep.n)
+    return {name: (initial + (rep.unattributed_bytes if k == OTHER else 0), pos, cum)
+            for k, (name, (initial, pos, cum)) in enumerate(zip(cats.names, steps))}
+
+
+def _walked_steps(a, f, size, lab, count: int, n: int) -> list | None:
+    """[(bytes made before the trace, entries int32, cumulative bytes int64)] per category 0..count-1 of `lab`,
+    from one walk of the entries in order (_replay.change_steps): each entry is at most one change, so the changes
+    come in entry order without a sort. None without the compiled walk, or where it gives up (two changes at one
+    entry, allocations not in order of their first entry, 2**31 entries): _sorted_steps is the rule then."""
+    if _steps_compiled is None or lab.dtype.kind != "i" or n >= 2**31:
+        return None
+    got = _steps_compiled(np.ascontiguousarray(a, np.int64), np.ascontiguousarray(f, np.int64),
+                          np.ascontiguousarray(size, np.int64), np.ascontiguousarray(lab), count)
+    if got is None:
+        return None
+    initial, cols = got
+    return [(i, np.frombuffer(p, np.int32), np.frombuffer(c, np.int64)) for i, (p, c) in zip(initial, cols)]
+
+
+def _sorted_steps(a, f, size, lab, count: int, n: int) -> list:
+    """_walked_steps by a sort of each category's changes by entry (entries int64 from 2**31 entries)."""
+    out = []
+    for k in range(count):
         m = lab == k
-        initial = int(size[m & (a < 0)].sum()) + (rep.unattributed_bytes if k == OTHER else 0)
+        initial = int(size[m & (a < 0)].sum())
         am, fm = m & (a >= 0), m & (f >= 0)
         del m
-        packed = _packed_changes(a, f, size, am, fm, rep.n)
+        packed = _packed_changes(a, f, size, am, fm, n)
         if packed is not None:
             pos, delta = packed
-            out[name] = (initial, pos, np.cumsum(delta, out=delta))
+            out.append((initial, pos, np.cumsum(delta, out=delta)))
             continue
         na, nf = int(np.count_nonzero(am)), int(np.count_nonzero(fm))
         pos, delta = np.empty(na + nf, np.int64), np.empty(na + nf, np.int64)  # filled in place: no parts
@@ -158,8 +188,8 @@ def _allocation_steps(trace, device, rules):
         del am, fm
         pos, delta = _sorted_changes(pos, delta)
         # entry positions in int32 below 2**31 entries (half the memory the viewer and the report keep)
-        pos = pos.astype(np.int32 if rep.n < 2**31 else np.int64, copy=False)
-        out[name] = (initial, pos, np.cumsum(delta, out=delta))
+        pos = pos.astype(np.int32 if n < 2**31 else np.int64, copy=False)
+        out.append((initial, pos, np.cumsum(delta, out=delta)))
     return out
 
 

@@ -897,10 +897,15 @@ done:
     return result;
 }
 
+static PyObject *change_steps(PyObject *self, PyObject *args);
+static PyObject *group_peaks(PyObject *self, PyObject *args);
+
 static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS, "Replay one device's trace through the caching-allocator model."},
     {"first_touches", first_touches, METH_VARARGS, "First alloc/free entry of every address, in order of entry."},
     {"pair_lifetimes", pair_lifetimes, METH_VARARGS, "One device's allocs and frees paired into lifetimes, in one pass."},
+    {"change_steps", change_steps, METH_VARARGS, "Per class, allocations' changes in entry order and their running sum."},
+    {"group_peaks", group_peaks, METH_VARARGS, "The most bytes each group of allocations held live at once."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -953,4 +958,290 @@ PyMODINIT_FUNC PyInit__replay(void) {
 fail:
     Py_DECREF(m);
     return NULL;
+}
+
+/* ---- allocations' changes in entry order, without a sort ------------------------------------------------------
+ *
+ * Every trace entry is at most one change: the alloc or the free of one allocation (alloc_index / free_index are
+ * entry positions, -1: before the trace / never freed). So the changes come in entry order by walking the entries,
+ * a window at a time: each window's allocs and frees are put in a map of its entries (row * 2 + 1 for a free, -1
+ * none), which is then read in order. The allocations come in order of their first entry (replay.py makes them so),
+ * so a pointer over the rows finds each window's allocs; frees past the window wait in a list (the allocations
+ * live across it: few). Allocations out of that order, two changes at one entry, or an entry of 2**31 - 1 or more
+ * make the walk give up (the callers keep their sort for those). */
+
+#define WALK_WINDOW (1 << 20)  /* entries per window: its map is 4 MiB, whatever the trace's length */
+
+typedef struct {
+    const int64_t *a, *f;
+    const char *cls;  /* each row's class (a category, a group), `item` bytes, signed; rows outside [0, ncls) are left out */
+    Py_ssize_t item, ncls, m;
+    Py_ssize_t row, lo, hi;  /* the rows' pointer; the window's entries [lo, hi) */
+    int32_t *map;  /* WALK_WINDOW slots */
+    int32_t *pend;  /* rows whose free is past the window */
+    Py_ssize_t npend, cap;
+} Walk;
+
+static inline int64_t cls_of(const Walk *w, Py_ssize_t r) {
+    switch (w->item) {
+    case 1: return ((const int8_t *)w->cls)[r];
+    case 2: return ((const int16_t *)w->cls)[r];
+    case 4: return ((const int32_t *)w->cls)[r];
+    default: return ((const int64_t *)w->cls)[r];
+    }
+}
+
+static inline int walk_keeps(const Walk *w, Py_ssize_t r) {
+    int64_t c = cls_of(w, r);
+    return c >= 0 && c < w->ncls;
+}
+
+static inline int walk_put(Walk *w, int64_t at, int32_t v) {
+    if (at < w->lo || at >= w->hi || at >= INT32_MAX) return -1;  /* out of the rows' order; past int32 */
+    int32_t *slot = &w->map[at - w->lo];
+    if (*slot != NONE) return -1;  /* two changes at one entry */
+    *slot = v;
+    return 0;
+}
+
+/* Fill the map with the next window's changes. 1: a window is ready; 0: no change is left; -1: give up; -2: no
+ * memory. */
+static int walk_next(Walk *w) {
+    /* the window starts at the next change: the first waiting free or the next row's first entry */
+    int64_t next = INT64_MAX;
+    for (Py_ssize_t k = 0; k < w->npend; k++)
+        if (w->f[w->pend[k]] < next) next = w->f[w->pend[k]];
+    for (; w->row < w->m; w->row++) {
+        Py_ssize_t r = w->row;
+        if (!walk_keeps(w, r)) continue;
+        int64_t a = w->a[r], f = w->f[r];
+        if (a < -1 || f < -1) return -1;
+        int64_t first = a >= 0 ? a : f;
+        if (first < 0) continue;  /* made before the trace, never freed: no change */
+        if (first < next) next = first;
+        break;
+    }
+    if (next == INT64_MAX) return 0;
+    if (next >= INT32_MAX) return -1;
+    w->lo = next > w->hi ? next : w->hi;  /* below hi: out of order, which walk_put finds */
+    w->hi = w->lo + WALK_WINDOW;
+    memset(w->map, 0xff, WALK_WINDOW * sizeof(int32_t));
+    Py_ssize_t keep = 0;
+    for (Py_ssize_t k = 0; k < w->npend; k++) {
+        int32_t r = w->pend[k];
+        if (w->f[r] < w->hi) {
+            if (walk_put(w, w->f[r], 2 * r + 1) < 0) return -1;
+        } else {
+            w->pend[keep++] = r;
+        }
+    }
+    w->npend = keep;
+    for (; w->row < w->m; w->row++) {
+        Py_ssize_t r = w->row;
+        if (!walk_keeps(w, r)) continue;
+        int64_t a = w->a[r], f = w->f[r];
+        if (a < -1 || f < -1) return -1;
+        int64_t first = a >= 0 ? a : f;
+        if (first < 0) continue;  /* made before the trace, never freed: no change */
+        if (first >= w->hi) break;
+        if (a >= 0 && walk_put(w, a, 2 * (int32_t)r) < 0) return -1;
+        if (f < 0) continue;
+        if (f < w->hi) {
+            if (walk_put(w, f, 2 * (int32_t)r + 1) < 0) return -1;
+        } else {
+            if (w->npend == w->cap) {
+                Py_ssize_t cap = w->cap ? 2 * w->cap : 4096;
+                int32_t *p = PyMem_RawRealloc(w->pend, (size_t)cap * sizeof(int32_t));
+                if (!p) return -2;
+                w->pend = p;
+                w->cap = cap;
+            }
+            w->pend[w->npend++] = (int32_t)r;
+        }
+    }
+    return 1;
+}
+
+/* Parse (alloc_index, free_index, size, cls, ncls) into buffers and a walk; -1 with an exception set. */
+static int walk_open(PyObject *const *o, Buf *B, Walk *w, Py_ssize_t ncls) {
+    static const char *names[4] = {"alloc_index", "free_index", "size", "cls"};
+    for (int k = 0; k < 4; k++) {
+        if (PyObject_GetBuffer(o[k], &B[k].v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+        B[k].have = 1;
+        const char *fmt = B[k].v.format ? B[k].v.format : "B";
+        if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+        Py_ssize_t it = B[k].v.itemsize;
+        int is_signed = *fmt && strchr("bhilq", *fmt) != NULL && fmt[1] == 0;
+        if (!is_signed || (k < 3 ? it != 8 : (it != 1 && it != 2 && it != 4 && it != 8))) {
+            PyErr_Format(PyExc_ValueError, "%s: signed integers expected (int64, or for cls int8 to int64)", names[k]);
+            return -1;
+        }
+    }
+    Py_ssize_t m = LEN(B[0]);
+    if (LEN(B[1]) != m || LEN(B[2]) != m || LEN(B[3]) != m) {
+        PyErr_SetString(PyExc_ValueError, "column lengths differ");
+        return -1;
+    }
+    memset(w, 0, sizeof *w);
+    w->a = B[0].v.buf;
+    w->f = B[1].v.buf;
+    w->cls = B[3].v.buf;
+    w->item = B[3].v.itemsize;
+    w->ncls = ncls;
+    w->m = m;
+    return 0;
+}
+
+/* change_steps(alloc_index, free_index, size, cls, ncls) -> ([initial bytes per class], [(entries int32, cumulative
+ * bytes int64) per class]) as bytearrays, or None (see above; and 2**30 rows or more). Per class of `cls` in
+ * [0, ncls): the sizes of its allocations made before the trace, and its changes in entry order (+size at an
+ * alloc, -size at a free) with their running sum: what analysis/timeline.py's sort of the changes gives. */
+static PyObject *change_steps(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    Py_ssize_t ncls;
+    if (!PyArg_ParseTuple(args, "OOOOn", &o[0], &o[1], &o[2], &o[3], &ncls)) return NULL;
+    Buf B[4];
+    memset(B, 0, sizeof B);
+    Walk w;
+    memset(&w, 0, sizeof w);
+    PyObject *result = NULL, *initial = NULL, *cols = NULL;
+    Py_ssize_t *count = NULL, *at = NULL;
+    int64_t *run = NULL, *init = NULL;
+    int32_t **pos = NULL;
+    int64_t **cum = NULL;
+    if (ncls < 0 || walk_open(o, B, &w, ncls) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ncls < 0");
+        goto done;
+    }
+    if (w.m >= (1 << 30)) { result = Py_None; Py_INCREF(result); goto done; }
+    const int64_t *size = B[2].v.buf;
+    size_t nc = ncls ? (size_t)ncls : 1;
+    count = PyMem_RawCalloc(nc, sizeof *count);
+    at = PyMem_RawCalloc(nc, sizeof *at);
+    run = PyMem_RawCalloc(nc, sizeof *run);
+    init = PyMem_RawCalloc(nc, sizeof *init);
+    pos = PyMem_RawCalloc(nc, sizeof *pos);
+    cum = PyMem_RawCalloc(nc, sizeof *cum);
+    w.map = PyMem_RawMalloc(WALK_WINDOW * sizeof(int32_t));
+    if (!count || !at || !run || !init || !pos || !cum || !w.map) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t r = 0; r < w.m; r++) {
+        if (!walk_keeps(&w, r)) continue;
+        int64_t c = cls_of(&w, r);
+        count[c] += (w.a[r] >= 0) + (w.f[r] >= 0);
+        if (w.a[r] < 0) init[c] = (int64_t)((uint64_t)init[c] + (uint64_t)size[r]);  /* wraps as numpy's sum */
+    }
+    cols = PyList_New(ncls);
+    if (!cols) goto done;
+    for (Py_ssize_t c = 0; c < ncls; c++) {
+        PyObject *p = PyByteArray_FromStringAndSize(NULL, count[c] * (Py_ssize_t)sizeof(int32_t));
+        PyObject *s = p ? PyByteArray_FromStringAndSize(NULL, count[c] * (Py_ssize_t)sizeof(int64_t)) : NULL;
+        PyObject *t = s ? PyTuple_Pack(2, p, s) : NULL;
+        Py_XDECREF(p);
+        Py_XDECREF(s);
+        if (!t) goto done;
+        PyList_SET_ITEM(cols, c, t);
+        pos[c] = (int32_t *)PyByteArray_AS_STRING(p);
+        cum[c] = (int64_t *)PyByteArray_AS_STRING(s);
+    }
+    int got;
+    while ((got = walk_next(&w)) == 1) {
+        for (Py_ssize_t i = 0; i < WALK_WINDOW; i++) {
+            int32_t v = w.map[i];
+            if (v < 0) continue;
+            int32_t r = v >> 1;
+            int64_t c = cls_of(&w, r);
+            uint64_t d = (uint64_t)size[r];
+            run[c] = (int64_t)((uint64_t)run[c] + ((v & 1) ? -d : d));
+            pos[c][at[c]] = (int32_t)(w.lo + i);
+            cum[c][at[c]++] = run[c];
+        }
+    }
+    if (got == -2) { PyErr_NoMemory(); goto done; }
+    if (got == -1) { result = Py_None; Py_INCREF(result); goto done; }
+    initial = PyList_New(ncls);
+    if (!initial) goto done;
+    for (Py_ssize_t c = 0; c < ncls; c++) {
+        PyObject *x = PyLong_FromLongLong(init[c]);
+        if (!x) goto done;
+        PyList_SET_ITEM(initial, c, x);
+    }
+    result = PyTuple_Pack(2, initial, cols);
+done:
+    for (int k = 0; k < 4; k++)
+        if (B[k].have) PyBuffer_Release(&B[k].v);
+    Py_XDECREF(initial);
+    Py_XDECREF(cols);
+    PyMem_RawFree(count);
+    PyMem_RawFree(at);
+    PyMem_RawFree(run);
+    PyMem_RawFree(init);
+    PyMem_RawFree(pos);
+    PyMem_RawFree(cum);
+    PyMem_RawFree(w.map);
+    PyMem_RawFree(w.pend);
+    return result;
+}
+
+/* group_peaks(alloc_index, free_index, size, group, ngroups) -> the most bytes each group held live at once (int64
+ * per group, a bytearray; 0 for a group without allocations), or None (see above; and 2**30 rows or more). The
+ * changes in the order analysis/modules.py's sort puts them: the allocations made before the trace first (in row
+ * order), then the entries in order, then the frees of those never freed (in row order); the most after any. */
+static PyObject *group_peaks(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    Py_ssize_t ng;
+    if (!PyArg_ParseTuple(args, "OOOOn", &o[0], &o[1], &o[2], &o[3], &ng)) return NULL;
+    Buf B[4];
+    memset(B, 0, sizeof B);
+    Walk w;
+    memset(&w, 0, sizeof w);
+    PyObject *result = NULL, *out = NULL;
+    int64_t *run = NULL;
+    uint8_t *seen = NULL;
+    if (ng < 0 || walk_open(o, B, &w, ng) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ngroups < 0");
+        goto done;
+    }
+    if (w.m >= (1 << 30)) { result = Py_None; Py_INCREF(result); goto done; }
+    const int64_t *size = B[2].v.buf;
+    size_t n = ng ? (size_t)ng : 1;
+    out = PyByteArray_FromStringAndSize(NULL, ng * (Py_ssize_t)sizeof(int64_t));
+    run = PyMem_RawCalloc(n, sizeof *run);
+    seen = PyMem_RawCalloc(n, 1);
+    w.map = PyMem_RawMalloc(WALK_WINDOW * sizeof(int32_t));
+    if (!out || !run || !seen || !w.map) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    int64_t *peak = (int64_t *)PyByteArray_AS_STRING(out);
+    if (ng) memset(peak, 0, (size_t)ng * sizeof *peak);
+#define CHANGE(g, d) do { \
+        run[g] = (int64_t)((uint64_t)run[g] + (d)); \
+        if (!seen[g] || run[g] > peak[g]) peak[g] = run[g]; \
+        seen[g] = 1; \
+    } while (0)
+    for (Py_ssize_t r = 0; r < w.m; r++)
+        if (walk_keeps(&w, r) && w.a[r] < 0) CHANGE(cls_of(&w, r), (uint64_t)size[r]);
+    int got;
+    while ((got = walk_next(&w)) == 1) {
+        for (Py_ssize_t i = 0; i < WALK_WINDOW; i++) {
+            int32_t v = w.map[i];
+            if (v < 0) continue;
+            int32_t r = v >> 1;
+            uint64_t d = (uint64_t)size[r];
+            CHANGE(cls_of(&w, r), (v & 1) ? -d : d);
+        }
+    }
+    if (got == -2) { PyErr_NoMemory(); goto done; }
+    if (got == -1) { result = Py_None; Py_INCREF(result); goto done; }
+    for (Py_ssize_t r = 0; r < w.m; r++)
+        if (walk_keeps(&w, r) && w.f[r] < 0) CHANGE(cls_of(&w, r), -(uint64_t)size[r]);
+#undef CHANGE
+    result = out;
+    out = NULL;
+done:
+    for (int k = 0; k < 4; k++)
+        if (B[k].have) PyBuffer_Release(&B[k].v);
+    Py_XDECREF(out);
+    PyMem_RawFree(run);
+    PyMem_RawFree(seen);
+    PyMem_RawFree(w.map);
+    PyMem_RawFree(w.pend);
+    return result;
 }

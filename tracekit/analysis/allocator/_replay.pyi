@@ -45,3 +45,16 @@ def pair_lifetimes(addr: np.ndarray, size: np.ndarray, stack: np.ndarray, is_all
     """(addr, size, alloc_index, free_index, stack_id, free_stack_id, origin, last entry of each address) of one
     device's lifetimes, in order of their first entry; None when an address is 2**64 - 1 or there are 2**31 entries
     or more. `stack` may be one value for every entry."""
+
+def change_steps(alloc_index: np.ndarray, free_index: np.ndarray, size: np.ndarray, cls: np.ndarray, ncls: int, /
+                 ) -> tuple[list[int], list[tuple[bytearray, bytearray]]] | None:
+    """Per class of `cls` (signed ints, 1 to 8 bytes; rows outside [0, ncls) left out): the bytes of its allocations
+    made before the trace, and its changes in entry order (entries int32, running sum of +size at an alloc and -size
+    at a free int64), from one walk of the entries (alloc_index, free_index, size: int64 per allocation). None when
+    two changes share an entry, the allocations are not in order of their first entry, an entry is 2**31 - 1 or
+    more, or there are 2**30 allocations or more."""
+
+def group_peaks(alloc_index: np.ndarray, free_index: np.ndarray, size: np.ndarray, group: np.ndarray, ngroups: int, /
+                ) -> bytearray | None:
+    """The most bytes each group in [0, ngroups) held live at once (int64 per group; 0 without allocations): made
+    before the trace first, then the entries in order, then the frees of those never freed. None as change_steps."""
