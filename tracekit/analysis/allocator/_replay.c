@@ -14,7 +14,10 @@
  *                                               1 allocated, 2 pending; seg: start of its segment)
  *        seg_start, seg_size,                   its segments
  *        divisions (16 x int64), max_split_size, max_non_split_rounding,
- *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry
+ *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry; out_reserved may
+ *                                               be one value when no entry is a segment_alloc or segment_free
+ *                                               (then it never changes), out_block one per alloc entry (its
+ *                                               block size, 0 where none) when it is not one per entry
  *        [stop])                                 stop after this entry (default: the whole trace)
  * -> (placed, slack, [count per reason], allocated0, reserved0,
  *     [(addr, size, state, first block of its segment), ...] the blocks at the end)
@@ -159,6 +162,21 @@ static void map_del(Map *m, uint64_t k) {
             i = j;
         }
     }
+}
+
+/* The value slot of key k, made (holding NONE) when k is not there yet: one probe where a map_get and a
+ * map_put take two. NULL when out of memory. The pointer holds until the next insertion. */
+static int32_t *map_slot(Map *m, uint64_t k) {
+    if ((m->n + 1) * 2 > m->cap && map_grow(m) < 0) return NULL;
+    size_t mask = m->cap - 1, i = mix(k) & mask;
+    while (m->keys[i] != EMPTY) {
+        if (m->keys[i] == k) return &m->vals[i];
+        i = (i + 1) & mask;
+    }
+    m->keys[i] = k;
+    m->vals[i] = NONE;
+    m->n++;
+    return &m->vals[i];
 }
 
 static int32_t new_blk(St *s) {
@@ -497,7 +515,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     for (int k = 0; k < 17; k++)
         if (get_buf(o[k], &B[k], items[k], k >= 14, names[k]) < 0) goto done;
     Py_ssize_t n = LEN(B[0]);
-    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n || LEN(B[15]) != n || LEN(B[16]) != n
+    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n || (LEN(B[15]) != n && LEN(B[15]) != 1)
         || LEN(B[13]) != INTERVALS) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
@@ -507,6 +525,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     const int64_t *size = B[2].v.buf, *stream = B[3].v.buf;
     const Py_ssize_t stream_step = LEN(B[3]) == n ? 1 : 0;  /* one value: every entry's stream */
     int64_t *out_alloc = B[14].v.buf, *out_res = B[15].v.buf, *out_blk = B[16].v.buf;
+    /* out_reserved one value: written in place each time; out_block one per alloc: the k-th alloc's at k */
+    const Py_ssize_t res_step = LEN(B[15]) == n ? 1 : 0, blk_per_entry = LEN(B[16]) == n, nblk = LEN(B[16]);
+    Py_ssize_t ka = 0;  /* allocs so far */
     memcpy(s->div, B[13].v.buf, sizeof(s->div));
     s->mss = mss;
     s->rounding = rounding;
@@ -549,8 +570,11 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     long long placed = 0, slack = 0, reasons[N_REASONS] = {0};
     for (Py_ssize_t i = 0; i < n; i++) {
         int a = action[i];
-        out_blk[i] = 0;
+        if (blk_per_entry) out_blk[i] = 0;
         if (a == A_ALLOC) {
+            Py_ssize_t kb = blk_per_entry ? i : ka++;  /* where this alloc's block size goes */
+            if (kb >= nblk) { PyErr_SetString(PyExc_ValueError, "out_block: fewer values than alloc entries"); goto done; }
+            out_blk[kb] = 0;
             uint64_t p = addr[i];
             int64_t r = size[i], st = stream[i * stream_step];
             int64_t sz = round_size(s, r);
@@ -597,9 +621,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                     b->prev = b->next = NONE; b->flags = F_ALLOCATED | F_PHANTOM;
                     s->allocated += sz;
                     if (map_put(&s->live, p, ph) < 0) { PyErr_NoMemory(); goto done; }
-                    out_blk[i] = sz;
+                    out_blk[kb] = sz;
                     out_alloc[i] = s->allocated;
-                    out_res[i] = s->reserved;
+                    out_res[i * res_step] = s->reserved;
                     continue;
                 }
             }
@@ -608,7 +632,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             int32_t old = map_get(&s->live, p);
             if (old != NONE && (s->b[old].flags & (F_ALLOCATED | F_PENDING))) reasons[R_TWICE]++;
             if (map_put(&s->live, p, bi) < 0) { PyErr_NoMemory(); goto done; }
-            out_blk[i] = s->b[bi].size;
+            out_blk[kb] = s->b[bi].size;
         } else if (a == A_FREE_REQUESTED) {
             int32_t bi = map_get(&s->live, addr[i]);
             if (bi == NONE || !(s->b[bi].flags & F_ALLOCATED)) reasons[R_FREE_UNKNOWN]++;
@@ -656,7 +680,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             goto done;
         }
         out_alloc[i] = s->allocated;
-        out_res[i] = s->reserved;
+        out_res[i * res_step] = s->reserved;
     }
     while (s->nfresh) {
         if (flush(s, s->fresh[0].stream) < 0) { PyErr_NoMemory(); goto done; }
@@ -721,7 +745,10 @@ static PyObject *first_touches(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int a = action[i];
         if (a != A_ALLOC && a != A_FREE_REQUESTED && a != A_FREE_COMPLETED) continue;
-        if (addr[i] == EMPTY || map_get(&m, addr[i]) != NONE) continue;
+        if (addr[i] == EMPTY) continue;
+        int32_t *v = map_slot(&m, addr[i]);
+        if (!v) { PyErr_NoMemory(); goto done; }
+        if (*v != NONE) continue;
         if (k == cap) {
             cap *= 2;
             uint64_t *q1 = PyMem_RawRealloc(ua, cap * sizeof(uint64_t));
@@ -732,7 +759,7 @@ static PyObject *first_touches(PyObject *self, PyObject *args) {
             if (q3) uc = q3;
             if (!q1 || !q2 || !q3) { PyErr_NoMemory(); goto done; }
         }
-        if (map_put(&m, addr[i], (int32_t)k) < 0) { PyErr_NoMemory(); goto done; }
+        *v = (int32_t)k;
         ua[k] = addr[i];
         ui[k] = i;
         uc[k] = (int8_t)a;
@@ -751,107 +778,155 @@ done:
     return result;
 }
 
-/* A growable column held in a bytearray (handed to numpy without a copy). */
-typedef struct { PyObject *o; Py_ssize_t n, cap, item; } Col;
-static int col_push(Col *c, const void *v) {
-    if (c->n == c->cap) {
-        Py_ssize_t cap = c->cap ? c->cap + c->cap / 2 + 1024 : 1 << 16;
-        if (!c->o) c->o = PyByteArray_FromStringAndSize(NULL, cap * c->item);
-        else if (PyByteArray_Resize(c->o, cap * c->item) < 0) return -1;
-        if (!c->o) return -1;
-        c->cap = cap;
-    }
-    memcpy(PyByteArray_AS_STRING(c->o) + c->n * c->item, v, (size_t)c->item);
-    c->n++;
-    return 0;
-}
-static PyObject *col_take(Col *c) {
-    if (!c->o) return PyByteArray_FromStringAndSize(NULL, 0);
-    if (PyByteArray_Resize(c->o, c->n * c->item) < 0) return NULL;
-    PyObject *o = c->o;
-    c->o = NULL;
-    return o;
-}
-
-/* pair_lifetimes(addr, size, stack, is_alloc, is_free) -> (addr, size, alloc_index, free_index, stack_id,
- * free_stack_id, origin, last) as bytearrays, or None when an address is UINT64_MAX (the map's empty key) or there
- * are 2**31 entries or more. One device's entries in order (`stack` may be one value for all); each alloc pairs with
- * the next entry of its address when that is a free; a free whose address's previous entry is not an alloc stands
- * alone (allocated before the trace: origin 1). One row per lifetime, in order of its first entry, -1 where it has
- * no alloc or no free; `last`: the last alloc or free entry of each address (int64), in no order. What
- * analysis/replay.py's pairing by a sort of the addresses gives, in one pass. */
+/* pair_lifetimes(addr, size, stack, is_alloc, is_free[, blk_addr, blk_size, blk_stack]) -> (addr, size,
+ * alloc_index, free_index, stack_id, free_stack_id, origin, last) as bytearrays, or None when an address is
+ * UINT64_MAX (the map's empty key) or there are 2**31 entries or more. One device's entries in order (`stack` and
+ * `size` may be one value for all); each alloc pairs with the next entry of its address when that is a free; a
+ * free whose address's previous entry is not an alloc stands alone (allocated before the trace: origin 1). One
+ * row per lifetime, in order of its first entry, -1 where it has no alloc or no free; then, when the final
+ * segments' live blocks are given (uint64, int64, int32; stack may be one value), a row for each whose address
+ * no entry names (allocated before the trace, never freed: origin 1), in their order. `last`: the last alloc or
+ * free entry of each address (int64), in no order. What analysis/replay.py's pairing by a sort of the addresses
+ * gives, in one pass. */
 static PyObject *pair_lifetimes(PyObject *self, PyObject *args) {
-    PyObject *o[5];
-    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])) return NULL;
-    static const Py_ssize_t items[5] = {8, 8, 4, 1, 1};
-    static const char *names[5] = {"addr", "size", "stack", "is_alloc", "is_free"};
-    Buf B[5];
+    PyObject *o[8] = {NULL};
+    if (!PyArg_ParseTuple(args, "OOOOO|OOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7])) return NULL;
+    static const Py_ssize_t items[8] = {8, 8, 4, 1, 1, 8, 8, 4};
+    static const char *names[8] = {"addr", "size", "stack", "is_alloc", "is_free", "blk_addr", "blk_size",
+                                   "blk_stack"};
+    static const Py_ssize_t widths[8] = {8, 8, 8, 8, 4, 4, 1, 8};
+    Buf B[8];
     memset(B, 0, sizeof B);
     Map m = {0};
-    Col c[8] = {{NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 4}, {NULL, 0, 0, 4},
-                {NULL, 0, 0, 1}, {NULL, 0, 0, 8}};
+    PyObject *c[8] = {NULL};
     PyObject *result = NULL;
-    int32_t *row_at = NULL;
-    for (int k = 0; k < 5; k++)
+    int nargs = o[5] ? 8 : 5;
+    if (o[5] && (!o[6] || !o[7])) { PyErr_SetString(PyExc_TypeError, "the blocks take three columns"); return NULL; }
+    for (int k = 0; k < nargs; k++)
         if (get_buf(o[k], &B[k], items[k], 0, names[k]) < 0) goto done;
-    Py_ssize_t n = LEN(B[0]);
-    if (LEN(B[1]) != n || LEN(B[3]) != n || LEN(B[4]) != n || (LEN(B[2]) != n && LEN(B[2]) != 1)) {
+    Py_ssize_t n = LEN(B[0]), nb = nargs == 8 ? LEN(B[5]) : 0;
+    if ((LEN(B[1]) != n && LEN(B[1]) != 1) || LEN(B[3]) != n || LEN(B[4]) != n || (LEN(B[2]) != n && LEN(B[2]) != 1)
+        || (nargs == 8 && (LEN(B[6]) != nb || (LEN(B[7]) != nb && LEN(B[7]) != 1)))) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
     }
-    if (n >= INT32_MAX) { result = Py_None; Py_INCREF(result); goto done; }
+    if (n >= INT32_MAX - 2) { result = Py_None; Py_INCREF(result); goto done; }
     const uint64_t *addr = B[0].v.buf;
     const int64_t *size = B[1].v.buf;
     const int32_t *stack = B[2].v.buf;
     const uint8_t *al = B[3].v.buf, *fr = B[4].v.buf;
-    int one_stack = LEN(B[2]) == 1 && n != 1;
-    row_at = PyMem_RawMalloc((n ? (size_t)n : 1) * sizeof(int32_t));  /* an alloc's row, by entry */
-    if (!row_at || map_init(&m, 1024) < 0) { PyErr_NoMemory(); goto done; }
-    const int64_t none = -1;
-    const int32_t no_stack = -1;
-    const int8_t traced = 0, before = 1;
+    const Py_ssize_t size_step = LEN(B[1]) == n ? 1 : 0, stack_step = LEN(B[2]) == n ? 1 : 0;
+    /* every row takes an alloc or a free of its own, or a block: that many rows at most, the columns made
+     * that long at once (pages never written cost no memory) and cut to length at the end */
+    Py_ssize_t cap = nb;
+    for (Py_ssize_t i = 0; i < n; i++) cap += al[i] | fr[i];
+    for (int k = 0; k < 7; k++)
+        if (!(c[k] = PyByteArray_FromStringAndSize(NULL, (cap ? cap : 1) * widths[k]))) goto done;
+    uint64_t *r_addr = (uint64_t *)PyByteArray_AS_STRING(c[0]);
+    int64_t *r_size = (int64_t *)PyByteArray_AS_STRING(c[1]), *r_alloc = (int64_t *)PyByteArray_AS_STRING(c[2]),
+            *r_free = (int64_t *)PyByteArray_AS_STRING(c[3]);
+    int32_t *r_stack = (int32_t *)PyByteArray_AS_STRING(c[4]), *r_fstack = (int32_t *)PyByteArray_AS_STRING(c[5]);
+    int8_t *r_origin = (int8_t *)PyByteArray_AS_STRING(c[6]);
+    if (map_init(&m, 1024) < 0) { PyErr_NoMemory(); goto done; }
+    /* each address's value in the map: its last entry, as the row of that alloc (>= 0) or -2 - the entry of
+     * that free */
+    Py_ssize_t r = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!al[i] && !fr[i]) continue;
+        if (!(al[i] | fr[i])) continue;
         uint64_t x = addr[i];
         if (x == EMPTY) { result = Py_None; Py_INCREF(result); goto done; }
-        int32_t prev = map_get(&m, x);
-        int64_t at = i;
-        int32_t st = stack[one_stack ? 0 : i];
+        int32_t *v = map_slot(&m, x);
+        if (!v) { PyErr_NoMemory(); goto done; }
+        int32_t st = stack[i * stack_step];
         if (al[i]) {
-            row_at[i] = (int32_t)c[0].n;
-            if (col_push(&c[0], &x) || col_push(&c[1], &size[i]) || col_push(&c[2], &at) || col_push(&c[3], &none) ||
-                col_push(&c[4], &st) || col_push(&c[5], &no_stack) || col_push(&c[6], &traced))
-                goto done;
-        } else if (prev != NONE && al[prev]) {  /* the free of the alloc just before it at this address */
-            int32_t r = row_at[prev];
-            ((int64_t *)PyByteArray_AS_STRING(c[3].o))[r] = at;
-            ((int32_t *)PyByteArray_AS_STRING(c[5].o))[r] = st;
-        } else if (col_push(&c[0], &x) || col_push(&c[1], &size[i]) || col_push(&c[2], &none) ||
-                   col_push(&c[3], &at) || col_push(&c[4], &no_stack) || col_push(&c[5], &st) ||
-                   col_push(&c[6], &before)) {
-            goto done;
+            r_addr[r] = x; r_size[r] = size[i * size_step]; r_alloc[r] = i; r_free[r] = -1;
+            r_stack[r] = st; r_fstack[r] = -1; r_origin[r] = 0;
+            *v = (int32_t)r++;
+            continue;
         }
-        if (map_put(&m, x, (int32_t)i) < 0) { PyErr_NoMemory(); goto done; }
+        if (*v >= 0) {  /* the free of the alloc just before it at this address */
+            r_free[*v] = i;
+            r_fstack[*v] = st;
+        } else {
+            r_addr[r] = x; r_size[r] = size[i * size_step]; r_alloc[r] = -1; r_free[r] = i;
+            r_stack[r] = -1; r_fstack[r] = st; r_origin[r] = 1;
+            r++;
+        }
+        *v = (int32_t)(-2 - i);
     }
-    for (size_t i = 0; i < m.cap; i++) {
-        if (m.keys[i] == EMPTY) continue;
-        int64_t at = m.vals[i];
-        if (col_push(&c[7], &at)) goto done;
+    if (nargs == 8) {
+        const uint64_t *ba = B[5].v.buf;
+        const int64_t *bz = B[6].v.buf;
+        const int32_t *bst = B[7].v.buf;
+        const Py_ssize_t bst_step = LEN(B[7]) == nb ? 1 : 0;
+        for (Py_ssize_t k = 0; k < nb; k++) {
+            if (map_get(&m, ba[k]) != NONE) continue;
+            r_addr[r] = ba[k]; r_size[r] = bz[k]; r_alloc[r] = -1; r_free[r] = -1;
+            r_stack[r] = bst[k * bst_step]; r_fstack[r] = -1; r_origin[r] = 1;
+            r++;
+        }
     }
+    if (!(c[7] = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(m.n ? m.n : 1) * 8))) goto done;
+    int64_t *last = (int64_t *)PyByteArray_AS_STRING(c[7]);
+    Py_ssize_t u = 0;
+    for (size_t k = 0; k < m.cap; k++) {
+        if (m.keys[k] == EMPTY) continue;
+        int32_t v = m.vals[k];
+        last[u++] = v >= 0 ? r_alloc[v] : -2 - (int64_t)v;
+    }
+    for (int k = 0; k < 8; k++)
+        if (PyByteArray_Resize(c[k], (k < 7 ? r : u) * widths[k]) < 0) goto done;
     result = PyTuple_New(8);
     if (!result) goto done;
     for (int k = 0; k < 8; k++) {
-        PyObject *t = col_take(&c[k]);
-        if (!t) { Py_CLEAR(result); goto done; }
-        PyTuple_SET_ITEM(result, k, t);
+        PyTuple_SET_ITEM(result, k, c[k]);
+        c[k] = NULL;
     }
 done:
-    for (int k = 0; k < 5; k++)
+    for (int k = 0; k < 8; k++)
         if (B[k].have) PyBuffer_Release(&B[k].v);
-    for (int k = 0; k < 8; k++) Py_XDECREF(c[k].o);
+    for (int k = 0; k < 8; k++) Py_XDECREF(c[k]);
     PyMem_RawFree(m.keys);
     PyMem_RawFree(m.vals);
-    PyMem_RawFree(row_at);
+    return result;
+}
+
+/* running_sum(size, up, down, initial, out): out[i] = initial plus size[j] for every j <= i where up[j], less
+ * size[j] where down[j], wrapping as numpy's int64 does; `size` (int64) may be one value for every entry, `up`
+ * and `down` are bool, `out` a writable int64 buffer as long. replay.py's allocated bytes after each entry, in one
+ * pass and no temporary of the entries' length. */
+static PyObject *running_sum(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    long long initial;
+    if (!PyArg_ParseTuple(args, "OOOLO", &o[0], &o[1], &o[2], &initial, &o[3])) return NULL;
+    static const Py_ssize_t items[4] = {8, 1, 1, 8};
+    static const char *names[4] = {"size", "up", "down", "out"};
+    Buf B[4];
+    memset(B, 0, sizeof B);
+    PyObject *result = NULL;
+    for (int k = 0; k < 4; k++)
+        if (get_buf(o[k], &B[k], items[k], k == 3, names[k]) < 0) goto done;
+    Py_ssize_t n = LEN(B[3]);
+    if ((LEN(B[0]) != n && LEN(B[0]) != 1) || LEN(B[1]) != n || LEN(B[2]) != n) {
+        PyErr_SetString(PyExc_ValueError, "column lengths differ");
+        goto done;
+    }
+    const int64_t *size = B[0].v.buf;
+    const uint8_t *up = B[1].v.buf, *down = B[2].v.buf;
+    int64_t *out = B[3].v.buf;
+    const Py_ssize_t step = LEN(B[0]) == n ? 1 : 0;
+    uint64_t run = (uint64_t)initial;  /* unsigned: wraps without undefined behaviour */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t z = (uint64_t)size[i * step];
+        run += up[i] ? z : 0;
+        run -= down[i] ? z : 0;
+        out[i] = (int64_t)run;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int k = 0; k < 4; k++)
+        if (B[k].have) PyBuffer_Release(&B[k].v);
     return result;
 }
 
@@ -859,6 +934,7 @@ static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS, "Replay one device's trace through the caching-allocator model."},
     {"first_touches", first_touches, METH_VARARGS, "First alloc/free entry of every address, in order of entry."},
     {"pair_lifetimes", pair_lifetimes, METH_VARARGS, "One device's allocs and frees paired into lifetimes, in one pass."},
+    {"running_sum", running_sum, METH_VARARGS, "Allocated bytes after each entry: a running sum of sizes, in one pass."},
     {NULL, NULL, 0, NULL},
 };
 

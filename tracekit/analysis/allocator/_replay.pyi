@@ -33,7 +33,9 @@ def replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.nd
     """Replay one device's entries (action int8, addr uint64, size int64, stream int64) from the state at the first
     entry (its blocks by address: state 0 free, 1 allocated, 2 pending; small 0/1; seg: its segment's start; and its
     segments), under these settings (divisions: INTERVALS int64); writes allocated and reserved bytes and each
-    alloc's block size after every entry into the out_ buffers (int64). Stops after entry `stop` (-1: the end).
+    alloc's block size after every entry into the out_ buffers (int64): out_reserved may be one value where no entry
+    is a segment_alloc or segment_free, out_block one per alloc entry where it is not one per entry. Stops after
+    entry `stop` (-1: the end).
     -> (placed, slack, count per reason, allocated at the start, reserved at the start,
         [(address, size, state, first block of its segment)] the blocks at the end)."""
 
@@ -41,7 +43,13 @@ def first_touches(action: np.ndarray, addr: np.ndarray, /) -> tuple[bytes, bytes
     """(addresses uint64, index of the first alloc/free entry of each int64, its action int8), in order of entry."""
 
 def pair_lifetimes(addr: np.ndarray, size: np.ndarray, stack: np.ndarray, is_alloc: np.ndarray, is_free: np.ndarray,
+                   blk_addr: np.ndarray = ..., blk_size: np.ndarray = ..., blk_stack: np.ndarray = ...,
                    /) -> tuple[bytearray, ...] | None:
     """(addr, size, alloc_index, free_index, stack_id, free_stack_id, origin, last entry of each address) of one
-    device's lifetimes, in order of their first entry; None when an address is 2**64 - 1 or there are 2**31 entries
-    or more. `stack` may be one value for every entry."""
+    device's lifetimes, in order of their first entry, then (given the final segments' live blocks) one allocated
+    before the trace for each block whose address no entry names; `last` in no order. None when an address is
+    2**64 - 1 or there are 2**31 - 2 entries or more. `size`, `stack` and `blk_stack` may be one value for all."""
+
+def running_sum(size: np.ndarray, up: np.ndarray, down: np.ndarray, initial: int, out: np.ndarray, /) -> None:
+    """out[i] = initial + size[j] summed over j <= i where up[j], less where down[j] (int64, wrapping); `size` may be
+    one value for every entry."""

@@ -12,11 +12,11 @@ from typing import Callable
 
 import numpy as np
 
-from ...model import SEGMENT_MAP, SEGMENT_UNMAP, Trace
+from ...model import ALLOC, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, constant_column, isin_few
 from .config import AllocatorConfig
 from .core import Allocator, Device
-from .model_replay import (REASONS, AllocatorReplay, compare_final, replay_device_in_python as _python, settings_of,
-                           sparse_blocks, total_memory)
+from .model_replay import (REASONS, SPARSE_CHUNK, AllocatorReplay, compare_final, replay_device_in_python as _python,
+                           settings_of, total_memory)
 from .state import initial_state, load
 
 _compiled: Callable[..., tuple] | None
@@ -91,6 +91,20 @@ def _stream_column(stream: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(stream, np.int64)
 
 
+def _sparse_allocs(action: np.ndarray, block_size: np.ndarray) -> dict:
+    """AllocatorReplay's block_entries and block_sizes from the block size of each alloc entry, in order (0: none):
+    what sparse_blocks makes of a column of one per entry."""
+    n = len(action)
+    entries = np.empty(len(block_size), np.int32 if n < 2**31 else np.int64)
+    at = 0
+    for lo in range(0, n, SPARSE_CHUNK):  # the alloc entries' positions a chunk at a time: no int64 one per alloc
+        pos = np.flatnonzero(action[lo:lo + SPARSE_CHUNK] == ALLOC)
+        entries[at:at + len(pos)] = pos + lo
+        at += len(pos)
+    placed = np.flatnonzero(block_size)
+    return {"block_entries": entries[placed], "block_sizes": block_size[placed]}
+
+
 def _replay(trace, device, config, stop=None):
     """(AllocatorReplay, the compiled loop's blocks at the end or None when Python ran it)."""
     if not compiled_available() or os.environ.get("TRACEKIT_ALLOCATOR") == "python":
@@ -104,7 +118,7 @@ def _replay(trace, device, config, stop=None):
     ev = trace.events
     sl = ev.device_slice(device)
     action = np.ascontiguousarray(ev.action[sl], np.int8)
-    if np.isin(action, (SEGMENT_MAP, SEGMENT_UNMAP)).any():
+    if isin_few(action, (SEGMENT_MAP, SEGMENT_UNMAP)).any():
         return python()
     init = initial_state(trace, device, config)
     if any(r.expandable or r.pool_id for r in init.regions):
@@ -114,13 +128,19 @@ def _replay(trace, device, config, stop=None):
     n = len(action)
     if stop is not None and 0 <= stop < n - 1:  # the state after entry `stop`: only the entries up to it are read
         n, action, sl = stop + 1, action[:stop + 1], slice(sl.start, sl.start + stop + 1)
-    out_alloc, out_res, out_blk = (np.zeros(n, np.int64) for _ in range(3))
+    # reserved bytes change only at segment entries: without any, one value stands for the curve; each alloc's
+    # block size goes one per alloc entry, not one per entry (mostly zeros), and is made sparse from there
+    fixed_reserved = not isin_few(action, (SEGMENT_ALLOC, SEGMENT_FREE)).any()
+    out_alloc, out_res = np.zeros(n, np.int64), np.zeros(1 if fixed_reserved else n, np.int64)
+    out_blk = np.zeros(int(np.count_nonzero(action == ALLOC)), np.int64)
     placed, slack, counts, alloc0, res0, final = compiled_replay(
         action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),
         _stream_column(ev.stream[sl]), alloc, config, out_alloc, out_res, out_blk,
         -1 if stop is None else int(stop))
     if stop is not None:
         return None, final
+    if fixed_reserved:
+        out_res = constant_column(res0, n, np.int64) if n > 1 else np.full(n, res0, np.int64)
     unplaced = {REASONS[k]: int(c) for k, c in enumerate(counts) if c}
     mismatch = -1
     if trace.meta.get("has_segments", True):
@@ -128,7 +148,7 @@ def _replay(trace, device, config, stop=None):
         mismatch = compare_final(trace, device, {a: (z, states[s]) for a, z, s, _ in final},
                                  bool(alloc.segments))
     return AllocatorReplay(device=device, config=config, allocated=out_alloc, reserved=out_res,
-                           initial_allocated=int(alloc0), initial_reserved=int(res0), **sparse_blocks(out_blk),
+                           initial_allocated=int(alloc0), initial_reserved=int(res0), **_sparse_allocs(action, out_blk),
                            placed=int(placed), unplaced=unplaced, open_bytes=init.open_bytes,
                            final_mismatch=mismatch, initial=init, notes=notes, unplaced_slack=int(slack),
                            engine="compiled"), final
