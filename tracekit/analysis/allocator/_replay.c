@@ -16,9 +16,11 @@
  *        divisions (16 x int64), max_split_size, max_non_split_rounding,
  *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry; out_reserved may
  *                                               be one value when no entry is a segment_alloc or segment_free
- *                                               (then it never changes), out_block one per alloc entry (its
- *                                               block size, 0 where none) when it is not one per entry
- *        [stop])                                 stop after this entry (default: the whole trace)
+ *                                               (then it never changes)
+ *        [stop,                                  stop after this entry (default -1: the whole trace)
+ *         out_entries])                          writable int32 or int64: then out_block is sparse, the blocks
+ *                                               the allocs got in order of entry, their entries here (both at
+ *                                               least as long as the alloc entries; what follows stays as it is)
  * -> (placed, slack, [count per reason], allocated0, reserved0,
  *     [(addr, size, state, first block of its segment), ...] the blocks at the end)
  */
@@ -498,10 +500,12 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     unsigned long long mss;
     long long rounding;
     Py_ssize_t stop = -1;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOKLOOO|n", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+    PyObject *oe = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOKLOOO|nO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
                           &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &mss, &rounding, &o[14], &o[15], &o[16],
-                          &stop))
+                          &stop, &oe))
         return NULL;
+    Buf E = {0};  /* out_entries */
     static const Py_ssize_t items[17] = {1, 8, 8, 8, 8, 8, 8, 1, 1, 8, 8, 8, 8, 8, 8, 8, 8};
     static const char *names[17] = {"action", "addr", "size", "stream", "blk_addr", "blk_size", "blk_stream",
                                     "blk_state", "blk_small", "blk_seg", "blk_req", "seg_start", "seg_size",
@@ -514,9 +518,17 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     for (int k = 0; k < 17; k++)
         if (get_buf(o[k], &B[k], items[k], k >= 14, names[k]) < 0) goto done;
+    if (oe && oe != Py_None) {
+        if (PyObject_GetBuffer(oe, &E.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        E.have = 1;
+        if (E.v.itemsize != 4 && E.v.itemsize != 8) {
+            PyErr_SetString(PyExc_ValueError, "out_entries: items of 4 or 8 bytes expected");
+            goto done;
+        }
+    }
     Py_ssize_t n = LEN(B[0]);
     if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n || (LEN(B[15]) != n && LEN(B[15]) != 1)
-        || LEN(B[13]) != INTERVALS) {
+        || (E.have ? LEN(E) != LEN(B[16]) : LEN(B[16]) != n) || LEN(B[13]) != INTERVALS) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
     }
@@ -525,9 +537,21 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     const int64_t *size = B[2].v.buf, *stream = B[3].v.buf;
     const Py_ssize_t stream_step = LEN(B[3]) == n ? 1 : 0;  /* one value: every entry's stream */
     int64_t *out_alloc = B[14].v.buf, *out_res = B[15].v.buf, *out_blk = B[16].v.buf;
-    /* out_reserved one value: written in place each time; out_block one per alloc: the k-th alloc's at k */
-    const Py_ssize_t res_step = LEN(B[15]) == n ? 1 : 0, blk_per_entry = LEN(B[16]) == n, nblk = LEN(B[16]);
-    Py_ssize_t ka = 0;  /* allocs so far */
+    /* out_reserved one value: written in place each time; out_block sparse (with out_entries): the k-th alloc
+     * that gets a block puts it at k */
+    const Py_ssize_t res_step = LEN(B[15]) == n ? 1 : 0, nblk = LEN(B[16]);
+    int32_t *ent32 = E.have && E.v.itemsize == 4 ? E.v.buf : NULL;
+    int64_t *ent64 = E.have && E.v.itemsize == 8 ? E.v.buf : NULL;
+    Py_ssize_t kb = 0;  /* blocks put so far (sparse) */
+#define PUT_BLOCK(z) do {                                                                                  \
+        if (!E.have) out_blk[i] = (z);                                                                      \
+        else if ((z) != 0) {                                                                                \
+            if (kb >= nblk) { PyErr_SetString(PyExc_ValueError, "out_block: fewer values than allocs"); goto done; } \
+            out_blk[kb] = (z);                                                                              \
+            if (ent32) ent32[kb] = (int32_t)i; else ent64[kb] = i;                                          \
+            kb++;                                                                                           \
+        }                                                                                                   \
+    } while (0)
     memcpy(s->div, B[13].v.buf, sizeof(s->div));
     s->mss = mss;
     s->rounding = rounding;
@@ -570,11 +594,8 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     long long placed = 0, slack = 0, reasons[N_REASONS] = {0};
     for (Py_ssize_t i = 0; i < n; i++) {
         int a = action[i];
-        if (blk_per_entry) out_blk[i] = 0;
+        if (!E.have) out_blk[i] = 0;
         if (a == A_ALLOC) {
-            Py_ssize_t kb = blk_per_entry ? i : ka++;  /* where this alloc's block size goes */
-            if (kb >= nblk) { PyErr_SetString(PyExc_ValueError, "out_block: fewer values than alloc entries"); goto done; }
-            out_blk[kb] = 0;
             uint64_t p = addr[i];
             int64_t r = size[i], st = stream[i * stream_step];
             int64_t sz = round_size(s, r);
@@ -621,7 +642,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                     b->prev = b->next = NONE; b->flags = F_ALLOCATED | F_PHANTOM;
                     s->allocated += sz;
                     if (map_put(&s->live, p, ph) < 0) { PyErr_NoMemory(); goto done; }
-                    out_blk[kb] = sz;
+                    PUT_BLOCK(sz);
                     out_alloc[i] = s->allocated;
                     out_res[i * res_step] = s->reserved;
                     continue;
@@ -632,7 +653,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             int32_t old = map_get(&s->live, p);
             if (old != NONE && (s->b[old].flags & (F_ALLOCATED | F_PENDING))) reasons[R_TWICE]++;
             if (map_put(&s->live, p, bi) < 0) { PyErr_NoMemory(); goto done; }
-            out_blk[kb] = s->b[bi].size;
+            PUT_BLOCK(s->b[bi].size);
         } else if (a == A_FREE_REQUESTED) {
             int32_t bi = map_get(&s->live, addr[i]);
             if (bi == NONE || !(s->b[bi].flags & F_ALLOCATED)) reasons[R_FREE_UNKNOWN]++;
@@ -705,8 +726,10 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         result = Py_BuildValue("(LLNLLN)", placed, slack, counts, (long long)allocated0, (long long)reserved0, final);
     }
 done:
+#undef PUT_BLOCK
     for (int k = 0; k < 17; k++)
         if (B[k].have) PyBuffer_Release(&B[k].v);
+    if (E.have) PyBuffer_Release(&E.v);
     PyMem_RawFree(s->b);
     PyMem_RawFree(s->freeslots);
     PyMem_RawFree(s->blocks.keys);

@@ -28,14 +28,16 @@ def replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.nd
            blk_small: np.ndarray, blk_seg: np.ndarray, blk_requested: np.ndarray,
            seg_start: np.ndarray, seg_size: np.ndarray,
            divisions: np.ndarray, max_split_size: int, max_non_split_rounding: int,
-           out_allocated: np.ndarray, out_reserved: np.ndarray, out_block: np.ndarray, stop: int = ..., /
+           out_allocated: np.ndarray, out_reserved: np.ndarray, out_block: np.ndarray, stop: int = ...,
+           out_entries: np.ndarray | None = ..., /
            ) -> tuple[int, int, list[int], int, int, list[tuple[int, int, int, int]]]:
     """Replay one device's entries (action int8, addr uint64, size int64, stream int64) from the state at the first
     entry (its blocks by address: state 0 free, 1 allocated, 2 pending; small 0/1; seg: its segment's start; and its
     segments), under these settings (divisions: INTERVALS int64); writes allocated and reserved bytes and each
     alloc's block size after every entry into the out_ buffers (int64): out_reserved may be one value where no entry
-    is a segment_alloc or segment_free, out_block one per alloc entry where it is not one per entry. Stops after
-    entry `stop` (-1: the end).
+    is a segment_alloc or segment_free; with `out_entries` (int32 or int64), out_block is sparse: the blocks the
+    allocs got, in order, and their entries in out_entries (both at least as long as the alloc entries). Stops
+    after entry `stop` (-1: the end).
     -> (placed, slack, count per reason, allocated at the start, reserved at the start,
         [(address, size, state, first block of its segment)] the blocks at the end)."""
 

@@ -15,8 +15,8 @@ import numpy as np
 from ...model import ALLOC, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, constant_column, isin_few
 from .config import AllocatorConfig
 from .core import Allocator, Device
-from .model_replay import (REASONS, SPARSE_CHUNK, AllocatorReplay, compare_final, replay_device_in_python as _python,
-                           settings_of, total_memory)
+from .model_replay import (REASONS, AllocatorReplay, compare_final, replay_device_in_python as _python, settings_of,
+                           total_memory)
 from .state import initial_state, load
 
 _compiled: Callable[..., tuple] | None
@@ -64,10 +64,13 @@ def _plain(snapshot):
 
 def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray, start: Allocator,
                     config: AllocatorConfig, out_allocated: np.ndarray, out_reserved: np.ndarray,
-                    out_block: np.ndarray, stop: int = -1) -> tuple[int, int, list[int], int, int, list]:
+                    out_block: np.ndarray, stop: int = -1,
+                    out_entries: np.ndarray | None = None) -> tuple[int, int, list[int], int, int, list]:
     """_replay.replay with its arguments named: the entries' columns (`stream` may be one value, every
     entry's), the allocator `start` holding the state at the first entry (its blocks and segments become the
-    C loop's arrays), the settings, the per-entry outputs."""
+    C loop's arrays), the settings, the per-entry outputs (`out_reserved` may be one value where no entry is a
+    segment_alloc or segment_free); with `out_entries`, `out_block` is sparse: the blocks the allocs got, in
+    order, their entries in `out_entries`."""
     assert _compiled is not None
     blocks = sorted(start.blocks.values(), key=lambda b: b.addr)
     segs = sorted(start.segments.items())
@@ -80,7 +83,7 @@ def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stre
         np.asarray([b.pool.small for b in blocks], np.int8), u64([b.seg for b in blocks]),
         i64([b.requested for b in blocks]), u64([a for a, _ in segs]), i64([z for _, z in segs]),
         i64(config.roundup_power2_divisions), int(config.max_split_size), int(config.max_non_split_rounding),
-        out_allocated, out_reserved, out_block, stop)
+        out_allocated, out_reserved, out_block, stop, out_entries)
 
 
 def _stream_column(stream: np.ndarray) -> np.ndarray:
@@ -91,18 +94,13 @@ def _stream_column(stream: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(stream, np.int64)
 
 
-def _sparse_allocs(action: np.ndarray, block_size: np.ndarray) -> dict:
-    """AllocatorReplay's block_entries and block_sizes from the block size of each alloc entry, in order (0: none):
-    what sparse_blocks makes of a column of one per entry."""
-    n = len(action)
-    entries = np.empty(len(block_size), np.int32 if n < 2**31 else np.int64)
-    at = 0
-    for lo in range(0, n, SPARSE_CHUNK):  # the alloc entries' positions a chunk at a time: no int64 one per alloc
-        pos = np.flatnonzero(action[lo:lo + SPARSE_CHUNK] == ALLOC)
-        entries[at:at + len(pos)] = pos + lo
-        at += len(pos)
-    placed = np.flatnonzero(block_size)
-    return {"block_entries": entries[placed], "block_sizes": block_size[placed]}
+def _sparse(block_sizes: np.ndarray, entries: np.ndarray) -> dict:
+    """AllocatorReplay's block_entries and block_sizes from the compiled replay's sparse output: the first k of
+    each, k the blocks it put (none is 0; what follows them was left as made, 0)."""
+    k = int(np.count_nonzero(block_sizes))
+    if k == len(block_sizes):
+        return {"block_entries": entries, "block_sizes": block_sizes}
+    return {"block_entries": entries[:k].copy(), "block_sizes": block_sizes[:k].copy()}
 
 
 def _replay(trace, device, config, stop=None):
@@ -128,15 +126,16 @@ def _replay(trace, device, config, stop=None):
     n = len(action)
     if stop is not None and 0 <= stop < n - 1:  # the state after entry `stop`: only the entries up to it are read
         n, action, sl = stop + 1, action[:stop + 1], slice(sl.start, sl.start + stop + 1)
-    # reserved bytes change only at segment entries: without any, one value stands for the curve; each alloc's
-    # block size goes one per alloc entry, not one per entry (mostly zeros), and is made sparse from there
+    # reserved bytes change only at segment entries: without any, one value stands for the curve; the blocks
+    # the allocs get come sparse (AllocatorReplay's block_entries and block_sizes), not one per entry
     fixed_reserved = not isin_few(action, (SEGMENT_ALLOC, SEGMENT_FREE)).any()
     out_alloc, out_res = np.zeros(n, np.int64), np.zeros(1 if fixed_reserved else n, np.int64)
-    out_blk = np.zeros(int(np.count_nonzero(action == ALLOC)), np.int64)
+    n_allocs = int(np.count_nonzero(action == ALLOC))
+    out_blk, out_ent = np.zeros(n_allocs, np.int64), np.empty(n_allocs, np.int32 if n < 2**31 else np.int64)
     placed, slack, counts, alloc0, res0, final = compiled_replay(
         action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),
         _stream_column(ev.stream[sl]), alloc, config, out_alloc, out_res, out_blk,
-        -1 if stop is None else int(stop))
+        -1 if stop is None else int(stop), out_ent)
     if stop is not None:
         return None, final
     if fixed_reserved:
@@ -148,7 +147,7 @@ def _replay(trace, device, config, stop=None):
         mismatch = compare_final(trace, device, {a: (z, states[s]) for a, z, s, _ in final},
                                  bool(alloc.segments))
     return AllocatorReplay(device=device, config=config, allocated=out_alloc, reserved=out_res,
-                           initial_allocated=int(alloc0), initial_reserved=int(res0), **_sparse_allocs(action, out_blk),
+                           initial_allocated=int(alloc0), initial_reserved=int(res0), **_sparse(out_blk, out_ent),
                            placed=int(placed), unplaced=unplaced, open_bytes=init.open_bytes,
                            final_mismatch=mismatch, initial=init, notes=notes, unplaced_slack=int(slack),
                            engine="compiled"), final
