@@ -229,9 +229,8 @@ def _lifetimes(addr, size, stack, is_alloc, is_free, blocks=None):
             rows = _before_trace(rows, last[0], *blocks)
         return (rows, *last)
     cols = [np.frombuffer(b, t) for b, t in zip(got, (np.uint64, np.int64, np.int64, np.int64, np.int32, np.int32,
-                                                      np.int8, np.int64))]
-    last = cols[7]
-    return Allocations(*cols[:7]), addr[last], is_alloc[last], size[last]
+                                                      np.int8, np.uint64, bool, np.int64))]
+    return Allocations(*cols[:7]), *cols[7:]
 
 
 def _before_trace(rows: Allocations, last_addr, b_addr, b_size, b_stack) -> Allocations:
@@ -312,30 +311,36 @@ def _check(last_addr, last_is_alloc, last_size, b_addr, b_size, b_requested) -> 
     last_addr, b_addr = np.asarray(last_addr, np.uint64), np.asarray(b_addr, np.uint64)
     alive = np.asarray(last_is_alloc, bool)
     found = np.zeros(len(last_addr), bool)
-    got_size = got_requested = np.zeros(len(last_addr), np.int64)  # the sizes of each address's block, where found
+    block_of = {}  # address (its position in last_addr) -> its final block, for the few that have one
+    bad_found = np.zeros(0, np.intp)
     if len(b_addr) and len(last_addr):
         order = np.argsort(b_addr, kind="stable")
         sorted_addr = b_addr[order]
         keep = np.ones(len(order), bool)
         keep[:-1] = sorted_addr[:-1] != sorted_addr[1:]  # the last of each run of one address
         order, sorted_addr = order[keep], sorted_addr[keep]
-        pos = np.minimum(np.searchsorted(sorted_addr, last_addr), len(sorted_addr) - 1)
+        pos = np.searchsorted(sorted_addr, last_addr)
+        np.minimum(pos, len(sorted_addr) - 1, out=pos)
         found = sorted_addr[pos] == last_addr
-        got_size, got_requested = b_size[order[pos]], b_requested[order[pos]]
-    wrong_size = alive & found & (last_size != got_size) & (last_size != got_requested)
-    bad = np.flatnonzero((alive & ~found) | wrong_size | (~alive & found))
+        hit = np.flatnonzero(found)  # at most one address per block
+        blk = order[pos[hit]]
+        size = last_size[hit]
+        wrong_size = alive[hit] & (size != b_size[blk]) & (size != b_requested[blk])
+        bad_found = hit[wrong_size | ~alive[hit]]
+        block_of = dict(zip(hit.tolist(), blk.tolist()))
+    bad = np.concatenate([np.flatnonzero(alive & ~found), bad_found])
     bad = bad[np.argsort(last_addr[bad], kind="stable")[:20]]
     problems = []
     for i in bad.tolist():
         addr, size = int(last_addr[i]), int(last_size[i])
-        if not alive[i]:
-            problems.append((addr, int(got_size[i]),
-                             "freed in the trace and never reallocated, but live in the final segments"))
-        elif not found[i]:
+        if i not in block_of:
             problems.append((addr, size, "allocated in the trace and never freed, but not live in the final segments"))
+        elif not alive[i]:
+            problems.append((addr, int(b_size[block_of[i]]),
+                             "freed in the trace and never reallocated, but live in the final segments"))
         else:
             problems.append((addr, size, f"live at the end with size {size}, but the final block has size "
-                                         f"{int(got_size[i])}"))
+                                         f"{int(b_size[block_of[i]])}"))
     return Invariant(checked=True, ok=not problems, problems=problems)
 
 

@@ -802,26 +802,27 @@ done:
 }
 
 /* pair_lifetimes(addr, size, stack, is_alloc, is_free[, blk_addr, blk_size, blk_stack]) -> (addr, size,
- * alloc_index, free_index, stack_id, free_stack_id, origin, last) as bytearrays, or None when an address is
+ * alloc_index, free_index, stack_id, free_stack_id, origin, last_addr, last_is_alloc, last_size) as bytearrays,
+ * or None when an address is
  * UINT64_MAX (the map's empty key) or there are 2**31 entries or more. One device's entries in order (`stack` and
  * `size` may be one value for all); each alloc pairs with the next entry of its address when that is a free; a
  * free whose address's previous entry is not an alloc stands alone (allocated before the trace: origin 1). One
  * row per lifetime, in order of its first entry, -1 where it has no alloc or no free; then, when the final
  * segments' live blocks are given (uint64, int64, int32; stack may be one value), a row for each whose address
- * no entry names (allocated before the trace, never freed: origin 1), in their order. `last`: the last alloc or
- * free entry of each address (int64), in no order. What analysis/replay.py's pairing by a sort of the addresses
- * gives, in one pass. */
+ * no entry names (allocated before the trace, never freed: origin 1), in their order. last_*: each address the
+ * entries name (uint64), whether its last alloc or free entry is an alloc (bool), that entry's size (int64), in
+ * no order. What analysis/replay.py's pairing by a sort of the addresses gives, in one pass. */
 static PyObject *pair_lifetimes(PyObject *self, PyObject *args) {
     PyObject *o[8] = {NULL};
     if (!PyArg_ParseTuple(args, "OOOOO|OOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7])) return NULL;
     static const Py_ssize_t items[8] = {8, 8, 4, 1, 1, 8, 8, 4};
     static const char *names[8] = {"addr", "size", "stack", "is_alloc", "is_free", "blk_addr", "blk_size",
                                    "blk_stack"};
-    static const Py_ssize_t widths[8] = {8, 8, 8, 8, 4, 4, 1, 8};
+    static const Py_ssize_t widths[10] = {8, 8, 8, 8, 4, 4, 1, 8, 1, 8};
     Buf B[8];
     memset(B, 0, sizeof B);
     Map m = {0};
-    PyObject *c[8] = {NULL};
+    PyObject *c[10] = {NULL};
     PyObject *result = NULL;
     int nargs = o[5] ? 8 : 5;
     if (o[5] && (!o[6] || !o[7])) { PyErr_SetString(PyExc_TypeError, "the blocks take three columns"); return NULL; }
@@ -889,26 +890,32 @@ static PyObject *pair_lifetimes(PyObject *self, PyObject *args) {
             r++;
         }
     }
-    if (!(c[7] = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(m.n ? m.n : 1) * 8))) goto done;
-    int64_t *last = (int64_t *)PyByteArray_AS_STRING(c[7]);
+    for (int k = 7; k < 10; k++)
+        if (!(c[k] = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(m.n ? m.n : 1) * widths[k]))) goto done;
+    uint64_t *l_addr = (uint64_t *)PyByteArray_AS_STRING(c[7]);
+    uint8_t *l_alloc = (uint8_t *)PyByteArray_AS_STRING(c[8]);
+    int64_t *l_size = (int64_t *)PyByteArray_AS_STRING(c[9]);
     Py_ssize_t u = 0;
     for (size_t k = 0; k < m.cap; k++) {
         if (m.keys[k] == EMPTY) continue;
         int32_t v = m.vals[k];
-        last[u++] = v >= 0 ? r_alloc[v] : -2 - (int64_t)v;
+        l_addr[u] = m.keys[k];
+        l_alloc[u] = v >= 0;
+        l_size[u] = v >= 0 ? r_size[v] : size[(-2 - (int64_t)v) * size_step];
+        u++;
     }
-    for (int k = 0; k < 8; k++)
+    for (int k = 0; k < 10; k++)
         if (PyByteArray_Resize(c[k], (k < 7 ? r : u) * widths[k]) < 0) goto done;
-    result = PyTuple_New(8);
+    result = PyTuple_New(10);
     if (!result) goto done;
-    for (int k = 0; k < 8; k++) {
+    for (int k = 0; k < 10; k++) {
         PyTuple_SET_ITEM(result, k, c[k]);
         c[k] = NULL;
     }
 done:
     for (int k = 0; k < 8; k++)
         if (B[k].have) PyBuffer_Release(&B[k].v);
-    for (int k = 0; k < 8; k++) Py_XDECREF(c[k]);
+    for (int k = 0; k < 10; k++) Py_XDECREF(c[k]);
     PyMem_RawFree(m.keys);
     PyMem_RawFree(m.vals);
     return result;

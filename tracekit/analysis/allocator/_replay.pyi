@@ -47,9 +47,10 @@ def first_touches(action: np.ndarray, addr: np.ndarray, /) -> tuple[bytes, bytes
 def pair_lifetimes(addr: np.ndarray, size: np.ndarray, stack: np.ndarray, is_alloc: np.ndarray, is_free: np.ndarray,
                    blk_addr: np.ndarray = ..., blk_size: np.ndarray = ..., blk_stack: np.ndarray = ...,
                    /) -> tuple[bytearray, ...] | None:
-    """(addr, size, alloc_index, free_index, stack_id, free_stack_id, origin, last entry of each address) of one
-    device's lifetimes, in order of their first entry, then (given the final segments' live blocks) one allocated
-    before the trace for each block whose address no entry names; `last` in no order. None when an address is
+    """(addr, size, alloc_index, free_index, stack_id, free_stack_id, origin) of one device's lifetimes, in order of
+    their first entry, then (given the final segments' live blocks) one allocated before the trace for each block
+    whose address no entry names; then (last_addr, last_is_alloc, last_size): each address named, whether its last
+    alloc or free entry is an alloc, and that entry's size, in no order. None when an address is
     2**64 - 1 or there are 2**31 - 2 entries or more. `size`, `stack` and `blk_stack` may be one value for all."""
 
 def running_sum(size: np.ndarray, up: np.ndarray, down: np.ndarray, initial: int, out: np.ndarray, /) -> None:
