@@ -185,3 +185,28 @@ def test_real_files_check_and_reserved_as_the_loops_do(path):
         args = (la, al, ls, trace.blocks.addr[b], trace.blocks.size[b], trace.blocks.requested_size[b])
         if trace.meta.get("has_segments", True):
             assert R._check(*args) == naive_check(*args) == rep.invariant
+
+
+@pytest.mark.parametrize("path", FILES[:4] + FILES[-2:], ids=lambda p: p.name)
+def test_replay_without_the_extension_is_the_same(path, monkeypatch):
+    """The numpy fallbacks (the sort by address, the blocks appended after it, numpy's running sum) replay a
+    file as the compiled passes do."""
+    from tracekit.io import load
+
+    def replayed():
+        return R.replay_device(load(path, use_cache=False), 0)
+
+    got = replayed()
+    monkeypatch.setattr(R, "_pair_compiled", None)
+    monkeypatch.setattr(R, "_running_sum_compiled", None)
+    want = replayed()
+    for k in R.Allocations.__dataclass_fields__:
+        a, b = getattr(got.allocations, k), getattr(want.allocations, k)
+        assert a.dtype == b.dtype and np.array_equal(a, b), k
+    assert np.array_equal(got.allocated, want.allocated) and got.allocated.dtype == want.allocated.dtype
+    assert (got.reserved is None) == (want.reserved is None)
+    if got.reserved is not None:
+        assert np.array_equal(got.reserved, want.reserved)
+    assert got.invariant == want.invariant
+    assert (got.initial_allocated, got.initial_reserved, got.unattributed_bytes) == \
+        (want.initial_allocated, want.initial_reserved, want.unattributed_bytes)
