@@ -527,7 +527,8 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         }
     }
     Py_ssize_t n = LEN(B[0]);
-    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n || (LEN(B[15]) != n && LEN(B[15]) != 1)
+    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n
+        || (LEN(B[15]) != n && LEN(B[15]) != 1)
         || (E.have ? LEN(E) != LEN(B[16]) : LEN(B[16]) != n) || LEN(B[13]) != INTERVALS) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
@@ -964,7 +965,7 @@ static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS, "Replay one device's trace through the caching-allocator model."},
     {"first_touches", first_touches, METH_VARARGS, "First alloc/free entry of every address, in order of entry."},
     {"pair_lifetimes", pair_lifetimes, METH_VARARGS, "One device's allocs and frees paired into lifetimes, in one pass."},
-    {"running_sum", running_sum, METH_VARARGS, "Allocated bytes after each entry: a running sum of sizes, in one pass."},
+    {"running_sum", running_sum, METH_VARARGS, "Allocated bytes after each entry: a running sum, in one pass."},
     {NULL, NULL, 0, NULL},
 };
 
