@@ -66,7 +66,8 @@ def test_isin_ints_is_isin(dtype):
     rng = np.random.default_rng(35)
     big = (rng.integers(0, 50, 5000) << 40).astype(dtype) if dtype != np.int32 else rng.integers(0, 99, 5000, dtype)
     small = np.concatenate([big[:20], rng.integers(0, 2**30, 30).astype(dtype)])
-    assert np.array_equal(isin_ints(small, big), np.isin(small, big))
+    assert np.array_equal(isin_ints(small, big), np.isin(small, big))  # a few asked of many (repeats among them)
+    assert np.array_equal(isin_ints(big, small), np.isin(big, small))  # many asked of a few
     assert isin_ints(small, big[:0]).tolist() == [False] * len(small)
     assert np.array_equal(isin_ints(small, big.astype(np.float64)), np.isin(small, big.astype(np.float64)))
 

@@ -37,6 +37,12 @@ def isin_ints(a, b) -> np.ndarray:
         return np.isin(a, b)
     if not len(a) or not len(b):
         return np.zeros(a.shape, bool)
+    if len(b) > 4 * len(a):  # a few values asked of many (blocks among addresses): sort the few, search the many
+        s = np.unique(a)
+        pos = np.minimum(np.searchsorted(s, b), len(s) - 1)
+        hit = np.zeros(len(s), bool)
+        hit[pos[s[pos] == b]] = True
+        return hit[np.searchsorted(s, a)]
     s = np.sort(b)
     return s[np.minimum(np.searchsorted(s, a), len(s) - 1)] == a
 

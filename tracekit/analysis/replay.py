@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
-                     SEGMENT_UNMAP, Trace, compact_column, isin_few, isin_ints)
+                     SEGMENT_UNMAP, Trace, constant_column, isin_few, isin_ints)
 from .memo import per_trace
 
 LIVE_STATES = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
@@ -155,19 +155,11 @@ def replay_device(trace: Trace, device: int) -> DeviceReplay:
     b_requested = trace.blocks.requested_size[bmask]
 
     if has_addresses:
-        allocs, last_addr, last_is_alloc, last_size = _lifetimes(addr, size, stack, is_alloc, is_free)
-    else:
-        allocs, last_addr, last_is_alloc, last_size = _empty_allocations(), addr[:0], is_alloc[:0], size[:0]
-
-    # blocks live at the end whose address the trace never touches: allocated before it began
-    untouched = ~isin_ints(b_addr, last_addr)
-    before_live = Allocations(
-        addr=b_addr[untouched], size=b_size[untouched],
-        alloc_index=np.full(int(untouched.sum()), -1, np.int64), free_index=np.full(int(untouched.sum()), -1, np.int64),
-        stack_id=b_stack[untouched], free_stack_id=np.full(int(untouched.sum()), -1, np.int32),
-        origin=np.full(int(untouched.sum()), BEFORE_TRACE, np.int8),
-    )
-    allocs = _concat(allocs, before_live)
+        allocs, last_addr, last_is_alloc, last_size = _lifetimes(addr, size, stack, is_alloc, is_free,
+                                                                 (b_addr, b_size, b_stack))
+    else:  # every live block was allocated before the trace
+        allocs = _before_trace(_empty_allocations(), addr[:0], b_addr, b_size, b_stack)
+        last_addr, last_is_alloc, last_size = addr[:0], is_alloc[:0], size[:0]
     live_at_start = int(allocs.size[allocs.alloc_index == -1].sum())
     if has_segments:
         invariant = _check(last_addr, last_is_alloc, last_size, b_addr, b_size, b_requested)
@@ -187,7 +179,13 @@ def replay_device(trace: Trace, device: int) -> DeviceReplay:
 
 def _running_sum(size, up, down, initial) -> np.ndarray:
     """initial + the cumulative sum of +size where `up`, -size where `down` (disjoint masks), as int64 per entry:
-    made in one array, in place (a 10M-entry trace makes no other per-entry int64 temporaries)."""
+    one pass of the compiled loop into the one array made (a 10M-entry trace makes no other per-entry int64
+    temporaries), else numpy's three passes in place."""
+    if _running_sum_compiled is not None and len(up):
+        out = np.empty(len(up), np.int64)
+        _running_sum_compiled(_one_or_all(size, np.int64), np.ascontiguousarray(up, bool),
+                              np.ascontiguousarray(down, bool), int(initial), out)
+        return out
     out = np.where(up, size, 0).astype(np.int64, copy=False)
     np.subtract(out, size, out=out, where=down)
     np.cumsum(out, out=out)
@@ -195,32 +193,57 @@ def _running_sum(size, up, down, initial) -> np.ndarray:
     return out
 
 
-try:  # the one-pass pairing (analysis/allocator/_replay.c), when it is built
+try:  # the one-pass pairing and running sum (analysis/allocator/_replay.c), when it is built
     from .allocator._replay import pair_lifetimes as _pair_compiled
+    from .allocator._replay import running_sum as _running_sum_compiled
 except ImportError:  # pragma: no cover - no C compiler where it was installed
     _pair_compiled = None  # type: ignore[assignment]
+    _running_sum_compiled = None  # type: ignore[assignment]
 
 
-def _lifetimes(addr, size, stack, is_alloc, is_free):
+def _one_or_all(column: np.ndarray, dtype) -> np.ndarray:
+    """A column as the compiled loops read it: contiguous in `dtype` (no copy when it already is), or its one
+    value when it is a constant column (a zero-stride view of one value, not copied out to one per entry)."""
+    if len(column) > 1 and column.strides == (0,):
+        return np.ascontiguousarray(column[:1], dtype)
+    return np.ascontiguousarray(column, dtype)
+
+
+def _lifetimes(addr, size, stack, is_alloc, is_free, blocks=None):
     """Pair each alloc with the next entry of its address when that is a free_completed: the compiled pass, else
-    the vectorised sort by address (_lifetimes_sorted). Returns the allocations in order of their first entry
-    and, per address in ascending order, its last entry's address, whether it was an alloc, and its size."""
+    the vectorised sort by address (_lifetimes_sorted). `blocks`: (addr, size, stack_id) of the final segments'
+    live blocks, whose addresses no entry names are allocations made before the trace (appended, never freed).
+    Returns the allocations in order of their first entry (then those blocks) and, per address in no particular
+    order, its last entry's address, whether it was an alloc, and its size."""
     got = None
     if _pair_compiled is not None:
-        one_stack = len(stack) > 1 and stack.strides == (0,)  # a constant column: passed as its one value
-        got = _pair_compiled(*(np.ascontiguousarray(c, t) for c, t in (
-            (addr, np.uint64), (size, np.int64), (stack[:1] if one_stack else stack, np.int32),
-            (is_alloc, bool), (is_free, bool))))
+        extra = () if blocks is None else (np.ascontiguousarray(blocks[0], np.uint64),
+                                           np.ascontiguousarray(blocks[1], np.int64),
+                                           _one_or_all(blocks[2], np.int32))
+        got = _pair_compiled(np.ascontiguousarray(addr, np.uint64), _one_or_all(size, np.int64),
+                             _one_or_all(stack, np.int32), np.ascontiguousarray(is_alloc, bool),
+                             np.ascontiguousarray(is_free, bool), *extra)
     if got is None:
-        return _lifetimes_sorted(addr, size, stack, is_alloc, is_free)
+        rows, *last = _lifetimes_sorted(addr, size, stack, is_alloc, is_free)
+        if blocks is not None:
+            rows = _before_trace(rows, last[0], *blocks)
+        return (rows, *last)
     cols = [np.frombuffer(b, t) for b, t in zip(got, (np.uint64, np.int64, np.int64, np.int64, np.int32, np.int32,
-                                                      np.int8, np.int64))]
-    rows = Allocations(*cols[:7])
-    last = cols[7]
-    la = addr[last]
-    order = np.argsort(la)  # addresses are distinct: by address, as the sorted pairing gives them
-    last = last[order]
-    return rows, la[order], is_alloc[last], size[last]
+                                                      np.int8, np.uint64, bool, np.int64))]
+    return Allocations(*cols[:7]), *cols[7:]
+
+
+def _before_trace(rows: Allocations, last_addr, b_addr, b_size, b_stack) -> Allocations:
+    """`rows` and, after them, the blocks live at the end whose address the trace never touches: allocated
+    before it began (what the compiled pairing appends itself)."""
+    untouched = ~isin_ints(b_addr, last_addr)
+    k = int(untouched.sum())
+    if not k:
+        return rows
+    return _concat(rows, Allocations(
+        addr=b_addr[untouched], size=b_size[untouched], alloc_index=np.full(k, -1, np.int64),
+        free_index=np.full(k, -1, np.int64), stack_id=b_stack[untouched], free_stack_id=np.full(k, -1, np.int32),
+        origin=np.full(k, BEFORE_TRACE, np.int8)))
 
 
 def _lifetimes_sorted(addr, size, stack, is_alloc, is_free):
@@ -281,37 +304,69 @@ def _check(last_addr, last_is_alloc, last_size, b_addr, b_size, b_requested) -> 
 
     Trace entries record the requested size (newer torch) or the block size
     (older), so a live allocation matches a block of the same address with
-    either size.
+    either size. Vectorised: each address's block by a binary search among the
+    blocks sorted by address (of blocks that share an address, the last one, as
+    a dict of them keeps it); the first 20 problems by address.
     """
-    final = dict(zip(b_addr.tolist(), zip(b_size.tolist(), b_requested.tolist())))
+    last_addr, b_addr = np.asarray(last_addr, np.uint64), np.asarray(b_addr, np.uint64)
+    alive = np.asarray(last_is_alloc, bool)
+    found = np.zeros(len(last_addr), bool)
+    block_of = {}  # address (its position in last_addr) -> its final block, for the few that have one
+    bad_found = np.zeros(0, np.intp)
+    if len(b_addr) and len(last_addr):
+        order = np.argsort(b_addr, kind="stable")
+        sorted_addr = b_addr[order]
+        keep = np.ones(len(order), bool)
+        keep[:-1] = sorted_addr[:-1] != sorted_addr[1:]  # the last of each run of one address
+        order, sorted_addr = order[keep], sorted_addr[keep]
+        pos = np.searchsorted(sorted_addr, last_addr)
+        np.minimum(pos, len(sorted_addr) - 1, out=pos)
+        found = sorted_addr[pos] == last_addr
+        hit = np.flatnonzero(found)  # at most one address per block
+        blk = order[pos[hit]]
+        size = last_size[hit]
+        wrong_size = alive[hit] & (size != b_size[blk]) & (size != b_requested[blk])
+        bad_found = hit[wrong_size | ~alive[hit]]
+        block_of = dict(zip(hit.tolist(), blk.tolist()))
+    bad = np.concatenate([np.flatnonzero(alive & ~found), bad_found])
+    bad = bad[np.argsort(last_addr[bad], kind="stable")[:20]]
     problems = []
-    for addr, alive, size in zip(last_addr.tolist(), last_is_alloc.tolist(), last_size.tolist()):
-        got = final.get(addr)
-        if alive and got is None:
+    for i in bad.tolist():
+        addr, size = int(last_addr[i]), int(last_size[i])
+        if i not in block_of:
             problems.append((addr, size, "allocated in the trace and never freed, but not live in the final segments"))
-        elif alive and got is not None and size not in got:
-            problems.append((addr, size, f"live at the end with size {size}, but the final block has size {got[0]}"))
-        elif not alive and got is not None:
-            problems.append((addr, got[0], "freed in the trace and never reallocated, but live in the final segments"))
-        if len(problems) >= 20:
-            break
+        elif not alive[i]:
+            problems.append((addr, int(b_size[block_of[i]]),
+                             "freed in the trace and never reallocated, but live in the final segments"))
+        else:
+            problems.append((addr, size, f"live at the end with size {size}, but the final block has size "
+                                         f"{int(b_size[block_of[i]])}"))
     return Invariant(checked=True, ok=not problems, problems=problems)
 
 
 def _reserved(trace, device, action, size, has_segments):
-    grow = isin_few(action, (SEGMENT_ALLOC, SEGMENT_MAP))
-    shrink = isin_few(action, (SEGMENT_FREE, SEGMENT_UNMAP))
+    """(reserved bytes after each entry, before the first). It changes only at the few segment entries: the
+    curve is made from those, one level per run of entries between them, and is a constant column (no memory)
+    when it holds one value throughout (a trace that reserves nothing new: a warmed-up step)."""
+    at = np.flatnonzero(isin_few(action, (SEGMENT_ALLOC, SEGMENT_MAP, SEGMENT_FREE, SEGMENT_UNMAP)))
+    grow = isin_few(action[at], (SEGMENT_ALLOC, SEGMENT_MAP))
+    change = np.where(grow, size[at], -size[at]).astype(np.int64, copy=False)
     if has_segments:
         final = int(trace.segments.total_size[trace.segments.device == device].sum())
         # what the segment entries add up to, from the few entries that change it
-        initial = final - (int(size[grow].sum()) - int(size[shrink].sum()))
+        initial = final - (int(size[at][grow].sum()) - int(size[at][~grow].sum()))
     else:
         initial = trace.meta.get("initial_reserved", {}).get(device)
         if initial is None:
             return None, None
         initial = int(initial)
-    # a trace that reserves nothing new (a warmed-up step) has one value throughout: kept as a constant column
-    return compact_column(_running_sum(size, grow, shrink, initial)), initial
+    n = len(action)
+    levels = np.cumsum(np.concatenate([np.array([initial], np.int64), change]))  # before the first, after each
+    runs = np.diff(np.concatenate([[0], at, [n]]))  # entries at each level: up to the first change, from each
+    levels = levels[runs > 0]
+    if n > 1 and (levels == levels[0]).all():
+        return constant_column(levels[0], n, np.int64), initial
+    return np.repeat(levels, runs[runs > 0]), initial
 
 
 MIN_BLOCK = 512  # the caching allocator rounds every request up to a multiple of this

@@ -14,17 +14,15 @@
  *                                               1 allocated, 2 pending; seg: start of its segment)
  *        seg_start, seg_size,                   its segments
  *        divisions (16 x int64), max_split_size, max_non_split_rounding,
- *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry; an empty one:
- *                                               out_allocated not written, out_reserved and out_block
- *                                               written sparse (below), not one int64 per entry
- *        [stop])                                 stop after this entry (default: the whole trace)
+ *        out_allocated, out_reserved, out_block  writable int64 buffers, one value per entry; out_reserved may
+ *                                               be one value when no entry is a segment_alloc or segment_free
+ *                                               (then it never changes)
+ *        [stop,                                  stop after this entry (default -1: the whole trace)
+ *         out_entries])                          writable int32 or int64: then out_block is sparse, the blocks
+ *                                               the allocs got in order of entry, their entries here (both at
+ *                                               least as long as the alloc entries; what follows stays as it is)
  * -> (placed, slack, [count per reason], allocated0, reserved0,
- *     [(addr, size, state, first block of its segment), ...] the blocks at the end,
- *     block entries, block sizes, reserved entries, reserved values)
- * The last four are bytes, empty unless out_block / out_reserved is: the entries that got a block (int32
- * below 2**31 entries, else int64) and its size (int64), the entries after which reserved changed and its
- * value then (both int64): a 10M-entry trace's block sizes are a third of its entries, and reserved most
- * often changes a few times, where the dense buffers take 76 MiB each.
+ *     [(addr, size, state, first block of its segment), ...] the blocks at the end)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -166,6 +164,21 @@ static void map_del(Map *m, uint64_t k) {
             i = j;
         }
     }
+}
+
+/* The value slot of key k, made (holding NONE) when k is not there yet: one probe where a map_get and a
+ * map_put take two. NULL when out of memory. The pointer holds until the next insertion. */
+static int32_t *map_slot(Map *m, uint64_t k) {
+    if ((m->n + 1) * 2 > m->cap && map_grow(m) < 0) return NULL;
+    size_t mask = m->cap - 1, i = mix(k) & mask;
+    while (m->keys[i] != EMPTY) {
+        if (m->keys[i] == k) return &m->vals[i];
+        i = (i + 1) & mask;
+    }
+    m->keys[i] = k;
+    m->vals[i] = NONE;
+    m->n++;
+    return &m->vals[i];
 }
 
 static int32_t new_blk(St *s) {
@@ -482,28 +495,17 @@ static int get_buf(PyObject *o, Buf *b, Py_ssize_t item, int writable, const cha
 
 #define LEN(b) ((b).v.len / (b).v.itemsize)
 
-typedef struct { char *p; Py_ssize_t n, cap; } Grow;  /* a growing array of fixed-size items */
-
-static int grow_push(Grow *g, const void *item, size_t size) {
-    if (reserve((void **)&g->p, &g->cap, g->n + 1, size) < 0) return -1;
-    memcpy(g->p + (size_t)g->n * size, item, size);
-    g->n++;
-    return 0;
-}
-
-static PyObject *grow_bytes(Grow *g, size_t size) {
-    return PyBytes_FromStringAndSize(g->p ? g->p : "", (Py_ssize_t)((size_t)g->n * size));
-}
-
 static PyObject *replay(PyObject *self, PyObject *args) {
     PyObject *o[20];
     unsigned long long mss;
     long long rounding;
     Py_ssize_t stop = -1;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOKLOOO|n", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+    PyObject *oe = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOKLOOO|nO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
                           &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &mss, &rounding, &o[14], &o[15], &o[16],
-                          &stop))
+                          &stop, &oe))
         return NULL;
+    Buf E = {0};  /* out_entries */
     static const Py_ssize_t items[17] = {1, 8, 8, 8, 8, 8, 8, 1, 1, 8, 8, 8, 8, 8, 8, 8, 8};
     static const char *names[17] = {"action", "addr", "size", "stream", "blk_addr", "blk_size", "blk_stream",
                                     "blk_state", "blk_small", "blk_seg", "blk_req", "seg_start", "seg_size",
@@ -514,14 +516,20 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     memset(&S, 0, sizeof(S));
     St *s = &S;
     PyObject *result = NULL;
-    /* the sparse outputs: (entry, block size) of every entry that got a block, (entry, reserved) where it changed */
-    Grow g_bi = {0}, g_bs = {0}, g_ri = {0}, g_rv = {0};
-    size_t bi_size = 8;
     for (int k = 0; k < 17; k++)
         if (get_buf(o[k], &B[k], items[k], k >= 14, names[k]) < 0) goto done;
+    if (oe && oe != Py_None) {
+        if (PyObject_GetBuffer(oe, &E.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        E.have = 1;
+        if (E.v.itemsize != 4 && E.v.itemsize != 8) {
+            PyErr_SetString(PyExc_ValueError, "out_entries: items of 4 or 8 bytes expected");
+            goto done;
+        }
+    }
     Py_ssize_t n = LEN(B[0]);
-    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || (LEN(B[14]) != n && LEN(B[14]))
-        || (LEN(B[15]) != n && LEN(B[15])) || (LEN(B[16]) != n && LEN(B[16])) || LEN(B[13]) != INTERVALS) {
+    if (LEN(B[1]) != n || LEN(B[2]) != n || (LEN(B[3]) != n && LEN(B[3]) != 1) || LEN(B[14]) != n
+        || (LEN(B[15]) != n && LEN(B[15]) != 1)
+        || (E.have ? LEN(E) != LEN(B[16]) : LEN(B[16]) != n) || LEN(B[13]) != INTERVALS) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
     }
@@ -529,9 +537,22 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     const uint64_t *addr = B[1].v.buf;
     const int64_t *size = B[2].v.buf, *stream = B[3].v.buf;
     const Py_ssize_t stream_step = LEN(B[3]) == n ? 1 : 0;  /* one value: every entry's stream */
-    int64_t *out_alloc = LEN(B[14]) ? B[14].v.buf : NULL, *out_res = LEN(B[15]) ? B[15].v.buf : NULL,
-            *out_blk = LEN(B[16]) ? B[16].v.buf : NULL;
-    bi_size = n < ((Py_ssize_t)1 << 31) ? 4 : 8;
+    int64_t *out_alloc = B[14].v.buf, *out_res = B[15].v.buf, *out_blk = B[16].v.buf;
+    /* out_reserved one value: written in place each time; out_block sparse (with out_entries): the k-th alloc
+     * that gets a block puts it at k */
+    const Py_ssize_t res_step = LEN(B[15]) == n ? 1 : 0, nblk = LEN(B[16]);
+    int32_t *ent32 = E.have && E.v.itemsize == 4 ? E.v.buf : NULL;
+    int64_t *ent64 = E.have && E.v.itemsize == 8 ? E.v.buf : NULL;
+    Py_ssize_t kb = 0;  /* blocks put so far (sparse) */
+#define PUT_BLOCK(z) do {                                                                                  \
+        if (!E.have) out_blk[i] = (z);                                                                      \
+        else if ((z) != 0) {                                                                                \
+            if (kb >= nblk) { PyErr_SetString(PyExc_ValueError, "out_block: fewer values than allocs"); goto done; } \
+            out_blk[kb] = (z);                                                                              \
+            if (ent32) ent32[kb] = (int32_t)i; else ent64[kb] = i;                                          \
+            kb++;                                                                                           \
+        }                                                                                                   \
+    } while (0)
     memcpy(s->div, B[13].v.buf, sizeof(s->div));
     s->mss = mss;
     s->rounding = rounding;
@@ -569,23 +590,12 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             prev = bi;
         }
     }
-    int64_t allocated0 = s->allocated, reserved0 = s->reserved, last_res = s->reserved;
-#define BLOCK_OUT(i, v) do { int64_t v_ = (v); \
-        if (out_blk) out_blk[i] = v_; \
-        else if (v_) { int64_t i64_ = (i); int32_t i32_ = (int32_t)(i); \
-            if (grow_push(&g_bi, bi_size == 4 ? (void *)&i32_ : (void *)&i64_, bi_size) < 0 \
-                || grow_push(&g_bs, &v_, 8) < 0) { PyErr_NoMemory(); goto done; } } } while (0)
-#define CURVES_OUT(i) do { \
-        if (out_alloc) out_alloc[i] = s->allocated; \
-        if (out_res) out_res[i] = s->reserved; \
-        else if (s->reserved != last_res) { int64_t i64_ = (i); last_res = s->reserved; \
-            if (grow_push(&g_ri, &i64_, 8) < 0 || grow_push(&g_rv, &last_res, 8) < 0) { PyErr_NoMemory(); goto done; } } \
-    } while (0)
+    int64_t allocated0 = s->allocated, reserved0 = s->reserved;
     if (stop >= 0 && stop + 1 < n) n = stop + 1;  /* the state after entry `stop` */
     long long placed = 0, slack = 0, reasons[N_REASONS] = {0};
     for (Py_ssize_t i = 0; i < n; i++) {
         int a = action[i];
-        if (out_blk) out_blk[i] = 0;
+        if (!E.have) out_blk[i] = 0;
         if (a == A_ALLOC) {
             uint64_t p = addr[i];
             int64_t r = size[i], st = stream[i * stream_step];
@@ -633,8 +643,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                     b->prev = b->next = NONE; b->flags = F_ALLOCATED | F_PHANTOM;
                     s->allocated += sz;
                     if (map_put(&s->live, p, ph) < 0) { PyErr_NoMemory(); goto done; }
-                    BLOCK_OUT(i, sz);
-                    CURVES_OUT(i);
+                    PUT_BLOCK(sz);
+                    out_alloc[i] = s->allocated;
+                    out_res[i * res_step] = s->reserved;
                     continue;
                 }
             }
@@ -643,7 +654,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             int32_t old = map_get(&s->live, p);
             if (old != NONE && (s->b[old].flags & (F_ALLOCATED | F_PENDING))) reasons[R_TWICE]++;
             if (map_put(&s->live, p, bi) < 0) { PyErr_NoMemory(); goto done; }
-            BLOCK_OUT(i, s->b[bi].size);
+            PUT_BLOCK(s->b[bi].size);
         } else if (a == A_FREE_REQUESTED) {
             int32_t bi = map_get(&s->live, addr[i]);
             if (bi == NONE || !(s->b[bi].flags & F_ALLOCATED)) reasons[R_FREE_UNKNOWN]++;
@@ -690,10 +701,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "expandable segments: use the Python replay");
             goto done;
         }
-        CURVES_OUT(i);
+        out_alloc[i] = s->allocated;
+        out_res[i * res_step] = s->reserved;
     }
-#undef BLOCK_OUT
-#undef CURVES_OUT
     while (s->nfresh) {
         if (flush(s, s->fresh[0].stream) < 0) { PyErr_NoMemory(); goto done; }
     }
@@ -714,13 +724,13 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 Py_DECREF(t);
             }
         }
-        result = Py_BuildValue("(LLNLLNNNNN)", placed, slack, counts, (long long)allocated0, (long long)reserved0, final,
-                               grow_bytes(&g_bi, bi_size), grow_bytes(&g_bs, 8), grow_bytes(&g_ri, 8),
-                               grow_bytes(&g_rv, 8));
+        result = Py_BuildValue("(LLNLLN)", placed, slack, counts, (long long)allocated0, (long long)reserved0, final);
     }
 done:
+#undef PUT_BLOCK
     for (int k = 0; k < 17; k++)
         if (B[k].have) PyBuffer_Release(&B[k].v);
+    if (E.have) PyBuffer_Release(&E.v);
     PyMem_RawFree(s->b);
     PyMem_RawFree(s->freeslots);
     PyMem_RawFree(s->blocks.keys);
@@ -731,10 +741,6 @@ done:
     PyMem_RawFree(s->pool[1].k);
     PyMem_RawFree(s->segs);
     PyMem_RawFree(s->fresh);
-    PyMem_RawFree(g_bi.p);
-    PyMem_RawFree(g_bs.p);
-    PyMem_RawFree(g_ri.p);
-    PyMem_RawFree(g_rv.p);
     return result;
 }
 
@@ -763,7 +769,10 @@ static PyObject *first_touches(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int a = action[i];
         if (a != A_ALLOC && a != A_FREE_REQUESTED && a != A_FREE_COMPLETED) continue;
-        if (addr[i] == EMPTY || map_get(&m, addr[i]) != NONE) continue;
+        if (addr[i] == EMPTY) continue;
+        int32_t *v = map_slot(&m, addr[i]);
+        if (!v) { PyErr_NoMemory(); goto done; }
+        if (*v != NONE) continue;
         if (k == cap) {
             cap *= 2;
             uint64_t *q1 = PyMem_RawRealloc(ua, cap * sizeof(uint64_t));
@@ -774,7 +783,7 @@ static PyObject *first_touches(PyObject *self, PyObject *args) {
             if (q3) uc = q3;
             if (!q1 || !q2 || !q3) { PyErr_NoMemory(); goto done; }
         }
-        if (map_put(&m, addr[i], (int32_t)k) < 0) { PyErr_NoMemory(); goto done; }
+        *v = (int32_t)k;
         ua[k] = addr[i];
         ui[k] = i;
         uc[k] = (int8_t)a;
@@ -793,107 +802,162 @@ done:
     return result;
 }
 
-/* A growable column held in a bytearray (handed to numpy without a copy). */
-typedef struct { PyObject *o; Py_ssize_t n, cap, item; } Col;
-static int col_push(Col *c, const void *v) {
-    if (c->n == c->cap) {
-        Py_ssize_t cap = c->cap ? c->cap + c->cap / 2 + 1024 : 1 << 16;
-        if (!c->o) c->o = PyByteArray_FromStringAndSize(NULL, cap * c->item);
-        else if (PyByteArray_Resize(c->o, cap * c->item) < 0) return -1;
-        if (!c->o) return -1;
-        c->cap = cap;
-    }
-    memcpy(PyByteArray_AS_STRING(c->o) + c->n * c->item, v, (size_t)c->item);
-    c->n++;
-    return 0;
-}
-static PyObject *col_take(Col *c) {
-    if (!c->o) return PyByteArray_FromStringAndSize(NULL, 0);
-    if (PyByteArray_Resize(c->o, c->n * c->item) < 0) return NULL;
-    PyObject *o = c->o;
-    c->o = NULL;
-    return o;
-}
-
-/* pair_lifetimes(addr, size, stack, is_alloc, is_free) -> (addr, size, alloc_index, free_index, stack_id,
- * free_stack_id, origin, last) as bytearrays, or None when an address is UINT64_MAX (the map's empty key) or there
- * are 2**31 entries or more. One device's entries in order (`stack` may be one value for all); each alloc pairs with
- * the next entry of its address when that is a free; a free whose address's previous entry is not an alloc stands
- * alone (allocated before the trace: origin 1). One row per lifetime, in order of its first entry, -1 where it has
- * no alloc or no free; `last`: the last alloc or free entry of each address (int64), in no order. What
- * analysis/replay.py's pairing by a sort of the addresses gives, in one pass. */
+/* pair_lifetimes(addr, size, stack, is_alloc, is_free[, blk_addr, blk_size, blk_stack]) -> (addr, size,
+ * alloc_index, free_index, stack_id, free_stack_id, origin, last_addr, last_is_alloc, last_size) as bytearrays,
+ * or None when an address is
+ * UINT64_MAX (the map's empty key) or there are 2**31 entries or more. One device's entries in order (`stack` and
+ * `size` may be one value for all); each alloc pairs with the next entry of its address when that is a free; a
+ * free whose address's previous entry is not an alloc stands alone (allocated before the trace: origin 1). One
+ * row per lifetime, in order of its first entry, -1 where it has no alloc or no free; then, when the final
+ * segments' live blocks are given (uint64, int64, int32; stack may be one value), a row for each whose address
+ * no entry names (allocated before the trace, never freed: origin 1), in their order. last_*: each address the
+ * entries name (uint64), whether its last alloc or free entry is an alloc (bool), that entry's size (int64), in
+ * no order. What analysis/replay.py's pairing by a sort of the addresses gives, in one pass. */
 static PyObject *pair_lifetimes(PyObject *self, PyObject *args) {
-    PyObject *o[5];
-    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])) return NULL;
-    static const Py_ssize_t items[5] = {8, 8, 4, 1, 1};
-    static const char *names[5] = {"addr", "size", "stack", "is_alloc", "is_free"};
-    Buf B[5];
+    PyObject *o[8] = {NULL};
+    if (!PyArg_ParseTuple(args, "OOOOO|OOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7])) return NULL;
+    static const Py_ssize_t items[8] = {8, 8, 4, 1, 1, 8, 8, 4};
+    static const char *names[8] = {"addr", "size", "stack", "is_alloc", "is_free", "blk_addr", "blk_size",
+                                   "blk_stack"};
+    static const Py_ssize_t widths[10] = {8, 8, 8, 8, 4, 4, 1, 8, 1, 8};
+    Buf B[8];
     memset(B, 0, sizeof B);
     Map m = {0};
-    Col c[8] = {{NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 8}, {NULL, 0, 0, 4}, {NULL, 0, 0, 4},
-                {NULL, 0, 0, 1}, {NULL, 0, 0, 8}};
+    PyObject *c[10] = {NULL};
     PyObject *result = NULL;
-    int32_t *row_at = NULL;
-    for (int k = 0; k < 5; k++)
+    int nargs = o[5] ? 8 : 5;
+    if (o[5] && (!o[6] || !o[7])) { PyErr_SetString(PyExc_TypeError, "the blocks take three columns"); return NULL; }
+    for (int k = 0; k < nargs; k++)
         if (get_buf(o[k], &B[k], items[k], 0, names[k]) < 0) goto done;
-    Py_ssize_t n = LEN(B[0]);
-    if (LEN(B[1]) != n || LEN(B[3]) != n || LEN(B[4]) != n || (LEN(B[2]) != n && LEN(B[2]) != 1)) {
+    Py_ssize_t n = LEN(B[0]), nb = nargs == 8 ? LEN(B[5]) : 0;
+    if ((LEN(B[1]) != n && LEN(B[1]) != 1) || LEN(B[3]) != n || LEN(B[4]) != n || (LEN(B[2]) != n && LEN(B[2]) != 1)
+        || (nargs == 8 && (LEN(B[6]) != nb || (LEN(B[7]) != nb && LEN(B[7]) != 1)))) {
         PyErr_SetString(PyExc_ValueError, "column lengths differ");
         goto done;
     }
-    if (n >= INT32_MAX) { result = Py_None; Py_INCREF(result); goto done; }
+    if (n >= INT32_MAX - 2) { result = Py_None; Py_INCREF(result); goto done; }
     const uint64_t *addr = B[0].v.buf;
     const int64_t *size = B[1].v.buf;
     const int32_t *stack = B[2].v.buf;
     const uint8_t *al = B[3].v.buf, *fr = B[4].v.buf;
-    int one_stack = LEN(B[2]) == 1 && n != 1;
-    row_at = PyMem_RawMalloc((n ? (size_t)n : 1) * sizeof(int32_t));  /* an alloc's row, by entry */
-    if (!row_at || map_init(&m, 1024) < 0) { PyErr_NoMemory(); goto done; }
-    const int64_t none = -1;
-    const int32_t no_stack = -1;
-    const int8_t traced = 0, before = 1;
+    const Py_ssize_t size_step = LEN(B[1]) == n ? 1 : 0, stack_step = LEN(B[2]) == n ? 1 : 0;
+    /* every row takes an alloc or a free of its own, or a block: that many rows at most, the columns made
+     * that long at once (pages never written cost no memory) and cut to length at the end */
+    Py_ssize_t cap = nb;
+    for (Py_ssize_t i = 0; i < n; i++) cap += al[i] | fr[i];
+    for (int k = 0; k < 7; k++)
+        if (!(c[k] = PyByteArray_FromStringAndSize(NULL, (cap ? cap : 1) * widths[k]))) goto done;
+    uint64_t *r_addr = (uint64_t *)PyByteArray_AS_STRING(c[0]);
+    int64_t *r_size = (int64_t *)PyByteArray_AS_STRING(c[1]), *r_alloc = (int64_t *)PyByteArray_AS_STRING(c[2]),
+            *r_free = (int64_t *)PyByteArray_AS_STRING(c[3]);
+    int32_t *r_stack = (int32_t *)PyByteArray_AS_STRING(c[4]), *r_fstack = (int32_t *)PyByteArray_AS_STRING(c[5]);
+    int8_t *r_origin = (int8_t *)PyByteArray_AS_STRING(c[6]);
+    if (map_init(&m, 1024) < 0) { PyErr_NoMemory(); goto done; }
+    /* each address's value in the map: its last entry, as the row of that alloc (>= 0) or -2 - the entry of
+     * that free */
+    Py_ssize_t r = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!al[i] && !fr[i]) continue;
+        if (!(al[i] | fr[i])) continue;
         uint64_t x = addr[i];
         if (x == EMPTY) { result = Py_None; Py_INCREF(result); goto done; }
-        int32_t prev = map_get(&m, x);
-        int64_t at = i;
-        int32_t st = stack[one_stack ? 0 : i];
+        int32_t *v = map_slot(&m, x);
+        if (!v) { PyErr_NoMemory(); goto done; }
+        int32_t st = stack[i * stack_step];
         if (al[i]) {
-            row_at[i] = (int32_t)c[0].n;
-            if (col_push(&c[0], &x) || col_push(&c[1], &size[i]) || col_push(&c[2], &at) || col_push(&c[3], &none) ||
-                col_push(&c[4], &st) || col_push(&c[5], &no_stack) || col_push(&c[6], &traced))
-                goto done;
-        } else if (prev != NONE && al[prev]) {  /* the free of the alloc just before it at this address */
-            int32_t r = row_at[prev];
-            ((int64_t *)PyByteArray_AS_STRING(c[3].o))[r] = at;
-            ((int32_t *)PyByteArray_AS_STRING(c[5].o))[r] = st;
-        } else if (col_push(&c[0], &x) || col_push(&c[1], &size[i]) || col_push(&c[2], &none) ||
-                   col_push(&c[3], &at) || col_push(&c[4], &no_stack) || col_push(&c[5], &st) ||
-                   col_push(&c[6], &before)) {
-            goto done;
+            r_addr[r] = x; r_size[r] = size[i * size_step]; r_alloc[r] = i; r_free[r] = -1;
+            r_stack[r] = st; r_fstack[r] = -1; r_origin[r] = 0;
+            *v = (int32_t)r++;
+            continue;
         }
-        if (map_put(&m, x, (int32_t)i) < 0) { PyErr_NoMemory(); goto done; }
+        if (*v >= 0) {  /* the free of the alloc just before it at this address */
+            r_free[*v] = i;
+            r_fstack[*v] = st;
+        } else {
+            r_addr[r] = x; r_size[r] = size[i * size_step]; r_alloc[r] = -1; r_free[r] = i;
+            r_stack[r] = -1; r_fstack[r] = st; r_origin[r] = 1;
+            r++;
+        }
+        *v = (int32_t)(-2 - i);
     }
-    for (size_t i = 0; i < m.cap; i++) {
-        if (m.keys[i] == EMPTY) continue;
-        int64_t at = m.vals[i];
-        if (col_push(&c[7], &at)) goto done;
+    if (nargs == 8) {
+        const uint64_t *ba = B[5].v.buf;
+        const int64_t *bz = B[6].v.buf;
+        const int32_t *bst = B[7].v.buf;
+        const Py_ssize_t bst_step = LEN(B[7]) == nb ? 1 : 0;
+        for (Py_ssize_t k = 0; k < nb; k++) {
+            if (map_get(&m, ba[k]) != NONE) continue;
+            r_addr[r] = ba[k]; r_size[r] = bz[k]; r_alloc[r] = -1; r_free[r] = -1;
+            r_stack[r] = bst[k * bst_step]; r_fstack[r] = -1; r_origin[r] = 1;
+            r++;
+        }
     }
-    result = PyTuple_New(8);
+    for (int k = 7; k < 10; k++)
+        if (!(c[k] = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(m.n ? m.n : 1) * widths[k]))) goto done;
+    uint64_t *l_addr = (uint64_t *)PyByteArray_AS_STRING(c[7]);
+    uint8_t *l_alloc = (uint8_t *)PyByteArray_AS_STRING(c[8]);
+    int64_t *l_size = (int64_t *)PyByteArray_AS_STRING(c[9]);
+    Py_ssize_t u = 0;
+    for (size_t k = 0; k < m.cap; k++) {
+        if (m.keys[k] == EMPTY) continue;
+        int32_t v = m.vals[k];
+        l_addr[u] = m.keys[k];
+        l_alloc[u] = v >= 0;
+        l_size[u] = v >= 0 ? r_size[v] : size[(-2 - (int64_t)v) * size_step];
+        u++;
+    }
+    for (int k = 0; k < 10; k++)
+        if (PyByteArray_Resize(c[k], (k < 7 ? r : u) * widths[k]) < 0) goto done;
+    result = PyTuple_New(10);
     if (!result) goto done;
-    for (int k = 0; k < 8; k++) {
-        PyObject *t = col_take(&c[k]);
-        if (!t) { Py_CLEAR(result); goto done; }
-        PyTuple_SET_ITEM(result, k, t);
+    for (int k = 0; k < 10; k++) {
+        PyTuple_SET_ITEM(result, k, c[k]);
+        c[k] = NULL;
     }
 done:
-    for (int k = 0; k < 5; k++)
+    for (int k = 0; k < 8; k++)
         if (B[k].have) PyBuffer_Release(&B[k].v);
-    for (int k = 0; k < 8; k++) Py_XDECREF(c[k].o);
+    for (int k = 0; k < 10; k++) Py_XDECREF(c[k]);
     PyMem_RawFree(m.keys);
     PyMem_RawFree(m.vals);
-    PyMem_RawFree(row_at);
+    return result;
+}
+
+/* running_sum(size, up, down, initial, out): out[i] = initial plus size[j] for every j <= i where up[j], less
+ * size[j] where down[j], wrapping as numpy's int64 does; `size` (int64) may be one value for every entry, `up`
+ * and `down` are bool, `out` a writable int64 buffer as long. replay.py's allocated bytes after each entry, in one
+ * pass and no temporary of the entries' length. */
+static PyObject *running_sum(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    long long initial;
+    if (!PyArg_ParseTuple(args, "OOOLO", &o[0], &o[1], &o[2], &initial, &o[3])) return NULL;
+    static const Py_ssize_t items[4] = {8, 1, 1, 8};
+    static const char *names[4] = {"size", "up", "down", "out"};
+    Buf B[4];
+    memset(B, 0, sizeof B);
+    PyObject *result = NULL;
+    for (int k = 0; k < 4; k++)
+        if (get_buf(o[k], &B[k], items[k], k == 3, names[k]) < 0) goto done;
+    Py_ssize_t n = LEN(B[3]);
+    if ((LEN(B[0]) != n && LEN(B[0]) != 1) || LEN(B[1]) != n || LEN(B[2]) != n) {
+        PyErr_SetString(PyExc_ValueError, "column lengths differ");
+        goto done;
+    }
+    const int64_t *size = B[0].v.buf;
+    const uint8_t *up = B[1].v.buf, *down = B[2].v.buf;
+    int64_t *out = B[3].v.buf;
+    const Py_ssize_t step = LEN(B[0]) == n ? 1 : 0;
+    uint64_t run = (uint64_t)initial;  /* unsigned: wraps without undefined behaviour */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t z = (uint64_t)size[i * step];
+        run += up[i] ? z : 0;
+        run -= down[i] ? z : 0;
+        out[i] = (int64_t)run;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int k = 0; k < 4; k++)
+        if (B[k].have) PyBuffer_Release(&B[k].v);
     return result;
 }
 
@@ -904,6 +968,7 @@ static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS, "Replay one device's trace through the caching-allocator model."},
     {"first_touches", first_touches, METH_VARARGS, "First alloc/free entry of every address, in order of entry."},
     {"pair_lifetimes", pair_lifetimes, METH_VARARGS, "One device's allocs and frees paired into lifetimes, in one pass."},
+    {"running_sum", running_sum, METH_VARARGS, "Allocated bytes after each entry: a running sum, in one pass."},
     {"change_steps", change_steps, METH_VARARGS, "Per class, allocations' changes in entry order and their running sum."},
     {"group_peaks", group_peaks, METH_VARARGS, "The most bytes each group of allocations held live at once."},
     {NULL, NULL, 0, NULL},

@@ -28,12 +28,16 @@ def replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.nd
            blk_small: np.ndarray, blk_seg: np.ndarray, blk_requested: np.ndarray,
            seg_start: np.ndarray, seg_size: np.ndarray,
            divisions: np.ndarray, max_split_size: int, max_non_split_rounding: int,
-           out_allocated: np.ndarray, out_reserved: np.ndarray, out_block: np.ndarray, stop: int = ..., /
+           out_allocated: np.ndarray, out_reserved: np.ndarray, out_block: np.ndarray, stop: int = ...,
+           out_entries: np.ndarray | None = ..., /
            ) -> tuple[int, int, list[int], int, int, list[tuple[int, int, int, int]]]:
     """Replay one device's entries (action int8, addr uint64, size int64, stream int64) from the state at the first
     entry (its blocks by address: state 0 free, 1 allocated, 2 pending; small 0/1; seg: its segment's start; and its
     segments), under these settings (divisions: INTERVALS int64); writes allocated and reserved bytes and each
-    alloc's block size after every entry into the out_ buffers (int64). Stops after entry `stop` (-1: the end).
+    alloc's block size after every entry into the out_ buffers (int64): out_reserved may be one value where no entry
+    is a segment_alloc or segment_free; with `out_entries` (int32 or int64), out_block is sparse: the blocks the
+    allocs got, in order, and their entries in out_entries (both at least as long as the alloc entries). Stops
+    after entry `stop` (-1: the end).
     -> (placed, slack, count per reason, allocated at the start, reserved at the start,
         [(address, size, state, first block of its segment)] the blocks at the end)."""
 
@@ -41,10 +45,17 @@ def first_touches(action: np.ndarray, addr: np.ndarray, /) -> tuple[bytes, bytes
     """(addresses uint64, index of the first alloc/free entry of each int64, its action int8), in order of entry."""
 
 def pair_lifetimes(addr: np.ndarray, size: np.ndarray, stack: np.ndarray, is_alloc: np.ndarray, is_free: np.ndarray,
+                   blk_addr: np.ndarray = ..., blk_size: np.ndarray = ..., blk_stack: np.ndarray = ...,
                    /) -> tuple[bytearray, ...] | None:
-    """(addr, size, alloc_index, free_index, stack_id, free_stack_id, origin, last entry of each address) of one
-    device's lifetimes, in order of their first entry; None when an address is 2**64 - 1 or there are 2**31 entries
-    or more. `stack` may be one value for every entry."""
+    """(addr, size, alloc_index, free_index, stack_id, free_stack_id, origin) of one device's lifetimes, in order of
+    their first entry, then (given the final segments' live blocks) one allocated before the trace for each block
+    whose address no entry names; then (last_addr, last_is_alloc, last_size): each address named, whether its last
+    alloc or free entry is an alloc, and that entry's size, in no order. None when an address is
+    2**64 - 1 or there are 2**31 - 2 entries or more. `size`, `stack` and `blk_stack` may be one value for all."""
+
+def running_sum(size: np.ndarray, up: np.ndarray, down: np.ndarray, initial: int, out: np.ndarray, /) -> None:
+    """out[i] = initial + size[j] summed over j <= i where up[j], less where down[j] (int64, wrapping); `size` may be
+    one value for every entry."""
 
 def change_steps(alloc_index: np.ndarray, free_index: np.ndarray, size: np.ndarray, cls: np.ndarray, ncls: int, /
                  ) -> tuple[list[int], list[tuple[bytearray, bytearray]]] | None:

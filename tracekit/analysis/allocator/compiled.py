@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from ...model import SEGMENT_MAP, SEGMENT_UNMAP, Trace, constant_column
+from ...model import ALLOC, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, constant_column, isin_few
 from .config import AllocatorConfig
 from .core import Allocator, Device
 from .model_replay import (REASONS, AllocatorReplay, compare_final, replay_device_in_python as _python, settings_of,
@@ -64,11 +64,13 @@ def _plain(snapshot):
 
 def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stream: np.ndarray, start: Allocator,
                     config: AllocatorConfig, out_allocated: np.ndarray, out_reserved: np.ndarray,
-                    out_block: np.ndarray, stop: int = -1) -> tuple:
+                    out_block: np.ndarray, stop: int = -1,
+                    out_entries: np.ndarray | None = None) -> tuple[int, int, list[int], int, int, list]:
     """_replay.replay with its arguments named: the entries' columns (`stream` may be one value, every
     entry's), the allocator `start` holding the state at the first entry (its blocks and segments become the
-    C loop's arrays), the settings, the per-entry outputs (an empty one: out_allocated not written,
-    out_reserved and out_block returned sparse, as bytes, in the last four items)."""
+    C loop's arrays), the settings, the per-entry outputs (`out_reserved` may be one value where no entry is a
+    segment_alloc or segment_free); with `out_entries`, `out_block` is sparse: the blocks the allocs got, in
+    order, their entries in `out_entries`."""
     assert _compiled is not None
     blocks = sorted(start.blocks.values(), key=lambda b: b.addr)
     segs = sorted(start.segments.items())
@@ -81,16 +83,7 @@ def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stre
         np.asarray([b.pool.small for b in blocks], np.int8), u64([b.seg for b in blocks]),
         i64([b.requested for b in blocks]), u64([a for a, _ in segs]), i64([z for _, z in segs]),
         i64(config.roundup_power2_divisions), int(config.max_split_size), int(config.max_non_split_rounding),
-        out_allocated, out_reserved, out_block, stop)
-
-
-def curve_of_changes(initial: int, entries: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    """The int64 value after each of `n` entries of a curve that starts at `initial` and becomes values[k] after
-    entry entries[k] (ascending): a constant column when it never changes (model.constant_column: no memory)."""
-    if not len(entries):
-        return constant_column(initial, n, np.int64)
-    counts = np.diff(entries, prepend=0, append=n)  # each value holds from its entry to the next one's
-    return np.repeat(np.concatenate(([initial], values)), counts)
+        out_allocated, out_reserved, out_block, stop, out_entries)
 
 
 def _stream_column(stream: np.ndarray) -> np.ndarray:
@@ -99,6 +92,15 @@ def _stream_column(stream: np.ndarray) -> np.ndarray:
     if len(stream) > 1 and stream.strides == (0,):
         return np.ascontiguousarray(stream[:1], np.int64)
     return np.ascontiguousarray(stream, np.int64)
+
+
+def _sparse(block_sizes: np.ndarray, entries: np.ndarray) -> dict:
+    """AllocatorReplay's block_entries and block_sizes from the compiled replay's sparse output: the first k of
+    each, k the blocks it put (none is 0; what follows them was left as made, 0)."""
+    k = int(np.count_nonzero(block_sizes))
+    if k == len(block_sizes):
+        return {"block_entries": entries, "block_sizes": block_sizes}
+    return {"block_entries": entries[:k].copy(), "block_sizes": block_sizes[:k].copy()}
 
 
 def _replay(trace, device, config, stop=None):
@@ -114,7 +116,7 @@ def _replay(trace, device, config, stop=None):
     ev = trace.events
     sl = ev.device_slice(device)
     action = np.ascontiguousarray(ev.action[sl], np.int8)
-    if np.isin(action, (SEGMENT_MAP, SEGMENT_UNMAP)).any():
+    if isin_few(action, (SEGMENT_MAP, SEGMENT_UNMAP)).any():
         return python()
     init = initial_state(trace, device, config)
     if any(r.expandable or r.pool_id for r in init.regions):
@@ -124,26 +126,28 @@ def _replay(trace, device, config, stop=None):
     n = len(action)
     if stop is not None and 0 <= stop < n - 1:  # the state after entry `stop`: only the entries up to it are read
         n, action, sl = stop + 1, action[:stop + 1], slice(sl.start, sl.start + stop + 1)
-    # allocated per entry; reserved and the blocks sparse (a 10M-entry trace: 152 MiB fewer at once)
-    none = np.zeros(0, np.int64)
-    out_alloc = np.zeros(n, np.int64) if stop is None else none
-    placed, slack, counts, alloc0, res0, final, b_entries, b_sizes, r_entries, r_values = compiled_replay(
+    # reserved bytes change only at segment entries: without any, one value stands for the curve; the blocks
+    # the allocs get come sparse (AllocatorReplay's block_entries and block_sizes), not one per entry
+    fixed_reserved = not isin_few(action, (SEGMENT_ALLOC, SEGMENT_FREE)).any()
+    out_alloc, out_res = np.zeros(n, np.int64), np.zeros(1 if fixed_reserved else n, np.int64)
+    n_allocs = int(np.count_nonzero(action == ALLOC))
+    out_blk, out_ent = np.zeros(n_allocs, np.int64), np.empty(n_allocs, np.int32 if n < 2**31 else np.int64)
+    placed, slack, counts, alloc0, res0, final = compiled_replay(
         action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),
-        _stream_column(ev.stream[sl]), alloc, config, out_alloc, none, none,
-        -1 if stop is None else int(stop))
+        _stream_column(ev.stream[sl]), alloc, config, out_alloc, out_res, out_blk,
+        -1 if stop is None else int(stop), out_ent)
     if stop is not None:
         return None, final
+    if fixed_reserved:
+        out_res = constant_column(res0, n, np.int64) if n > 1 else np.full(n, res0, np.int64)
     unplaced = {REASONS[k]: int(c) for k, c in enumerate(counts) if c}
     mismatch = -1
     if trace.meta.get("has_segments", True):
         states = ("inactive", "active_allocated", "active_pending_free")
         mismatch = compare_final(trace, device, {a: (z, states[s]) for a, z, s, _ in final},
                                  bool(alloc.segments))
-    blocks = {"block_entries": np.frombuffer(b_entries, np.int32 if n < 2**31 else np.int64),
-              "block_sizes": np.frombuffer(b_sizes, np.int64)}
-    reserved = curve_of_changes(int(res0), np.frombuffer(r_entries, np.int64), np.frombuffer(r_values, np.int64), n)
-    return AllocatorReplay(device=device, config=config, allocated=out_alloc, reserved=reserved,
-                           initial_allocated=int(alloc0), initial_reserved=int(res0), **blocks,
+    return AllocatorReplay(device=device, config=config, allocated=out_alloc, reserved=out_res,
+                           initial_allocated=int(alloc0), initial_reserved=int(res0), **_sparse(out_blk, out_ent),
                            placed=int(placed), unplaced=unplaced, open_bytes=init.open_bytes,
                            final_mismatch=mismatch, initial=init, notes=notes, unplaced_slack=int(slack),
                            engine="compiled"), final

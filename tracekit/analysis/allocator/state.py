@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from ...model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
                       SEGMENT_UNMAP, Trace)
-from ...model import isin_ints
+from ...model import isin_few, isin_ints
 from .config import LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE, AllocatorConfig, expandable_pages
 from .core import Allocator, Block
 
@@ -92,7 +93,7 @@ def _initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initia
     ev = trace.events
     sl = ev.device_slice(device)
     action = ev.action[sl]
-    addr = ev.addr[sl].astype(np.int64) if len(ev.addr) else np.zeros(0, np.int64)
+    addr = _int64(ev.addr[sl])
     size, stream = ev.size[sl], ev.stream[sl]
     st = InitialState()
     seg, blk = trace.segments, trace.blocks
@@ -109,7 +110,7 @@ def _initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initia
     # segments: walk the trace's segment events backwards from the final ones
     plain = {a: r for a, r in final.items() if not r.expandable}
     mapped = _Ranges([(r.addr, r.addr + r.size, r) for r in final.values() if r.expandable])
-    seg_ev = np.flatnonzero(np.isin(action, (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)))
+    seg_ev = np.flatnonzero(isin_few(action, (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)))
     for i in seg_ev[::-1].tolist():
         a, z, s, act = int(addr[i]), int(size[i]), int(stream[i]), int(action[i])
         if act == SEGMENT_ALLOC:
@@ -134,12 +135,13 @@ def _initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initia
         return None
 
     # blocks held at the start
-    uniq, firsts, fa = first_touches(action, addr)
+    uniq, firsts, fa = first_touches(action, addr, ordered=False)
+    freed = np.flatnonzero(fa != ALLOC)  # addresses whose first entry frees them: allocated before the trace
     held = []
-    for a, i, act in zip(uniq.tolist(), firsts.tolist(), fa.tolist()):
-        if act == ALLOC:
-            continue
+    first_free = {}  # their first entries
+    for a, i, act in zip(uniq[freed].tolist(), firsts[freed].tolist(), fa[freed].tolist()):
         held.append(Held(a, 0, int(stream[i]), HELD if act == FREE_REQUESTED else PENDING, int(size[i]), False))
+        first_free[a] = i
     live_states = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
     bmask = (blk.device == device) & np.isin(blk.state, live_states)
     b_addr = blk.addr[bmask].astype(np.int64)
@@ -153,7 +155,6 @@ def _initial_state(trace: Trace, device: int, config: AllocatorConfig) -> Initia
 
     # sizes of blocks the file does not give: up to the next held block when the gap cannot be free
     allocs = _Allocs(action, addr)
-    first_free = dict(zip(uniq.tolist(), firsts.tolist()))
     kept = []
     for k, h in enumerate(held):
         reg = region_of(h.addr)
@@ -222,15 +223,28 @@ class _Allocs:
         return int(cand.min()) if len(cand) else None
 
 
-def first_touches(action, addr):
-    """(addresses, index of the first alloc/free entry naming each, that entry's action), by address."""
+def _int64(addr: np.ndarray) -> np.ndarray:
+    """Addresses as int64: a 64-bit column seen as int64 (what astype gives, without its copy of every entry)."""
+    addr = np.asarray(addr)
+    if addr.dtype.kind in "iu" and addr.dtype.itemsize == 8:
+        return addr.view(np.int64)
+    return addr.astype(np.int64)
+
+
+def first_touches(action, addr, ordered: bool = True):
+    """(addresses, index of the first alloc/free entry naming each, that entry's action), by address; unless
+    `ordered`, in whatever order is quickest (the compiled pass gives them in order of those entries)."""
+    compiled: Callable[..., tuple[bytes, bytes, bytes]] | None
     try:
         from ._replay import first_touches as compiled
     except ImportError:
         compiled = None
     if compiled is not None:
-        a, i, c = compiled(np.ascontiguousarray(action, np.int8), np.ascontiguousarray(addr, np.uint64))
-        a, i, c = np.frombuffer(a, np.uint64).astype(np.int64), np.frombuffer(i, np.int64), np.frombuffer(c, np.int8)
+        # 64-bit addresses are read as they are (an int64 column seen as uint64), not copied to uint64
+        got = compiled(np.ascontiguousarray(action, np.int8), np.ascontiguousarray(_int64(addr)).view(np.uint64))
+        a, i, c = np.frombuffer(got[0], np.int64), np.frombuffer(got[1], np.int64), np.frombuffer(got[2], np.int8)
+        if not ordered:
+            return a, i, c
         order = np.argsort(a)
         return a[order], i[order], c[order]
     t_idx = np.flatnonzero(np.isin(action, (ALLOC, FREE_REQUESTED, FREE_COMPLETED)))
