@@ -220,13 +220,15 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     after_a += 1
     np.minimum(after_a, n, out=after_a)
 
+    run_after = phases.run_of(after_a) if n else None  # the run of each: one lookup serves every phase
+
     def alive_at_next(p):  # is the allocation still live when the next entry of phase p comes?
-        nxt = phases.next_at(p, after_a)  # next_of(p)[...], without its per-entry column
+        nxt = phases.next_at(p, after_a, run_after)  # next_of(p)[...], without its per-entry column
         return nxt < f_end
 
     fl = ph.stack_flags(trace)
-    sflags = fl[al.stack_id.astype(np.int64) + 1]
-    free_flags = fl[al.free_stack_id.astype(np.int64) + 1]
+    sflags = fl[al.stack_id + al.stack_id.dtype.type(1)]  # stack ids are below 2**31 - 1: no int64 copy
+    free_flags = fl[al.free_stack_id + al.free_stack_id.dtype.type(1)]
     has = lambda bits: (sflags & bits) != 0  # noqa: E731
     no_stack = al.stack_id < 0
     before = ~traced
@@ -242,7 +244,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
     ]
     # sharded and data-parallel training (FSDP, ZeRO, DDP) and any other collective buffer, by frames
-    dist = _dist.evidence(trace, al, same_run, allocation_times(trace, rep))
+    dist = _dist.evidence(trace, al, same_run, lambda: allocation_times(trace, rep))  # times: only if asked
     evidence += [(mask, CATEGORIES.index(cat), why) for mask, cat, why in dist]
     evidence += [
         (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
@@ -264,7 +266,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         labels[take] = cat
         reason[take] = R[why]
         done |= take
-    del mask, take, done, rules, evidence, dist, alive_at_next, f_end, after_a, pa, pf, same_run, at_oom
+    del mask, take, done, rules, evidence, dist, alive_at_next, f_end, after_a, run_after, pa, pf, same_run, at_oom
     del cast_of_weight, cast, free_flags, no_stack, before, traced, freed  # not held under _before_trace's own
     workspace_frames = has(ph.F_WORKSPACE)
     del has, sflags
