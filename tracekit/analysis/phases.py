@@ -190,7 +190,7 @@ def stack_flags(trace: Trace) -> np.ndarray:
 
 
 _RUN_SHIFT = 6
-RUN_BLOCK = 1 << _RUN_SHIFT  # entries per block of DevicePhases.run_of's table (its size: n / 8 bytes)
+RUN_BLOCK = 1 << _RUN_SHIFT  # entries per block of DevicePhases.run_of's table
 
 
 @dataclass
@@ -235,35 +235,25 @@ class DevicePhases:
 
         A binary search per position is slow on millions of positions out of order (each step a branch the
         CPU mispredicts), so the positions are first looked up in a table of the run at each block of
-        RUN_BLOCK entries; only those in a block where a run starts are searched."""
+        RUN_BLOCK entries (made here, n / 8 bytes, not kept); only those in a block where a run starts after
+        its first entry are searched."""
         starts = self.run_starts()
         at = np.asarray(at)
         if len(at) < 4096 or len(starts) * RUN_BLOCK > self.n or int(at.min()) < 0:  # few, or runs too dense
             out = np.searchsorted(starts, at, side="right")
             out -= 1
             return out
-        first, split = self._run_blocks()
+        blocks = (self.n >> _RUN_SHIFT) + 1  # position n included
+        first = np.searchsorted(starts, np.arange(blocks, dtype=np.int64) << _RUN_SHIFT, side="right") - 1
+        split = np.zeros(blocks, bool)  # a run starts in the block after its first entry
+        split[starts[(starts & (RUN_BLOCK - 1)) != 0] >> _RUN_SHIFT] = True
         block = at >> _RUN_SHIFT
         out = first[block]
         fix = np.flatnonzero(split[block])
-        del block
+        del block, first, split
         if len(fix):
             out[fix] = np.searchsorted(starts, at[fix], side="right") - 1
         return out
-
-    def _run_blocks(self) -> tuple[np.ndarray, np.ndarray]:
-        """(the run at the first entry of each block of RUN_BLOCK entries, whether a run starts in the block
-        after its first entry), for run_of; kept on the object."""
-        got = self.__dict__.get("_blocks")
-        if got is None:
-            starts = self.run_starts()
-            blocks = (self.n >> _RUN_SHIFT) + 1  # position n included
-            first = np.searchsorted(starts, np.arange(blocks, dtype=np.int64) << _RUN_SHIFT, side="right") - 1
-            split = np.zeros(blocks, bool)
-            inner = starts[(starts & (RUN_BLOCK - 1)) != 0]
-            split[inner >> _RUN_SHIFT] = True
-            got = self.__dict__["_blocks"] = (first, split)
-        return got
 
     def runs(self) -> np.ndarray:
         """Run id per entry: it changes whenever the phase or the iteration changes."""

@@ -98,20 +98,35 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     al = rep.allocations
     ss = stack_sites(trace)
     own = al.stack_id
-    traced = al.alloc_index >= 0
-    at = al.alloc_index[traced]  # each traced allocation's alloc entry
+    m = len(own)
     site = own.astype(np.int32)  # a copy: stack ids (own, borrowed, forward) are int32
+    fwd = np.full(m, -1, np.int32)
+    module = np.zeros(m, np.int32)
     if rep.n:
-        site[traced] = _borrowed_sites(trace.events.stack_id[rep.events], ss.user_frame, at, phases(trace)[device])
-    fwd = np.full(len(own), -1, np.int32)
-    module = np.zeros(len(own), np.int32)
-    if rep.n:
-        fwd[traced] = _at(trace.events.forward_stack_id[rep.events], at)
-        module[traced] = _at(trace.events.module[rep.events], at)
-    del at
+        ev = trace.events
+        stack = ev.stack_id[rep.events]
+        # the recorder's forward frames and modules: constant columns (-1, 0) in files it did not write
+        columns = [(out, col) for out, col, none in ((fwd, ev.forward_stack_id[rep.events], -1),
+                                                     (module, ev.module[rep.events], 0))
+                   if not (col.strides == (0,) and col[0] == none)]
+        lone = []  # rows whose alloc entry's stack has no user frame: their site is borrowed
+        for lo in range(0, m, CHUNK):  # a chunk of allocations at a time: no per-allocation int64 positions
+            a = al.alloc_index[lo:lo + CHUNK]
+            rows = np.flatnonzero(a >= 0)
+            at = a[rows]
+            st = stack[at]
+            rows += lo
+            site[rows] = st
+            lone.append(rows[(ss.user_frame[st + st.dtype.type(1)] < 0) & (st >= 0)])  # stack ids < 2**31 - 1
+            for out, col in columns:
+                out[rows] = col[at]
+        rows = np.concatenate(lone) if lone else np.zeros(0, np.int64)
+        del lone
+        if len(rows):
+            site[rows] = _borrow(stack, ss.user_frame, al.alloc_index[rows], phases(trace)[device])
     forward = fwd >= 0
     site[forward] = fwd[forward]
-    del fwd, traced
+    del fwd
     borrowed = (site != own) & ~forward
     # a line's backward allocations are a site apart from its forward ones
     backward_node = trace.strings.intern("backward") if forward.any() else None
@@ -151,38 +166,39 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
                            forward=compact_column(forward), module=compact_column(module))
 
 
-def _at(column: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """column[at], without reading the positions when the column holds one value throughout (constant_column)."""
-    if column.strides == (0,) and len(column):
-        return np.broadcast_to(column[:1], at.shape)
-    return column[at]
-
-
 def _borrowed_sites(stack, user_frame, at, phases, chunk: int = 1 << 20):
-    """The site stack of the entries at positions `at` (the allocations' alloc entries): their own stack, or,
-    for a stack with no user frame, the stack of the nearest entry in the same run (phases.run_of) that has
-    one (before it, else after it). Only those entries are looked up: the positions of the entries with a
-    user frame are found (a chunk of entries at a time) when some stack lacks one, and searched."""
+    """The site stack of the entries at positions `at`: their own stack, or, for a stack with no user frame,
+    the one _borrow finds."""
     out = stack[at]
-    lone = (user_frame[out + out.dtype.type(1)] < 0) & (out >= 0)  # stack ids are below 2**31 - 1
-    if not lone.any() or not (user_frame >= 0).any():  # none to borrow, or no stack to borrow from
+    lone = np.flatnonzero((user_frame[out + out.dtype.type(1)] < 0) & (out >= 0))  # stack ids < 2**31 - 1
+    if len(lone):
+        out[lone] = _borrow(stack, user_frame, at[lone], phases, chunk)
+    return out
+
+
+def _borrow(stack, user_frame, q, phases, chunk: int = 1 << 20):
+    """The site of the entries at positions `q` (their stacks have no user frame): the stack of the nearest
+    entry in the same run (phases.run_of) that has one (before it, else after it); else their own stack.
+    Only these entries are looked up: the positions of the entries with a user frame are found a chunk of
+    entries at a time, and searched."""
+    out = stack[q]
+    if not (user_frame >= 0).any():  # no stack to borrow from
         return out
-    rows = np.flatnonzero(lone)
-    del lone
-    q = at[rows]
     n = len(stack)
     pos_t = np.int32 if n < 2**31 else np.int64
     users = np.concatenate([np.flatnonzero(user_frame[stack[lo:lo + chunk] + stack.dtype.type(1)] >= 0).astype(pos_t)
                             + pos_t(lo) for lo in range(0, n, chunk)])
+    if not len(users):
+        return out
     k = np.searchsorted(users, q)  # users[k - 1] < q < users[k]: q itself has none
     run = phases.run_of(q)
-    prev = users[np.maximum(k - 1, 0)] if len(users) else np.zeros(len(q), pos_t)
+    prev = users[np.maximum(k - 1, 0)]
     ok = (k > 0) & (phases.run_of(prev) == run)
-    out[rows[ok]] = stack[prev[ok]]
-    nxt = users[np.minimum(k, len(users) - 1)] if len(users) else np.zeros(len(q), pos_t)
+    out[ok] = stack[prev[ok]]
+    nxt = users[np.minimum(k, len(users) - 1)]
     later = ~ok & (k < len(users))
     later &= phases.run_of(nxt) == run
-    out[rows[later]] = stack[nxt[later]]
+    out[later] = stack[nxt[later]]
     return out
 
 
