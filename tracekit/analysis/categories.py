@@ -210,19 +210,32 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     a, f = al.alloc_index, al.free_index
     traced, freed = a >= 0, f >= 0
     pos_t = np.int32 if n < 2**31 else np.int64  # entry positions (0..n) in int32 below 2**31 entries
-    f_end = np.where(freed, f, n).astype(pos_t, copy=False)  # "freed after the last entry" for the live ones
-    a0 = np.where(traced, a, 0)
-    f0 = np.where(freed, f, 0)
-    phase = phases.phase
-    pa = np.where(traced, phase[a0], -1) if n else np.full(m, -1)
-    pf = np.where(freed, phase[f0], -1) if n else np.full(m, -1)
-    same_run = traced & freed & (phases.run_of(a0) == phases.run_of(f0)) if n else np.zeros(m, bool)
-    del a0, f0  # per-allocation temporaries: not kept through the rules below
-    after_a = np.where(traced, a, -1).astype(pos_t)  # the entry after each allocation's, at most n: made once
+    f_end = f.astype(pos_t)  # "freed after the last entry" for the live ones
+    np.putmask(f_end, f_end < 0, n)
+    after_a = a.astype(pos_t)  # the entry after each allocation's, at most n (0 for those made before): made once
+    np.maximum(after_a, -1, out=after_a)
     after_a += 1
     np.minimum(after_a, n, out=after_a)
+    phase = phases.phase
+    if n:
+        # one run lookup serves all: each allocation's run, where that run ends (the next one's start; past n for
+        # the last), so that an allocation freed before then (after it was made) is freed in the same run, and
+        # the entry after its own is in the next run when it is that start
+        starts = phases.run_starts()
+        run_after = phases.run_of(np.maximum(a, 0))
+        run_end = np.append(starts[1:], n + 1)[run_after]
+        pa = np.where(traced, phase[starts][run_after], -1)
+        same_run = traced & freed & (f < run_end)
+        run_after += after_a >= run_end  # in place: now the run of each after_a
+        del run_end
+    else:
+        pa, same_run, run_after = np.full(m, -1), np.zeros(m, bool), None
 
-    run_after = phases.run_of(after_a) if n else None  # the run of each: one lookup serves every phase
+    def freed_in():  # the phase each allocation was freed in, read where one made before the trace was (else -1)
+        out = np.full(m, -1, np.int8)
+        rows = np.flatnonzero(~traced & freed)
+        out[rows] = phase[f[rows]]
+        return out
 
     def alive_at_next(p):  # is the allocation still live when the next entry of phase p comes?
         nxt = phases.next_at(p, after_a, run_after)  # next_of(p)[...], without its per-entry column
@@ -231,8 +244,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     fl = ph.stack_flags(trace)
     seen = int(np.bitwise_or.reduce(fl)) if len(fl) else 0  # every bit some stack has: a rule on another takes none
     sflags = fl[al.stack_id + al.stack_id.dtype.type(1)]  # stack ids are below 2**31 - 1: no int64 copy
-    free_flags = fl[al.free_stack_id + al.free_stack_id.dtype.type(1)]
     has = lambda bits: (sflags & bits) != 0  # noqa: E731
+    free_flags = lambda: fl[al.free_stack_id + al.free_stack_id.dtype.type(1)]  # noqa: E731  (few rules read them)
     when = lambda bits, rule: rule if seen & bits else None  # noqa: E731  (None: the rule takes nothing)
     no_stack = al.stack_id < 0
     before = ~traced
@@ -257,7 +270,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         # a cache's scalars (≤ 16 B: cumulative_length, seen-token counters) are its bookkeeping, not keys/values
         (when(ph.F_KV_CACHE, lambda: has(ph.F_KV_CACHE) & ~same_run & (al.size > KV_SCALAR_BYTES)), KV_CACHE,
          "KV cache (Hugging Face cache)"),
-        (when(ph.F_AUTOCAST_CLEAR, lambda: ((free_flags & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before)),
+        (when(ph.F_AUTOCAST_CLEAR, lambda: ((free_flags() & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before)),
          PARAMETER, REASONS[6]),
         (when(ph.F_AUTOCAST, cast_of_weight), PARAMETER, REASONS[35]),
         (when(ph.F_INIT_STATE, lambda: has(ph.F_INIT_STATE) & ~same_run), OPTIMIZER_STATE, REASONS[7]),
@@ -268,8 +281,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     if phases.source == "none":
         rules = evidence + _lifetimes_only(al, n, at_oom)
     else:
-        rules = evidence + _by_phase(phases, present, al, traced, freed, before, pa, pf, same_run, alive_at_next,
-                                     has, when, free_flags, no_stack, at_oom)
+        rules = evidence + _by_phase(phases, present, al, traced, freed, before, pa, freed_in, same_run,
+                                     alive_at_next, has, when, free_flags, no_stack, at_oom)
     # The first rule whose mask holds wins: the rules are applied last first, each writing its number where its
     # mask holds (one pass a rule, no mask of the rows decided so far); a mask is made when its turn comes (a
     # callable), so few are held at once; a rule with no mask (None) takes nothing.
@@ -280,7 +293,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
             np.copyto(rule_of, k, where=mask() if callable(mask) else mask)
     labels = np.array([cat for _, cat, _ in rules] + [OTHER], np.int16)[rule_of]
     reason = np.array([R[why] for _, _, why in rules] + [0], np.int16)[rule_of]
-    del mask, rule_of, rules, evidence, dist, alive_at_next, f_end, after_a, run_after, pa, pf, same_run, at_oom
+    del mask, rule_of, rules, evidence, dist, alive_at_next, f_end, after_a, run_after, pa, same_run, at_oom
     del free_flags, no_stack, before, traced, freed  # not held under _before_trace's own
     workspace_frames = has(ph.F_WORKSPACE)
     del has, when, sflags
@@ -288,8 +301,8 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     return labels, reason
 
 
-def _by_phase(phases, present, al, traced, freed, before, pa, pf, same_run, alive_at_next, has, when, free_flags,
-              no_stack, at_oom) -> list:
+def _by_phase(phases, present, al, traced, freed, before, pa, freed_in, same_run, alive_at_next, has, when,
+              free_flags, no_stack, at_oom) -> list:
     """(mask, category, reason) rules from the phase each allocation was made and freed in; each mask a callable
     that makes it (infer makes them one at a time), or None where it takes nothing: the rules of allocations made
     in a phase no entry is in (`present`: the phases of the entries), or before the trace when none was, and
@@ -315,7 +328,13 @@ def _by_phase(phases, present, al, traced, freed, before, pa, pf, same_run, aliv
            "bwd": ph.BACKWARD in present, "opt": any_optim, "none": ph.NONE in present, "before": not traced.all()}
     can["in_generation"] = can["none"] and phases.generation is not None
     of = lambda population, rule: rule if can[population] else None  # noqa: E731
-    freed_by = lambda bits: (free_flags & bits) != 0  # noqa: E731
+    freed_by = lambda bits: (free_flags() & bits) != 0  # noqa: E731
+    pf: dict = {}  # freed_in(), made when a rule first asks for it
+
+    def freed_in_phase(p):
+        if not pf:
+            pf["pf"] = freed_in()
+        return pf["pf"] == p
     return [
         # a generation (inference): nothing is kept for a backward pass
         (of("step", lambda: step() & same_run), TEMPORARY, REASONS[39]),
@@ -342,15 +361,16 @@ def _by_phase(phases, present, al, traced, freed, before, pa, pf, same_run, aliv
         (of("before", when(ph.F_INIT_STATE | ph.F_OPTIM, lambda: before & ~freed & has(ph.F_INIT_STATE | ph.F_OPTIM))),
          OPTIMIZER_STATE, REASONS[7]),
         (of("before", when(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD,
-                           lambda: before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD))), GRADIENT, REASONS[14]),
+                           lambda: before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD))),
+         GRADIENT, REASONS[14]),
         (of("before", when(ph.F_PARAM_INIT, lambda: before & ~freed & has(ph.F_PARAM_INIT))), PARAMETER, REASONS[18]),
         (of("before", when(ph.F_MODULE, lambda: before & ~freed & has(ph.F_MODULE))), ACTIVATION, REASONS[32]),
         (of("before", lambda: before & ~freed & no_stack & any_pass), PARAMETER, REASONS[25]),
         (of("before", lambda: before & ~freed), OTHER, REASONS[26]),
         (of("before", when(ph.F_ZERO_GRAD, lambda: before & freed_by(ph.F_ZERO_GRAD))), GRADIENT, REASONS[27]),
-        (of("before", lambda: before & (pf == ph.BACKWARD)), ACTIVATION, REASONS[28]),
-        (of("before", lambda: before & (pf == ph.OPTIMIZER)), OPTIMIZER_STATE, REASONS[29]),
-        (of("before", lambda: before & (pf == ph.FORWARD)), OTHER, REASONS[31]),
+        (of("before", lambda: before & freed_in_phase(ph.BACKWARD)), ACTIVATION, REASONS[28]),
+        (of("before", lambda: before & freed_in_phase(ph.OPTIMIZER)), OPTIMIZER_STATE, REASONS[29]),
+        (of("before", lambda: before & freed_in_phase(ph.FORWARD)), OTHER, REASONS[31]),
         (of("before", lambda: before), OTHER, REASONS[30]),
     ]
 

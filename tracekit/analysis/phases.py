@@ -236,7 +236,7 @@ class DevicePhases:
         A binary search per position is slow on millions of positions out of order (each step a branch the
         CPU mispredicts), so the positions are first looked up in a table of the run at each block of
         RUN_BLOCK entries (made here, n / 8 bytes, not kept); only those in a block where a run starts after
-        its first entry are searched."""
+        its first entry are searched. Same values as the search, in its dtype (intp)."""
         starts = self.run_starts()
         at = np.asarray(at)
         if len(at) < 4096 or len(starts) * RUN_BLOCK > self.n or int(at.min()) < 0:  # few, or runs too dense
@@ -247,12 +247,15 @@ class DevicePhases:
         first = np.searchsorted(starts, np.arange(blocks, dtype=np.int64) << _RUN_SHIFT, side="right") - 1
         split = np.zeros(blocks, bool)  # a run starts in the block after its first entry
         split[starts[(starts & (RUN_BLOCK - 1)) != 0] >> _RUN_SHIFT] = True
-        block = at >> _RUN_SHIFT
-        out = first[block]
-        fix = np.flatnonzero(split[block])
-        del block, first, split
-        if len(fix):
-            out[fix] = np.searchsorted(starts, at[fix], side="right") - 1
+        out = np.empty(len(at), np.intp)
+        for lo in range(0, len(at), 1 << 16):  # a slice of positions at a time: no temporaries of their size
+            pos = at[lo:lo + (1 << 16)]
+            block = pos >> _RUN_SHIFT
+            got = out[lo:lo + (1 << 16)]
+            np.take(first, block, out=got, mode="clip")  # (valid indices: "clip" only spares a buffer)
+            fix = np.flatnonzero(split[block])
+            if len(fix):
+                got[fix] = np.searchsorted(starts, pos[fix], side="right") - 1
         return out
 
     def runs(self) -> np.ndarray:
@@ -567,7 +570,7 @@ def _evidence_codes(flags, action, stack, chunk: int = 1 << 20):
         idx *= 3
         idx += kind
         c = code[lo:hi]
-        np.take(table, idx, out=c)
+        np.take(table, idx, out=c, mode="clip")  # (valid indices: "clip" only spares a buffer)
         del idx, kind
         counts += np.bincount(c, minlength=_N_CODES)
         prev = _chunk_starts(c, lo, prev, parts)
