@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import ACTIONS, ALLOC, FREE_COMPLETED, NO_TIME, Trace, isin_few
+from ..model import ALLOC, FREE_COMPLETED, NO_TIME, Trace, isin_few
 from .memo import per_trace
 
 PHASES = ("none", "forward", "backward", "optimizer", "prefill", "decode")
@@ -503,18 +503,18 @@ def _inferred(trace, sl) -> DevicePhases:
     ev = trace.events
     action, stack = ev.action[sl], ev.stack_id[sl]
     n = len(action)
-    code, counts, n_alloc, starts = _evidence_codes(stack_flags(trace), action, stack)
+    code, frameless, n_alloc, starts = _evidence_codes(stack_flags(trace), action, stack)
     if _annotate(trace, sl, code):  # annotations rewrote ranges of codes: count and cut them again
-        counts, starts = _scan_codes(code)
-    if not (counts[_E_BACKWARD] or counts[_E_OPTIM]) \
-            and counts[_E_FRAMELESS] <= MAX_FRAMELESS_SHARE * max(1, n_alloc):
+        frameless, starts = int(np.count_nonzero(code == _E_FRAMELESS)), _run_starts(code)
+    present = set(code[starts].tolist())  # the codes there are (each non-zero code begins a run or continues one)
+    if not present & {_E_BACKWARD, _E_OPTIM} and frameless <= MAX_FRAMELESS_SHARE * max(1, n_alloc):
         # maybe a generation (no backward, no optimizer step): its tests read each entry's flags
         flags = stack_flags(trace)[stack + stack.dtype.type(1)]  # stack ids are below 2**31 - 1: no overflow
         gen = _generation(code, flags, stack >= 0, action == ALLOC, action == FREE_COMPLETED)
         del flags
         if gen is not None:
             return gen
-    if not counts[1:].any():
+    if not present:
         return DevicePhases(phase=np.zeros(n, np.int8), iteration=np.full(n, -1, np.int32), source="none")
     phase, iteration, run_starts = _resolve(code, starts)
     out = DevicePhases(phase=phase, iteration=iteration, source="inferred")
@@ -545,45 +545,42 @@ def _code_table(flags: np.ndarray) -> np.ndarray:
     return table.reshape(-1)
 
 
-_KIND = np.zeros(len(ACTIONS), np.int8)  # an entry's kind for _code_table: 1 alloc, 2 free_completed, 0 other
-_KIND[ALLOC], _KIND[FREE_COMPLETED] = 1, 2
-
-
 def _evidence_codes(flags, action, stack, chunk: int = 1 << 20):
-    """(evidence code per entry, count of each code, allocations, _run_starts of the codes) in one pass a chunk
-    of entries at a time: each entry's code is its (stack, kind)'s in _code_table, so no per-entry flags or
-    masks are made. Frameless allocations are autograd's only when some allocation has a stack (Python
-    stacks were recorded)."""
+    """(evidence code per entry, the frameless allocations, the allocations, _run_starts of the codes) in one
+    pass a chunk of entries at a time: each entry's code is its (stack, kind)'s in _code_table, so no per-entry
+    flags or masks are made. Frameless allocations are autograd's only when some allocation has a stack
+    (Python stacks were recorded)."""
     n = len(action)
     table = _code_table(flags)
     code = np.empty(n, np.int8)
-    counts = np.zeros(_N_CODES, np.int64)
-    n_alloc = 0
+    frameless = n_alloc = 0
     parts: list = []
     prev = 0  # the last non-zero code before the chunk
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
-        kind = _KIND[action[lo:hi]]
-        n_alloc += int(np.count_nonzero(kind == 1))
-        idx = stack[lo:hi].astype(np.intp)
+        idx = stack[lo:hi].astype(np.intp)  # the entry's row of the table: (stack id + 1) * 3 + its kind
         idx += 1
         idx *= 3
-        idx += kind
+        act = action[lo:hi]
+        is_alloc = act == ALLOC
+        n_alloc += int(np.count_nonzero(is_alloc))
+        idx += is_alloc
+        del is_alloc
+        is_free = act == FREE_COMPLETED
+        idx += is_free
+        idx += is_free
+        del is_free
         c = code[lo:hi]
         np.take(table, idx, out=c, mode="clip")  # (valid indices: "clip" only spares a buffer)
-        del idx, kind
-        counts += np.bincount(c, minlength=_N_CODES)
+        del idx
+        frameless += int(np.count_nonzero(c == _E_FRAMELESS))
         prev = _chunk_starts(c, lo, prev, parts)
-    if counts[_E_FRAMELESS] and counts[_E_FRAMELESS] == n_alloc:  # no allocation has a stack: none is frameless
+    if frameless and frameless == n_alloc:  # no allocation has a stack: none is frameless
         for lo in range(0, n, chunk):
             c = code[lo:lo + chunk]
             c[c == _E_FRAMELESS] = _E_NONE
-        counts, starts = _scan_codes(code)
-        return code, counts, n_alloc, starts
-    return code, counts, n_alloc, np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-_N_CODES = 9
+        return code, 0, n_alloc, _run_starts(code, chunk)
+    return code, frameless, n_alloc, np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def _chunk_starts(c, lo, prev, parts) -> int:
@@ -598,18 +595,6 @@ def _chunk_starts(c, lo, prev, parts) -> int:
     keep[1:] = cz[1:] != cz[:-1]
     parts.append(nz[keep] + lo)
     return int(cz[-1])
-
-
-def _scan_codes(code, chunk: int = 1 << 20):
-    """(count of each code, _run_starts(code)) in one pass a chunk at a time."""
-    counts = np.zeros(_N_CODES, np.int64)
-    parts: list = []
-    prev = 0
-    for lo in range(0, len(code), chunk):
-        c = code[lo:lo + chunk]
-        counts += np.bincount(c, minlength=_N_CODES)
-        prev = _chunk_starts(c, lo, prev, parts)
-    return counts, np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 MIN_MODEL_CALLS = 3  # a prefill and at least two decoding steps
@@ -770,4 +755,8 @@ def _resolve(code, starts=None):
 def _run_starts(code, chunk: int = 1 << 20) -> np.ndarray:
     """The entries where a run of one non-zero evidence code begins (entries with code 0 belong to the run
     before them), read a chunk at a time: the positions of a 10M-entry trace's non-zero codes are not made."""
-    return _scan_codes(code, chunk)[1]
+    parts: list = []
+    prev = 0
+    for lo in range(0, len(code), chunk):
+        prev = _chunk_starts(code[lo:lo + chunk], lo, prev, parts)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
