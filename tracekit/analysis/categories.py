@@ -291,6 +291,7 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
         mask = rules[k][0]
         if mask is not None:
             np.copyto(rule_of, k, where=mask() if callable(mask) else mask)
+    rule_of = rule_of.astype(np.intp)  # numpy's index type, once for both lookups
     labels = np.array([cat for _, cat, _ in rules] + [OTHER], np.int16)[rule_of]
     reason = np.array([R[why] for _, _, why in rules] + [0], np.int16)[rule_of]
     del mask, rule_of, rules, evidence, dist, alive_at_next, f_end, after_a, run_after, pa, same_run, at_oom

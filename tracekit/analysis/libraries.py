@@ -83,7 +83,9 @@ def _allocation_libraries(trace: Trace, device: int) -> AllocationLibraries:
     m = len(al)
     roles = stack_roles(trace)
     ss = stack_sites(trace)
-    own = al.stack_id + 1  # in the ids' own type (stack ids are below 2**31 - 1): no int64 copy
+    # in numpy's index type once: indexing with int32 converts the index anew for each of the lookups below
+    own = al.stack_id.astype(np.intp)
+    own += 1
     frame = roles.library[own]  # fancy indexing copies: these are the result's own arrays
     inner = roles.inner[own]
     user = ss.user_frame[own]

@@ -419,14 +419,15 @@ def _by_stack(sm, stack, with_chain, intern, done) -> AllocationModules:
     """_allocation_modules where no chain has a numbered module: each stack's path, class chain and how looked
     up once (in ascending stack order, as the rows' unique keys are named) and spread to the allocations by
     their stack, without the rows that have a chain or their unique keys."""
+    s1 = stack.astype(np.intp)  # in numpy's index type once, for the four lookups below
+    s1 += 1
     present = np.zeros(len(with_chain), bool)
-    present[stack + stack.dtype.type(1)] = True  # stack ids are below 2**31 - 1
+    present[s1] = True
     paths, cls_ids = np.zeros(len(with_chain), np.int32), np.zeros(len(with_chain), np.int32)
     worsts = np.zeros(len(with_chain), np.int8)
-    for s1 in np.flatnonzero(present & with_chain).tolist():
-        path, cls, worst = _path(sm.nodes, sm.chains[s1], ())
-        paths[s1], cls_ids[s1], worsts[s1] = intern(path), intern(cls), worst
-    s1 = stack + stack.dtype.type(1)
+    for s in np.flatnonzero(present & with_chain).tolist():
+        path, cls, worst = _path(sm.nodes, sm.chains[s], ())
+        paths[s], cls_ids[s], worsts[s] = intern(path), intern(cls), worst
     out = done()
     out.module, out.classes, out.how = paths[s1], cls_ids[s1], worsts[s1]
     return out
