@@ -113,10 +113,12 @@ def _categorize(trace: Trace, rules) -> dict[int, DeviceCategories]:
         # or gradient): the frames name it, or, without C++ frames, its size and lifetime (issue 31)
         lazy = lazy_workspaces(trace, reps[d], phs[d], labels, tagged)
         labels[lazy], reason[lazy] = WORKSPACE, R[REASONS[LAZY_WORKSPACE]]
-        has_tag = (tagged >= 0) & ~((labels == WORKSPACE) & np.isin(reason, (R[REASONS[1]], R[REASONS[LAZY_WORKSPACE]])))
-        labels[has_tag] = tagged[has_tag]
-        method[has_tag] = TAG
-        reason[has_tag] = len(reasons) + tagged[has_tag]
+        if (trace.recorder or {}).get("tags"):  # else no allocation is tagged (tag_labels: -1 throughout)
+            has_tag = (tagged >= 0) & ~((labels == WORKSPACE)
+                                        & np.isin(reason, (R[REASONS[1]], R[REASONS[LAZY_WORKSPACE]])))
+            labels[has_tag] = tagged[has_tag]
+            method[has_tag] = TAG
+            reason[has_tag] = len(reasons) + tagged[has_tag]
         reasons += [f"tagged by the recorder: {name}" for name in CATEGORIES]
         if rules:
             hit = rules.apply(trace, reps[d], names, labels)
@@ -208,118 +210,169 @@ def infer(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases) -> tuple[np.
     a, f = al.alloc_index, al.free_index
     traced, freed = a >= 0, f >= 0
     pos_t = np.int32 if n < 2**31 else np.int64  # entry positions (0..n) in int32 below 2**31 entries
-    f_end = np.where(freed, f, n).astype(pos_t, copy=False)  # "freed after the last entry" for the live ones
-    a0 = np.where(traced, a, 0)
-    f0 = np.where(freed, f, 0)
-    phase = phases.phase
-    pa = np.where(traced, phase[a0], -1) if n else np.full(m, -1)
-    pf = np.where(freed, phase[f0], -1) if n else np.full(m, -1)
-    same_run = traced & freed & (phases.run_of(a0) == phases.run_of(f0)) if n else np.zeros(m, bool)
-    del a0, f0  # per-allocation temporaries: not kept through the rules below
-    after_a = np.where(traced, a, -1).astype(pos_t)  # the entry after each allocation's, at most n: made once
+    f_end = f.astype(pos_t)  # "freed after the last entry" for the live ones
+    np.putmask(f_end, f_end < 0, n)
+    after_a = a.astype(pos_t)  # the entry after each allocation's, at most n (0 for those made before): made once
+    np.maximum(after_a, -1, out=after_a)
     after_a += 1
     np.minimum(after_a, n, out=after_a)
+    phase = phases.phase
+    if n:
+        # one run lookup serves all: each allocation's run, where that run ends (the next one's start; past n for
+        # the last), so that an allocation freed before then (after it was made) is freed in the same run, and
+        # the entry after its own is in the next run when it is that start
+        starts = phases.run_starts()
+        run_after = phases.run_of(np.maximum(a, 0))
+        run_end = np.append(starts[1:], n + 1)[run_after]
+        pa = np.where(traced, phase[starts][run_after], -1)
+        same_run = traced & freed & (f < run_end)
+        run_after += after_a >= run_end  # in place: now the run of each after_a
+        del run_end
+    else:
+        pa, same_run, run_after = np.full(m, -1), np.zeros(m, bool), None
+
+    def freed_in():  # the phase each allocation was freed in, read where one made before the trace was (else -1)
+        out = np.full(m, -1, np.int8)
+        rows = np.flatnonzero(~traced & freed)
+        out[rows] = phase[f[rows]]
+        return out
 
     def alive_at_next(p):  # is the allocation still live when the next entry of phase p comes?
-        nxt = phases.next_at(p, after_a)  # next_of(p)[...], without its per-entry column
+        nxt = phases.next_at(p, after_a, run_after)  # next_of(p)[...], without its per-entry column
         return nxt < f_end
 
     fl = ph.stack_flags(trace)
-    sflags = fl[al.stack_id.astype(np.int64) + 1]
-    free_flags = fl[al.free_stack_id.astype(np.int64) + 1]
+    seen = int(np.bitwise_or.reduce(fl)) if len(fl) else 0  # every bit some stack has: a rule on another takes none
+    sflags = fl[al.stack_id + al.stack_id.dtype.type(1)]  # stack ids are below 2**31 - 1: no int64 copy
     has = lambda bits: (sflags & bits) != 0  # noqa: E731
+    free_flags = lambda: fl[al.free_stack_id + al.free_stack_id.dtype.type(1)]  # noqa: E731  (few rules read them)
+    when = lambda bits, rule: rule if seen & bits else None  # noqa: E731  (None: the rule takes nothing)
     no_stack = al.stack_id < 0
     before = ~traced
     ooms = np.flatnonzero(trace.events.action[rep.events] == OOM)
     at_oom = np.zeros(m, bool)
     for i in ooms.tolist():
         at_oom |= (a <= i) & (f_end > i)
-    static_sizes = np.unique(block_size(al.size[before & ~freed]))
-    cast_of_weight = has(ph.F_AUTOCAST) & ~freed
-    cast = np.flatnonzero(cast_of_weight)  # block sizes of these few only, not of every allocation
-    cast_of_weight[cast] = np.isin(block_size(2 * al.size[cast]), static_sizes)
+
+    def cast_of_weight():  # an autocast copy alive at the end, half the size of a weight live throughout
+        out = has(ph.F_AUTOCAST) & ~freed
+        cast = np.flatnonzero(out)  # block sizes of these few only, not of every allocation
+        out[cast] = np.isin(block_size(2 * al.size[cast]), np.unique(block_size(al.size[before & ~freed])))
+        return out
     evidence = [  # what the frames say, whatever the phase
-        (has(ph.F_WORKSPACE), WORKSPACE, "cuBLAS workspace"),
+        (when(ph.F_WORKSPACE, lambda: has(ph.F_WORKSPACE)), WORKSPACE, "cuBLAS workspace"),
     ]
     # sharded and data-parallel training (FSDP, ZeRO, DDP) and any other collective buffer, by frames
-    dist = _dist.evidence(trace, al, same_run, allocation_times(trace, rep))
+    dist = _dist.evidence(trace, al, same_run, lambda: allocation_times(trace, rep))  # times: only if asked
     evidence += [(mask, CATEGORIES.index(cat), why) for mask, cat, why in dist]
     evidence += [
-        (has(ph.F_AUTOTUNE) & freed, TEMPORARY, "Triton autotuning buffer"),
+        (when(ph.F_AUTOTUNE, lambda: has(ph.F_AUTOTUNE) & freed), TEMPORARY, "Triton autotuning buffer"),
         # a cache's scalars (≤ 16 B: cumulative_length, seen-token counters) are its bookkeeping, not keys/values
-        (has(ph.F_KV_CACHE) & ~same_run & (al.size > KV_SCALAR_BYTES), KV_CACHE, "KV cache (Hugging Face cache)"),
-        (((free_flags & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before), PARAMETER, REASONS[6]),
-        (cast_of_weight, PARAMETER, REASONS[35]),
-        (has(ph.F_INIT_STATE) & ~same_run, OPTIMIZER_STATE, REASONS[7]),
-        (has(ph.F_ACCUMULATE_GRAD) & ~same_run, GRADIENT, "p.grad (AccumulateGrad)"),
+        (when(ph.F_KV_CACHE, lambda: has(ph.F_KV_CACHE) & ~same_run & (al.size > KV_SCALAR_BYTES)), KV_CACHE,
+         "KV cache (Hugging Face cache)"),
+        (when(ph.F_AUTOCAST_CLEAR, lambda: ((free_flags() & ph.F_AUTOCAST_CLEAR) != 0) & (has(ph.F_AUTOCAST) | before)),
+         PARAMETER, REASONS[6]),
+        (when(ph.F_AUTOCAST, cast_of_weight), PARAMETER, REASONS[35]),
+        (when(ph.F_INIT_STATE, lambda: has(ph.F_INIT_STATE) & ~same_run), OPTIMIZER_STATE, REASONS[7]),
+        (when(ph.F_ACCUMULATE_GRAD, lambda: has(ph.F_ACCUMULATE_GRAD) & ~same_run), GRADIENT,
+         "p.grad (AccumulateGrad)"),
     ]
+    present = set(phase[phases.run_starts()].tolist()) if n else set()  # the phases of the runs: of every entry
     if phases.source == "none":
         rules = evidence + _lifetimes_only(al, n, at_oom)
     else:
-        rules = evidence + _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next,
-                                     has, free_flags, no_stack, at_oom)
-    done = np.zeros(m, bool)
-    for mask, cat, why in rules:  # a rule's mask is made when its turn comes (a callable), so few are held at once
-        take = (mask() if callable(mask) else mask) & ~done
-        labels[take] = cat
-        reason[take] = R[why]
-        done |= take
-    del mask, take, done, rules, evidence, dist, alive_at_next, f_end, after_a, pa, pf, same_run, at_oom
-    del cast_of_weight, cast, free_flags, no_stack, before, traced, freed  # not held under _before_trace's own
+        rules = evidence + _by_phase(phases, present, al, traced, freed, before, pa, freed_in, same_run,
+                                     alive_at_next, has, when, free_flags, no_stack, at_oom)
+    # The first rule whose mask holds wins: the rules are applied last first, each writing its number where its
+    # mask holds (one pass a rule, no mask of the rows decided so far); a mask is made when its turn comes (a
+    # callable), so few are held at once; a rule with no mask (None) takes nothing.
+    rule_of = np.full(m, len(rules), np.int8 if len(rules) < 127 else np.int16)  # len(rules): none took it
+    for k in range(len(rules) - 1, -1, -1):
+        mask = rules[k][0]
+        if mask is not None:
+            np.copyto(rule_of, k, where=mask() if callable(mask) else mask)
+    rule_of = rule_of.astype(np.intp)  # numpy's index type, once for both lookups
+    labels = np.array([cat for _, cat, _ in rules] + [OTHER], np.int16)[rule_of]
+    reason = np.array([R[why] for _, _, why in rules] + [0], np.int16)[rule_of]
+    del mask, rule_of, rules, evidence, dist, alive_at_next, f_end, after_a, run_after, pa, same_run, at_oom
+    del free_flags, no_stack, before, traced, freed  # not held under _before_trace's own
     workspace_frames = has(ph.F_WORKSPACE)
-    del has, sflags
-    _before_trace(trace, rep, labels, reason, phases.iteration, bool((phase == ph.OPTIMIZER).any()),
-                  workspace_frames)
+    del has, when, sflags
+    _before_trace(trace, rep, labels, reason, phases, ph.OPTIMIZER in present, workspace_frames)
     return labels, reason
 
 
-def _by_phase(phases, al, traced, freed, before, pa, pf, same_run, alive_at_next, has, free_flags, no_stack,
-              at_oom) -> list:
+def _by_phase(phases, present, al, traced, freed, before, pa, freed_in, same_run, alive_at_next, has, when,
+              free_flags, no_stack, at_oom) -> list:
     """(mask, category, reason) rules from the phase each allocation was made and freed in; each mask a callable
-    that makes it (infer makes them one at a time)."""
-    phase = phases.phase
-    any_optim = bool((phase == ph.OPTIMIZER).any())
-    any_pass = bool(isin_few(phase, (ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE)).any())
-    fwd, bwd, opt, none = (traced & (pa == p) for p in (ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.NONE))
-    step = traced & np.isin(pa, (ph.PREFILL, ph.DECODE))  # a generation's model calls
-    in_generation = none & (phases.generation is not None)
-    at_backward, at_forward = alive_at_next(ph.BACKWARD), alive_at_next(ph.FORWARD)
-    at_optim = alive_at_next(ph.OPTIMIZER)
-    freed_by = lambda bits: (free_flags & bits) != 0  # noqa: E731
+    that makes it (infer makes them one at a time), or None where it takes nothing: the rules of allocations made
+    in a phase no entry is in (`present`: the phases of the entries), or before the trace when none was, and
+    of a frame bit no stack has (`when`)."""
+    any_optim = ph.OPTIMIZER in present
+    any_pass = bool(present & {ph.FORWARD, ph.BACKWARD, ph.PREFILL, ph.DECODE})
+    made: dict = {}  # each population (the allocations made in a phase), made when a rule first asks for it
+
+    def made_in(p):
+        if p not in made:
+            made[p] = traced & (pa == p) if p != "step" else traced & isin_few(pa, (ph.PREFILL, ph.DECODE))
+        return made[p]
+    alive: dict = {}  # alive_at_next(p), made once, when a rule first asks for it
+
+    def at(p):
+        if p not in alive:
+            alive[p] = alive_at_next(p)
+        return alive[p]
+    fwd, bwd, opt, none, step = (lambda p=p: made_in(p) for p in (ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.NONE,
+                                                                  "step"))
+    in_generation = none  # a generation's loop between its model calls
+    can = {"step": bool(present & {ph.PREFILL, ph.DECODE}), "fwd": ph.FORWARD in present,
+           "bwd": ph.BACKWARD in present, "opt": any_optim, "none": ph.NONE in present, "before": not traced.all()}
+    can["in_generation"] = can["none"] and phases.generation is not None
+    of = lambda population, rule: rule if can[population] else None  # noqa: E731
+    freed_by = lambda bits: (free_flags() & bits) != 0  # noqa: E731
+    pf: dict = {}  # freed_in(), made when a rule first asks for it
+
+    def freed_in_phase(p):
+        if not pf:
+            pf["pf"] = freed_in()
+        return pf["pf"] == p
     return [
         # a generation (inference): nothing is kept for a backward pass
-        (lambda: step & same_run, TEMPORARY, REASONS[39]),
-        (lambda: step, TEMPORARY, REASONS[40]),
-        (lambda: in_generation & same_run, TEMPORARY, REASONS[41]),
-        (lambda: in_generation, INPUT, REASONS[42]),
-        (lambda: fwd & at_backward, ACTIVATION, REASONS[9]),
-        (lambda: fwd & at_oom, ACTIVATION, REASONS[10]),
-        (lambda: fwd & ~freed & has(ph.F_NO_GRAD), TEMPORARY, REASONS[11]),
-        (lambda: fwd & ~freed, ACTIVATION, REASONS[12]),
-        (lambda: fwd, TEMPORARY, REASONS[13]),
-        (lambda: bwd & (at_optim | ~freed), GRADIENT, REASONS[14]),
-        (lambda: bwd & ~same_run & (not any_optim), GRADIENT, REASONS[14]),
-        (lambda: bwd, TEMPORARY, REASONS[15]),
-        (lambda: opt & ~same_run, OPTIMIZER_STATE, REASONS[16]),
-        (lambda: opt, TEMPORARY, REASONS[17]),
-        (lambda: none & has(ph.F_PARAM_INIT) & ~same_run, PARAMETER, REASONS[18]),
-        (lambda: none & has(ph.F_DATA), INPUT, REASONS[19]),
-        (lambda: none & (at_forward | at_backward) & ~same_run, INPUT, REASONS[20]),
-        (lambda: none & at_oom, OTHER, REASONS[34]),
-        (lambda: none & same_run, TEMPORARY, REASONS[21]),
-        (lambda: none & ~freed, OTHER, REASONS[22]),
+        (of("step", lambda: step() & same_run), TEMPORARY, REASONS[39]),
+        (of("step", lambda: step()), TEMPORARY, REASONS[40]),
+        (of("in_generation", lambda: in_generation() & same_run), TEMPORARY, REASONS[41]),
+        (of("in_generation", lambda: in_generation()), INPUT, REASONS[42]),
+        (of("fwd", lambda: fwd() & at(ph.BACKWARD)), ACTIVATION, REASONS[9]),
+        (of("fwd", lambda: fwd() & at_oom), ACTIVATION, REASONS[10]),
+        (of("fwd", when(ph.F_NO_GRAD, lambda: fwd() & ~freed & has(ph.F_NO_GRAD))), TEMPORARY, REASONS[11]),
+        (of("fwd", lambda: fwd() & ~freed), ACTIVATION, REASONS[12]),
+        (of("fwd", lambda: fwd()), TEMPORARY, REASONS[13]),
+        (of("bwd", lambda: bwd() & (at(ph.OPTIMIZER) | ~freed)), GRADIENT, REASONS[14]),
+        (of("bwd", lambda: bwd() & ~same_run & (not any_optim)), GRADIENT, REASONS[14]),
+        (of("bwd", lambda: bwd()), TEMPORARY, REASONS[15]),
+        (of("opt", lambda: opt() & ~same_run), OPTIMIZER_STATE, REASONS[16]),
+        (of("opt", lambda: opt()), TEMPORARY, REASONS[17]),
+        (of("none", when(ph.F_PARAM_INIT, lambda: none() & has(ph.F_PARAM_INIT) & ~same_run)), PARAMETER, REASONS[18]),
+        (of("none", when(ph.F_DATA, lambda: none() & has(ph.F_DATA))), INPUT, REASONS[19]),
+        (of("none", lambda: none() & (at(ph.FORWARD) | at(ph.BACKWARD)) & ~same_run), INPUT, REASONS[20]),
+        (of("none", lambda: none() & at_oom), OTHER, REASONS[34]),
+        (of("none", lambda: none() & same_run), TEMPORARY, REASONS[21]),
+        (of("none", lambda: none() & ~freed), OTHER, REASONS[22]),
         # allocations made before the trace
-        (lambda: before & ~freed & has(ph.F_INIT_STATE | ph.F_OPTIM), OPTIMIZER_STATE, REASONS[7]),
-        (lambda: before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD), GRADIENT, REASONS[14]),
-        (lambda: before & ~freed & has(ph.F_PARAM_INIT), PARAMETER, REASONS[18]),
-        (lambda: before & ~freed & has(ph.F_MODULE), ACTIVATION, REASONS[32]),
-        (lambda: before & ~freed & no_stack & any_pass, PARAMETER, REASONS[25]),
-        (lambda: before & ~freed, OTHER, REASONS[26]),
-        (lambda: before & freed_by(ph.F_ZERO_GRAD), GRADIENT, REASONS[27]),
-        (lambda: before & (pf == ph.BACKWARD), ACTIVATION, REASONS[28]),
-        (lambda: before & (pf == ph.OPTIMIZER), OPTIMIZER_STATE, REASONS[29]),
-        (lambda: before & (pf == ph.FORWARD), OTHER, REASONS[31]),
-        (lambda: before, OTHER, REASONS[30]),
+        (of("before", when(ph.F_INIT_STATE | ph.F_OPTIM, lambda: before & ~freed & has(ph.F_INIT_STATE | ph.F_OPTIM))),
+         OPTIMIZER_STATE, REASONS[7]),
+        (of("before", when(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD,
+                           lambda: before & ~freed & has(ph.F_ACCUMULATE_GRAD | ph.F_BACKWARD))),
+         GRADIENT, REASONS[14]),
+        (of("before", when(ph.F_PARAM_INIT, lambda: before & ~freed & has(ph.F_PARAM_INIT))), PARAMETER, REASONS[18]),
+        (of("before", when(ph.F_MODULE, lambda: before & ~freed & has(ph.F_MODULE))), ACTIVATION, REASONS[32]),
+        (of("before", lambda: before & ~freed & no_stack & any_pass), PARAMETER, REASONS[25]),
+        (of("before", lambda: before & ~freed), OTHER, REASONS[26]),
+        (of("before", when(ph.F_ZERO_GRAD, lambda: before & freed_by(ph.F_ZERO_GRAD))), GRADIENT, REASONS[27]),
+        (of("before", lambda: before & freed_in_phase(ph.BACKWARD)), ACTIVATION, REASONS[28]),
+        (of("before", lambda: before & freed_in_phase(ph.OPTIMIZER)), OPTIMIZER_STATE, REASONS[29]),
+        (of("before", lambda: before & freed_in_phase(ph.FORWARD)), OTHER, REASONS[31]),
+        (of("before", lambda: before), OTHER, REASONS[30]),
     ]
 
 
@@ -375,11 +428,13 @@ def lazy_workspaces(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases, la
         return out
     a = al.alloc_index
     kept = (a >= 0) & (al.free_index < 0)
-    big = kept & np.isin(al.size, CUBLAS_WORKSPACE_SIZES[:3])
-    blocked = np.isin(labels, (PARAMETER, OPTIMIZER_STATE, KV_CACHE)) | np.isin(tagged, (PARAMETER, OPTIMIZER_STATE))
-    big &= ~blocked
+    big = kept & isin_few(al.size, CUBLAS_WORKSPACE_SIZES[:3])
+    rows = np.flatnonzero(big)  # the few of a workspace's size: the labels and tags of these only
+    big[rows] = ~(isin_few(labels[rows], (PARAMETER, OPTIMIZER_STATE, KV_CACHE))
+                  | isin_few(tagged[rows], (PARAMETER, OPTIMIZER_STATE)))
     if not big.any() or _has_cpp_frames(trace):
         return out
+    blocked = isin_few(labels, (PARAMETER, OPTIMIZER_STATE, KV_CACHE)) | isin_few(tagged, (PARAMETER, OPTIMIZER_STATE))
     phase = np.where(a >= 0, phases.phase[np.maximum(a, 0)], -1)
     stream = trace.events.stream[rep.events][np.maximum(a, 0)]
     forward = np.isin(phase, (ph.FORWARD, ph.PREFILL, ph.DECODE))
@@ -408,7 +463,7 @@ def lazy_workspaces(trace: Trace, rep: DeviceReplay, phases: ph.DevicePhases, la
     return out
 
 
-def _before_trace(trace, rep, labels, reason, iteration, any_optim, workspace_frames):
+def _before_trace(trace, rep, labels, reason, phases, any_optim, workspace_frames):
     """Blocks live before the trace and throughout it, without a stack: what their sizes say they are.
 
     They are parameters by lifetime (made before a trace whose passes they outlive). Sizes, compared as
@@ -434,7 +489,7 @@ def _before_trace(trace, rep, labels, reason, iteration, any_optim, workspace_fr
     if not static.any():
         return
     size = requested_sizes(trace, rep)
-    t_of, k, grads_kept = _trainable_sizes(trace, al, labels, size, iteration) if any_optim else ({}, 0, False)
+    t_of, k, grads_kept = _trainable_sizes(trace, al, labels, size, phases) if any_optim else ({}, 0, False)
     traced_ws = np.unique(size[workspace_frames & (al.alloc_index >= 0)]).tolist()
     ws_sizes = set(CUBLAS_WORKSPACE_SIZES) | set(traced_ws)
     ev = trace.events
@@ -442,11 +497,16 @@ def _before_trace(trace, rep, labels, reason, iteration, any_optim, workspace_fr
     # one stream throughout (a constant column): 1 without copying the allocations' streams out
     streams = max(1, len(np.unique(stream[ev.action[rep.events] == 0]))) if rep.n and stream.strides != (0,) else 1
     max_ws = WORKSPACES_PER_STREAM * streams
-    csize, ccount = np.unique(size[static], return_counts=True)
-    for s, c in zip(csize.tolist(), ccount.tolist()):
+    # the static blocks grouped by size, each group by address (then row): one sort of these few, not a pass
+    # over every allocation per size
+    srows = np.flatnonzero(static)
+    ssize = size[srows]
+    srows = srows[np.lexsort((al.addr[srows], ssize))]
+    csize, ccount = np.unique(ssize, return_counts=True)
+    del ssize
+    for s, c, lo in zip(csize.tolist(), ccount.tolist(), (np.cumsum(ccount) - ccount).tolist()):
         t = t_of.get(s, 0)
-        rows = np.flatnonzero(static & (size == s))
-        rows = rows[np.argsort(al.addr[rows], kind="stable")]
+        rows = srows[lo:lo + c]
         n_state = max(0, min(c - t, k * t)) if t else 0
         if not t:
             n_grad = 0
@@ -470,12 +530,14 @@ def _before_trace(trace, rep, labels, reason, iteration, any_optim, workspace_fr
             labels[frozen], reason[frozen] = PARAMETER, R[REASONS[37]]
 
 
-def _trainable_sizes(trace, al, labels, size, iteration):
+def _trainable_sizes(trace, al, labels, size, phases):
     """({requested size: trainable parameters of it}, k state tensors per parameter, gradients kept from
     before the trace) from the gradients the trace's backward made, or else from its optimizer state."""
     traced_grads = (labels == GRADIENT) & (al.alloc_index >= 0)
     state = labels == OPTIMIZER_STATE
-    iters = max(1, len(np.unique(iteration[iteration >= 0]))) if len(iteration) else 1
+    iteration = phases.iteration
+    by_run = iteration[phases.run_starts()]  # every entry's iteration is its run's: the runs' say which there are
+    iters = max(1, len(np.unique(by_run[by_run >= 0]))) if len(iteration) else 1
     k_of_name = _optimizer_k(trace)
     if traced_grads.any():  # gradients made in backward name the trainable sizes
         gsize, gcount = np.unique(size[traced_grads], return_counts=True)
@@ -483,10 +545,9 @@ def _trainable_sizes(trace, al, labels, size, iteration):
         t_of = dict(zip(gsize.tolist(), np.maximum(1, gcount // iters_g).tolist()))
         grads_kept = False
     elif state.any():  # no gradients made: they exist already; the state names the sizes
-        made = state & (al.alloc_index >= 0)
-        replaced = state & (al.alloc_index < 0)
-        counts = {s: max(int((made & (size == s)).sum()) // iters, int((replaced & (size == s)).sum()))
-                  for s in np.unique(size[state]).tolist()}
+        made = dict(zip(*(a.tolist() for a in np.unique(size[state & (al.alloc_index >= 0)], return_counts=True))))
+        replaced = dict(zip(*(a.tolist() for a in np.unique(size[state & (al.alloc_index < 0)], return_counts=True))))
+        counts = {s: max(made.get(s, 0) // iters, replaced.get(s, 0)) for s in np.unique(size[state]).tolist()}
         kk = k_of_name or 2
         t_of = {s: max(1, c // kk) for s, c in counts.items()}
         grads_kept = True

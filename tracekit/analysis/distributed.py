@@ -171,7 +171,11 @@ def _ddp_buckets(trace: Trace, times) -> np.ndarray | None:
     """Allocations made inside DDP's pre-forward (the recorder's marks: the reducer rebuilds its gradient buckets
     there, in C++, with no Python stack) and alive after it; `times`: (alloc, free) µs per allocation."""
     spans = ((trace.recorder or {}).get("distributed") or {}).get("ddp_pre_forward_us") or []
-    if not spans or times is None or not len(times[0]):
+    if not spans or times is None:
+        return None
+    if callable(times):
+        times = times()
+    if not len(times[0]):
         return None
     ta, tf = times
     out = np.zeros(len(ta), bool)
@@ -181,8 +185,19 @@ def _ddp_buckets(trace: Trace, times) -> np.ndarray | None:
 
 
 def evidence(trace: Trace, al, same_run: np.ndarray, times=None) -> list:
-    """(mask, category name, reason) rules for categories.infer, in order; `times`: categories.allocation_times."""
+    """(mask, category name, reason) rules for categories.infer, in order; `times`: categories.allocation_times, or
+    a function that makes them (called only when the recorder marked DDP's pre-forward)."""
     role, why = stack_roles(trace)
+    # no stack has a role (most files): no rule by frames applies, and no allocation's role is looked up
+    out = _by_roles(role, why, al, same_run) if role.any() else []
+    buckets = _ddp_buckets(trace, times)
+    if buckets is not None and buckets.any():
+        out.append((buckets, "communication", DDP_BUCKETS))
+    return out
+
+
+def _by_roles(role, why, al, same_run) -> list:
+    """evidence's rules by the role of each allocation's stack."""
     sid = al.stack_id + al.stack_id.dtype.type(1)  # stack ids are below 2**31 - 1: no overflow, no int64 copy
     r, w = role[sid], why[sid]
     out = []
@@ -202,9 +217,6 @@ def evidence(trace: Trace, al, same_run: np.ndarray, times=None) -> list:
     comm = (r == COMM) | (r == GATHER) | ((r == GRAD) | (r == STATE)) & same_run
     for k in np.unique(w[comm]).tolist():
         out.append((comm & (w == k), "communication", REASONS[k]))
-    buckets = _ddp_buckets(trace, times)
-    if buckets is not None and buckets.any():
-        out.append((buckets, "communication", DDP_BUCKETS))
     return out
 
 

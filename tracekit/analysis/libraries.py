@@ -83,19 +83,25 @@ def _allocation_libraries(trace: Trace, device: int) -> AllocationLibraries:
     m = len(al)
     roles = stack_roles(trace)
     ss = stack_sites(trace)
-    own = al.stack_id + 1  # in the ids' own type (stack ids are below 2**31 - 1): no int64 copy
+    # in numpy's index type once: indexing with int32 converts the index anew for each of the lookups below
+    own = al.stack_id.astype(np.intp)
+    own += 1
     frame = roles.library[own]  # fancy indexing copies: these are the result's own arrays
     inner = roles.inner[own]
     user = ss.user_frame[own]
-    how = np.where(frame >= 0, OWN, NONE).astype(np.int8)
+    how = np.where(roles.library >= 0, OWN, NONE).astype(np.int8)[own]  # a table over stacks, spread
     backward = np.zeros(m, bool)
     source = np.full(m, -1, np.int32 if m < 2**31 else np.int64)  # rows
     traced = al.alloc_index >= 0
     if not m or not rep.n:
         return AllocationLibraries(frame, inner, user, how, backward, source)
-    fwd = np.full(m, -1, trace.events.forward_stack_id.dtype)
-    fwd[traced] = trace.events.forward_stack_id[rep.events][al.alloc_index[traced]]
-    rec = (fwd >= 0) & (frame < 0)
+    recorded = trace.events.forward_stack_id[rep.events]
+    # the recorder's forward frames: none (a constant column of -1) in files it did not write
+    rec = np.zeros(m, bool)
+    if not (recorded.strides == (0,) and recorded[0] < 0):
+        fwd = np.full(m, -1, trace.events.forward_stack_id.dtype)
+        fwd[traced] = recorded[al.alloc_index[traced]]
+        rec = (fwd >= 0) & (frame < 0)
     if rec.any():
         frame[rec] = roles.library[fwd[rec] + 1]
         inner[rec] = roles.inner[fwd[rec] + 1]

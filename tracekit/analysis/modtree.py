@@ -388,12 +388,18 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
         return done()
     # the stack that names each allocation's module: its own, or its forward op's for backward allocations
     libs = allocation_libraries(trace, device)
-    stack = al.stack_id.astype(np.int64)  # a copy
+    stack = al.stack_id
     src = libs.source
-    take = src >= 0
-    stack[take] = al.stack_id[src[take]]
-    index_of = _instances(trace, rep, sm, stack)
+    if not (src.strides == (0,) and src[0] < 0):  # (a constant column of -1: every allocation's own stack)
+        take = src >= 0
+        if take.any():
+            stack = stack.astype(np.int64)  # a copy
+            stack[take] = al.stack_id[src[take]]
+        del take
     with_chain = np.array([bool(c) for c in sm.chains], bool)
+    if not _loop_depth(sm):  # no numbered module: the key is the stack alone, its module a table over stack ids
+        return _by_stack(sm, stack, with_chain, intern, done)
+    index_of = _instances(trace, rep, sm, stack)
     rows = np.flatnonzero(with_chain[stack + 1])
     if not len(rows):
         return done()
@@ -407,6 +413,33 @@ def _allocation_modules(trace: Trace, device: int) -> AllocationModules:
         paths[k], cls_ids[k], worsts[k] = intern(path), intern(cls), worst
     module[rows], classes[rows], how[rows] = paths[inv], cls_ids[inv], worsts[inv]
     return done()
+
+
+def _by_stack(sm, stack, with_chain, intern, done) -> AllocationModules:
+    """_allocation_modules where no chain has a numbered module: each stack's path, class chain and how looked
+    up once (in ascending stack order, as the rows' unique keys are named) and spread to the allocations by
+    their stack, without the rows that have a chain or their unique keys."""
+    s1 = stack.astype(np.intp)  # in numpy's index type once, for the four lookups below
+    s1 += 1
+    present = np.zeros(len(with_chain), bool)
+    present[s1] = True
+    paths, cls_ids = np.zeros(len(with_chain), np.int32), np.zeros(len(with_chain), np.int32)
+    worsts = np.zeros(len(with_chain), np.int8)
+    for s in np.flatnonzero(present & with_chain).tolist():
+        path, cls, worst = _path(sm.nodes, sm.chains[s], ())
+        paths[s], cls_ids[s], worsts[s] = intern(path), intern(cls), worst
+    out = done()
+    out.module, out.classes, out.how = paths[s1], cls_ids[s1], worsts[s1]
+    return out
+
+
+def _loop_depth(sm) -> int:
+    """The most numbered (looped) modules in one chain, up to MAX_LOOP_DEPTH: the instance columns of the key."""
+    nodes = sm.nodes
+    depth = 0
+    for chain in sm.chains:
+        depth = max(depth, sum(1 for nid, _ in chain if nodes[nid].looped))
+    return min(MAX_LOOP_DEPTH, depth)
 
 
 def _unique_rows(cols: list | np.ndarray):
@@ -425,7 +458,8 @@ def _unique_rows(cols: list | np.ndarray):
                 packed += cols[c].astype(np.int64, copy=False)
                 packed += 1
                 cols[c] = None  # read: let go
-            u, inv = np.unique(packed, return_inverse=True)
+            # keys not much wider than the rows (stacks x instances, most often) are tabled, not sorted
+            u, inv = unique_ids(packed, return_inverse=True)
             del packed
             rows = np.zeros((len(u), len(span)), np.int64)
             for c in range(len(span) - 1, -1, -1):
@@ -482,10 +516,7 @@ def _instances(trace, rep, sm, stack) -> np.ndarray:
     al = rep.allocations
     m = len(al)
     nodes = sm.nodes
-    depth = 0
-    for chain in sm.chains:
-        depth = max(depth, sum(1 for nid, _ in chain if nodes[nid].looped))
-    depth = min(MAX_LOOP_DEPTH, depth)
+    depth = _loop_depth(sm)
     out = np.full((m, depth), -1, np.int64)
     if not depth:
         return out

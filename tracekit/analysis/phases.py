@@ -189,6 +189,10 @@ def stack_flags(trace: Trace) -> np.ndarray:
     return out
 
 
+_RUN_SHIFT = 6
+RUN_BLOCK = 1 << _RUN_SHIFT  # entries per block of DevicePhases.run_of's table
+
+
 @dataclass
 class DevicePhases:
     """Phase and iteration of each of a device's trace entries."""
@@ -210,8 +214,11 @@ class DevicePhases:
         return change
 
     def run_starts(self, chunk: int = 1 << 20) -> np.ndarray:
-        """The first entry of each run (int64, ascending): where runs() changes, without a run id per entry,
-        found a chunk of entries at a time (no per-entry temporaries)."""
+        """The first entry of each run (int64, ascending, read-only): where runs() changes, without a run id per
+        entry, found a chunk of entries at a time (no per-entry temporaries), once (kept on the object)."""
+        got = self.__dict__.get("_run_starts")
+        if got is not None:
+            return got
         n = self.n
         parts = [np.zeros(min(n, 1), np.int64)]
         for lo in range(1, n, chunk):
@@ -219,12 +226,36 @@ class DevicePhases:
             change = self.phase[lo:hi] != self.phase[lo - 1:hi - 1]
             change |= self.iteration[lo:hi] != self.iteration[lo - 1:hi - 1]
             parts.append(np.flatnonzero(change) + lo)
-        return np.concatenate(parts)
+        got = self.__dict__["_run_starts"] = np.concatenate(parts)
+        got.flags.writeable = False
+        return got
 
     def run_of(self, at: np.ndarray) -> np.ndarray:
-        """runs()[at] (`at`: entry positions), from the runs' starts: no run id per entry."""
-        out = np.searchsorted(self.run_starts(), at, side="right")
-        out -= 1
+        """runs()[at] (`at`: entry positions, or n: the last run), from the runs' starts: no run id per entry.
+
+        A binary search per position is slow on millions of positions out of order (each step a branch the
+        CPU mispredicts), so the positions are first looked up in a table of the run at each block of
+        RUN_BLOCK entries (made here, n / 8 bytes, not kept); only those in a block where a run starts after
+        its first entry are searched. Same values as the search, in its dtype (intp)."""
+        starts = self.run_starts()
+        at = np.asarray(at)
+        if len(at) < 4096 or len(starts) * RUN_BLOCK > self.n or int(at.min()) < 0:  # few, or runs too dense
+            out = np.searchsorted(starts, at, side="right")
+            out -= 1
+            return out
+        blocks = (self.n >> _RUN_SHIFT) + 1  # position n included
+        first = np.searchsorted(starts, np.arange(blocks, dtype=np.int64) << _RUN_SHIFT, side="right") - 1
+        split = np.zeros(blocks, bool)  # a run starts in the block after its first entry
+        split[starts[(starts & (RUN_BLOCK - 1)) != 0] >> _RUN_SHIFT] = True
+        out = np.empty(len(at), np.intp)
+        for lo in range(0, len(at), 1 << 16):  # a slice of positions at a time: no temporaries of their size
+            pos = at[lo:lo + (1 << 16)]
+            block = pos >> _RUN_SHIFT
+            got = out[lo:lo + (1 << 16)]
+            np.take(first, block, out=got, mode="clip")  # (valid indices: "clip" only spares a buffer)
+            fix = np.flatnonzero(split[block])
+            if len(fix):
+                got[fix] = np.searchsorted(starts, pos[fix], side="right") - 1
         return out
 
     def runs(self) -> np.ndarray:
@@ -250,22 +281,28 @@ class DevicePhases:
             nxt = out[lo]
         return out
 
-    def next_at(self, phase: int, at: np.ndarray, chunk: int = 1 << 20) -> np.ndarray:
-        """next_of(phase)[at] (`at`: positions in 0..n), made a chunk of entries at a time without the whole
-        column: each chunk's part of it serves the positions that fall in the chunk."""
+    def next_at(self, phase: int, at: np.ndarray, runs: np.ndarray | None = None) -> np.ndarray:
+        """next_of(phase)[at] (`at`: positions in 0..n), from the runs (run_starts()) rather than the entries:
+        a position in a run of `phase` is its own next entry, any other the start of the next such run.
+        `runs`: run_of(at) where the caller has it (it serves every phase)."""
         n = self.n
         dtype = np.int64 if n >= 2**31 else np.int32
         at = np.asarray(at)
-        out = np.full(at.shape, n, dtype)  # position n: n
-        nxt = dtype(n)  # the first entry in `phase` after the chunk
-        for hi in range(n, 0, -chunk):
-            lo = max(0, hi - chunk)
-            idx = np.where(self.phase[lo:hi] == phase, np.arange(lo, hi, dtype=dtype), nxt)
-            local = np.minimum.accumulate(idx[::-1])[::-1]
-            sel = np.flatnonzero((at >= lo) & (at < hi))
-            out[sel] = local[at[sel] - lo]
-            nxt = local[0]
+        if not n:
+            return np.full(at.shape, n, dtype)
+        nxt = self.next_run_start(phase)
+        out = nxt[self.run_of(at) if runs is None else runs]  # run_of(n) is the last run: n or its own start
+        np.maximum(out, at, out=out, casting="unsafe")  # positions are in 0..n: no loss in `dtype`
         return out
+
+    def next_run_start(self, phase: int) -> np.ndarray:
+        """Per run (run_starts()): its own start if it is a run of `phase`, else the start of the next run of
+        `phase` (n if none), in next_of's dtype."""
+        n = self.n
+        starts = self.run_starts()
+        dtype = np.int64 if n >= 2**31 else np.int32
+        nxt = np.where(self.phase[starts] == phase, starts, n).astype(dtype)
+        return np.minimum.accumulate(nxt[::-1])[::-1]
 
     def iterations(self) -> list[tuple[int, int, int]]:
         """[(iteration, first entry, last entry)] in order, for iterations >= 0."""
@@ -351,11 +388,24 @@ def metadata_iteration(text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _distinct_ids(ids, bound: int, chunk: int = 1 << 20) -> np.ndarray:
+    """The distinct values of a column of ids in 0..bound-1 (string ids), ascending: np.unique's, read a chunk
+    at a time into a table of `bound` flags rather than sorted or hashed (a constant column: its one value)."""
+    if ids.strides == (0,):
+        return np.asarray(ids[:1]).copy()
+    if int(ids.min()) < 0 or int(ids.max()) >= bound:
+        return np.unique(ids)
+    seen = np.zeros(bound, bool)
+    for lo in range(0, len(ids), chunk):
+        seen[ids[lo:lo + chunk]] = True
+    return np.flatnonzero(seen).astype(ids.dtype)
+
+
 def _from_metadata(um, strings):
     """Phases from our `tracekit:iter=N:phase=P` user_metadata strings."""
     if not len(um):
         return None
-    ids = np.unique(um)
+    ids = _distinct_ids(um, len(strings))
     phase_of = np.zeros(len(strings), np.int8)
     iter_of = np.full(len(strings), -1, np.int32)
     stamped = np.zeros(len(strings), bool)  # the string is ours
@@ -453,30 +503,98 @@ def _inferred(trace, sl) -> DevicePhases:
     ev = trace.events
     action, stack = ev.action[sl], ev.stack_id[sl]
     n = len(action)
-    flags = stack_flags(trace)[stack + stack.dtype.type(1)]  # stack ids are below 2**31 - 1: no overflow
-    is_alloc = action == ALLOC
-    is_free = action == FREE_COMPLETED
-    code = np.zeros(n, np.int8)
-    has_frames = stack >= 0
-    has = lambda bits: has_frames & ((flags & bits) != 0)  # noqa: E731
-    code[has(F_USER)] = _E_USER
-    code[has(F_USER) & has(F_FACTORY)] = _E_FACTORY
-    code[has(F_MODULE)] = _E_FORWARD
-    code[has(F_MODULE) & has(F_CHECKPOINT)] = _E_RECOMPUTE
-    code[has(F_BACKWARD)] = _E_BACKWARD
-    code[has(F_OPTIM)] = _E_OPTIM
-    code[has(F_ZERO_GRAD)] = _E_ZERO
-    code[~(is_alloc | is_free) & isin_few(code, (_E_USER, _E_FACTORY))] = _E_NONE  # segment events etc. say little
-    if (is_alloc & has_frames).any():  # Python stacks were recorded: frameless allocations are autograd's
-        code[is_alloc & ~has_frames] = _E_FRAMELESS
-    _annotate(trace, sl, code)
-    gen = _generation(code, flags, has_frames, is_alloc, is_free)
-    if gen is not None:
-        return gen
-    if not code.any():
+    code, frameless, n_alloc, starts = _evidence_codes(stack_flags(trace), action, stack)
+    if _annotate(trace, sl, code):  # annotations rewrote ranges of codes: count and cut them again
+        frameless, starts = int(np.count_nonzero(code == _E_FRAMELESS)), _run_starts(code)
+    present = set(code[starts].tolist())  # the codes there are (each non-zero code begins a run or continues one)
+    if not present & {_E_BACKWARD, _E_OPTIM} and frameless <= MAX_FRAMELESS_SHARE * max(1, n_alloc):
+        # maybe a generation (no backward, no optimizer step): its tests read each entry's flags
+        flags = stack_flags(trace)[stack + stack.dtype.type(1)]  # stack ids are below 2**31 - 1: no overflow
+        gen = _generation(code, flags, stack >= 0, action == ALLOC, action == FREE_COMPLETED)
+        del flags
+        if gen is not None:
+            return gen
+    if not present:
         return DevicePhases(phase=np.zeros(n, np.int8), iteration=np.full(n, -1, np.int32), source="none")
-    phase, iteration = _resolve(code)
-    return DevicePhases(phase=phase, iteration=iteration, source="inferred")
+    phase, iteration, run_starts = _resolve(code, starts)
+    out = DevicePhases(phase=phase, iteration=iteration, source="inferred")
+    out.__dict__["_run_starts"] = run_starts  # known from the evidence runs: not found again by a pass over entries
+    return out
+
+
+def _code_table(flags: np.ndarray) -> np.ndarray:
+    """The evidence code of an entry from its stack and its kind, as a table (stack id + 1, kind) -> code;
+    kind 0: neither an alloc nor a free_completed, 1: an alloc, 2: a free_completed. A stack's evidence,
+    strongest last: user code, a factory in user code, a module call, checkpoint recompute, backward,
+    the optimizer step, zero_grad. Other entries (segment events...) say nothing by user code alone; an
+    allocation with no stack is _E_FRAMELESS (undone by _evidence_codes when no allocation has one)."""
+    has = lambda bits: (flags & bits) != 0  # noqa: E731
+    base = np.zeros(len(flags), np.int8)
+    base[has(F_USER)] = _E_USER
+    base[has(F_USER) & has(F_FACTORY)] = _E_FACTORY
+    base[has(F_MODULE)] = _E_FORWARD
+    base[has(F_MODULE) & has(F_CHECKPOINT)] = _E_RECOMPUTE
+    base[has(F_BACKWARD)] = _E_BACKWARD
+    base[has(F_OPTIM)] = _E_OPTIM
+    base[has(F_ZERO_GRAD)] = _E_ZERO
+    base[:1] = _E_NONE  # row 0: no stack, no frame evidence
+    table = np.empty((len(flags), 3), np.int8)
+    table[:, 0] = np.where(isin_few(base, (_E_USER, _E_FACTORY)), _E_NONE, base)
+    table[:, 1] = table[:, 2] = base
+    table[:1, 1] = _E_FRAMELESS
+    return table.reshape(-1)
+
+
+def _evidence_codes(flags, action, stack, chunk: int = 1 << 20):
+    """(evidence code per entry, the frameless allocations, the allocations, _run_starts of the codes) in one
+    pass a chunk of entries at a time: each entry's code is its (stack, kind)'s in _code_table, so no per-entry
+    flags or masks are made. Frameless allocations are autograd's only when some allocation has a stack
+    (Python stacks were recorded)."""
+    n = len(action)
+    table = _code_table(flags)
+    code = np.empty(n, np.int8)
+    frameless = n_alloc = 0
+    parts: list = []
+    prev = 0  # the last non-zero code before the chunk
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        idx = stack[lo:hi].astype(np.intp)  # the entry's row of the table: (stack id + 1) * 3 + its kind
+        idx += 1
+        idx *= 3
+        act = action[lo:hi]
+        is_alloc = act == ALLOC
+        n_alloc += int(np.count_nonzero(is_alloc))
+        idx += is_alloc
+        del is_alloc
+        is_free = act == FREE_COMPLETED
+        idx += is_free
+        idx += is_free
+        del is_free
+        c = code[lo:hi]
+        np.take(table, idx, out=c, mode="clip")  # (valid indices: "clip" only spares a buffer)
+        del idx
+        frameless += int(np.count_nonzero(c == _E_FRAMELESS))
+        prev = _chunk_starts(c, lo, prev, parts)
+    if frameless and frameless == n_alloc:  # no allocation has a stack: none is frameless
+        for lo in range(0, n, chunk):
+            c = code[lo:lo + chunk]
+            c[c == _E_FRAMELESS] = _E_NONE
+        return code, 0, n_alloc, _run_starts(code, chunk)
+    return code, frameless, n_alloc, np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _chunk_starts(c, lo, prev, parts) -> int:
+    """Append to `parts` where a run of one non-zero code begins in chunk `c` (at entry `lo`), after the
+    non-zero code `prev`; returns the chunk's last non-zero code (prev when it has none)."""
+    nz = np.flatnonzero(c)
+    if not len(nz):
+        return prev
+    cz = c[nz]
+    keep = np.empty(len(nz), bool)
+    keep[0] = cz[0] != prev
+    keep[1:] = cz[1:] != cz[:-1]
+    parts.append(nz[keep] + lo)
+    return int(cz[-1])
 
 
 MIN_MODEL_CALLS = 3  # a prefill and at least two decoding steps
@@ -539,12 +657,16 @@ def _generation(code, flags, has_frames, is_alloc, is_free) -> DevicePhases | No
     return DevicePhases(phase=phase, iteration=iteration, source="inferred", generation=info)
 
 
-def _annotate(trace, sl, code):
-    """Optimizer.step / zero_grad ranges from external_annotations override frame evidence."""
+def _annotate(trace, sl, code) -> bool:
+    """Optimizer.step / zero_grad ranges from external_annotations override frame evidence; True where
+    some range was written."""
     ann = trace.meta.get("external_annotations") or []
+    if not ann:
+        return False
     t = trace.events.time_us[sl]
-    if not ann or not len(t) or (t == NO_TIME).all():
-        return
+    if not len(t) or (t == NO_TIME).all():
+        return False
+    wrote = False
     open_at = {}
     for a in ann:
         if not isinstance(a, dict):
@@ -559,18 +681,24 @@ def _annotate(trace, sl, code):
             lo = open_at.pop(name)
             i, j = np.searchsorted(t, [lo, int(when)], side="left")
             code[i:j] = kind
+            wrote = wrote or j > i
+    return wrote
 
 
-def _resolve(code):
+def _resolve(code, starts=None):
     """Walk the evidence runs once: a small state machine over runs, broadcast back to entries.
 
     A backward pass with no forward evidence before it (a model called as
     `model.forward()` or plain functions, under C++ stacks) makes its own
     forward: the user's code since the previous step, from its first
     computation (tensors made from nothing or copied in before it are inputs).
+
+    Returns (phase, iteration, the first entry of each run of one (phase, iteration): DevicePhases.run_starts()).
+    `starts`: _run_starts(code) when known.
     """
     n = len(code)
-    starts = _run_starts(code)
+    if starts is None:
+        starts = _run_starts(code)
     codes = code[starts].tolist()
     any_optim = _E_OPTIM in codes
     phase_at, iter_at = [], []
@@ -610,28 +738,25 @@ def _resolve(code):
         iter_at.append(it)
     phase = np.zeros(n, np.int8)
     iteration = np.zeros(n, np.int32)
+    run_starts = np.zeros(min(n, 1), np.int64)
     if len(starts):
         # each entry takes the state of the last run that began at or before it
         lengths = np.diff(starts, append=n)
-        phase[starts[0]:] = np.repeat(np.array(phase_at, np.int8), lengths)
-        iteration[starts[0]:] = np.repeat(np.array(iter_at, np.int32), lengths)
-    return phase, iteration
+        p_at, i_at = np.array(phase_at, np.int8), np.array(iter_at, np.int32)
+        phase[starts[0]:] = np.repeat(p_at, lengths)
+        iteration[starts[0]:] = np.repeat(i_at, lengths)
+        # where (phase, iteration) changes: at a run whose state differs from the one before it (entries
+        # before the first run are phase none of iteration 0)
+        change = (p_at != np.r_[np.int8(NONE), p_at[:-1]]) | (i_at != np.r_[np.int32(0), i_at[:-1]])
+        run_starts = np.union1d(run_starts, starts[change]).astype(np.int64)
+    return phase, iteration, run_starts
 
 
 def _run_starts(code, chunk: int = 1 << 20) -> np.ndarray:
     """The entries where a run of one non-zero evidence code begins (entries with code 0 belong to the run
     before them), read a chunk at a time: the positions of a 10M-entry trace's non-zero codes are not made."""
-    out = []
-    prev = 0  # the last non-zero code before the chunk
+    parts: list = []
+    prev = 0
     for lo in range(0, len(code), chunk):
-        c = code[lo:lo + chunk]
-        nz = np.flatnonzero(c)
-        if not len(nz):
-            continue
-        cz = c[nz]
-        keep = np.empty(len(nz), bool)
-        keep[0] = cz[0] != prev
-        keep[1:] = cz[1:] != cz[:-1]
-        out.append(nz[keep] + lo)
-        prev = cz[-1]
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+        prev = _chunk_starts(code[lo:lo + chunk], lo, prev, parts)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)

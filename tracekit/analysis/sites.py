@@ -97,23 +97,36 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     cats = categorize(trace)[device]  # first: its own temporaries come and go before this function's arrays
     al = rep.allocations
     ss = stack_sites(trace)
-    stack = trace.events.stack_id[rep.events]
-    n = rep.n
-    entry_site = _borrowed_entry_sites(stack, ss.user_frame, phases(trace)[device].runs()) if n else stack
-    del stack
     own = al.stack_id
+    m = len(own)
     site = own.astype(np.int32)  # a copy: stack ids (own, borrowed, forward) are int32
-    traced = al.alloc_index >= 0
-    if n:
-        site[traced] = entry_site[al.alloc_index[traced]]
-    fwd = np.full(len(own), -1, np.int32)
-    module = np.zeros(len(own), np.int32)
-    if n:
-        fwd[traced] = trace.events.forward_stack_id[rep.events][al.alloc_index[traced]]
-        module[traced] = trace.events.module[rep.events][al.alloc_index[traced]]
+    fwd = np.full(m, -1, np.int32)
+    module = np.zeros(m, np.int32)
+    if rep.n:
+        ev = trace.events
+        stack = ev.stack_id[rep.events]
+        # the recorder's forward frames and modules: constant columns (-1, 0) in files it did not write
+        columns = [(out, col) for out, col, none in ((fwd, ev.forward_stack_id[rep.events], -1),
+                                                     (module, ev.module[rep.events], 0))
+                   if not (col.strides == (0,) and col[0] == none)]
+        lone = []  # rows whose alloc entry's stack has no user frame: their site is borrowed
+        for lo in range(0, m, CHUNK):  # a chunk of allocations at a time: no per-allocation int64 positions
+            a = al.alloc_index[lo:lo + CHUNK]
+            rows = np.flatnonzero(a >= 0)
+            at = a[rows]
+            st = stack[at]
+            rows += lo
+            site[rows] = st
+            lone.append(rows[(ss.user_frame[st + st.dtype.type(1)] < 0) & (st >= 0)])  # stack ids < 2**31 - 1
+            for out, col in columns:
+                out[rows] = col[at]
+        rows = np.concatenate(lone) if lone else np.zeros(0, np.int64)
+        del lone
+        if len(rows):
+            site[rows] = _borrow(stack, ss.user_frame, al.alloc_index[rows], phases(trace)[device])
     forward = fwd >= 0
     site[forward] = fwd[forward]
-    del fwd, entry_site, traced
+    del fwd
     borrowed = (site != own) & ~forward
     # a line's backward allocations are a site apart from its forward ones
     backward_node = trace.strings.intern("backward") if forward.any() else None
@@ -121,54 +134,71 @@ def _allocation_sites(trace: Trace, device: int) -> AllocationSites:
     workspace = cats.labels == cats.names.index("workspace")
     workspace_node = trace.strings.intern("cuBLAS workspace") if workspace.any() else None
     width = len(trace.strings) + 1
-    key = np.empty(len(own), np.int64)
-    for lo in range(0, len(own), CHUNK):  # the key a chunk at a time: its int64 temporaries stay small
-        hi = lo + CHUNK
-        o = own[lo:hi].astype(np.int64)
-        user = ss.user_frame[site[lo:hi] + 1].astype(np.int64)
+    # the key of an allocation whose site is its own stack, with no node put in its place, is its stack's: a table
+    # over stack ids; those with no stack take their reason's, the rest (borrowed, forward, workspace) their own
+    s = np.arange(-1, len(ss.user_frame) - 1, dtype=np.int64)
+    user = ss.user_frame.astype(np.int64)
+    table = np.where(user >= 0, user * width + ss.node, (-2 - s) * width)
+    key = table[own + own.dtype.type(1)]  # stack ids are below 2**31 - 1
+    rows = np.flatnonzero(own < 0)
+    key[rows] = (-(1 << 40) - cats.reason[rows].astype(np.int64)) * width
+    special = site != own
+    special |= forward
+    if workspace_node is not None:
+        special |= workspace
+    rows = np.flatnonzero(special)
+    del special
+    for lo in range(0, len(rows), CHUNK):  # the key a chunk at a time: its int64 temporaries stay small
+        r = rows[lo:lo + CHUNK]
+        o = own[r].astype(np.int64)
+        user = ss.user_frame[site[r] + 1].astype(np.int64)
         nodes = ss.node[o + 1].astype(np.int64)
         if backward_node is not None:
-            nodes = np.where(forward[lo:hi] & (nodes == 0), backward_node, nodes)
+            nodes = np.where(forward[r] & (nodes == 0), backward_node, nodes)
         if workspace_node is not None:
-            nodes = np.where(workspace[lo:hi], workspace_node, nodes)
+            nodes = np.where(workspace[r], workspace_node, nodes)
         # no user frame: the stack itself is the site; no stack at all: what the categories say of it
-        reason = cats.reason[lo:hi].astype(np.int64)
+        reason = cats.reason[r].astype(np.int64)
         first = np.where(user >= 0, user, np.where(o >= 0, -2 - o, -(1 << 40) - reason))
-        key[lo:hi] = first * width + np.where(user >= 0, nodes, 0)
+        key[r] = first * width + np.where(user >= 0, nodes, 0)
     # without the recorder's forward frames and modules these are one value throughout: constant columns
     return AllocationSites(site_stack=site, key=key, borrowed=compact_column(borrowed),
                            forward=compact_column(forward), module=compact_column(module))
 
 
-def _borrowed_entry_sites(stack, user_frame, runs, chunk: int = 1 << 20):
-    """Each entry's site: its own stack, or, for a stack with no user frame, the stack of the nearest entry
-    in the same run that has one (before it, else after it). Two passes a chunk at a time (the nearest before,
-    carried forward; then the nearest after, carried back), so that a 10M-entry trace makes no per-entry
-    temporaries beyond a mask: the peak memory of a first open."""
+def _borrowed_sites(stack, user_frame, at, phases, chunk: int = 1 << 20):
+    """The site stack of the entries at positions `at`: their own stack, or, for a stack with no user frame,
+    the one _borrow finds."""
+    out = stack[at]
+    lone = np.flatnonzero((user_frame[out + out.dtype.type(1)] < 0) & (out >= 0))  # stack ids < 2**31 - 1
+    if len(lone):
+        out[lone] = _borrow(stack, user_frame, at[lone], phases, chunk)
+    return out
+
+
+def _borrow(stack, user_frame, q, phases, chunk: int = 1 << 20):
+    """The site of the entries at positions `q` (their stacks have no user frame): the stack of the nearest
+    entry in the same run (phases.run_of) that has one (before it, else after it); else their own stack.
+    Only these entries are looked up: the positions of the entries with a user frame are found a chunk of
+    entries at a time, and searched."""
+    out = stack[q]
+    if not (user_frame >= 0).any():  # no stack to borrow from
+        return out
     n = len(stack)
-    out = np.array(stack, copy=True)
-    has_user = np.empty(n, bool)
-    need_next = np.empty(n, bool)  # no user frame, a stack, and no entry before it in its run to borrow from
-    prev = -1  # the last entry with a user frame before the chunk
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
-        st = stack[lo:hi]
-        hu = has_user[lo:hi]
-        np.greater_equal(user_frame[st + st.dtype.type(1)], 0, out=hu)  # stack ids are below 2**31 - 1
-        p = np.maximum.accumulate(np.where(hu, np.arange(lo, hi, dtype=np.int64), prev))
-        prev = int(p[-1])
-        ok = (p >= 0) & (runs[np.maximum(p, 0)] == runs[lo:hi])
-        lone = ~hu & (st >= 0)
-        take = lone & ok
-        out[lo:hi][take] = stack[p[take]]
-        need_next[lo:hi] = lone & ~ok
-    nxt = n  # the first entry with a user frame after the chunk
-    for hi in range(n, 0, -chunk):
-        lo = max(0, hi - chunk)
-        q = np.minimum.accumulate(np.where(has_user[lo:hi], np.arange(lo, hi, dtype=np.int64), nxt)[::-1])[::-1]
-        nxt = int(q[0])
-        take = need_next[lo:hi] & (q < n) & (runs[np.minimum(q, n - 1)] == runs[lo:hi])
-        out[lo:hi][take] = stack[q[take]]
+    pos_t = np.int32 if n < 2**31 else np.int64
+    users = np.concatenate([np.flatnonzero(user_frame[stack[lo:lo + chunk] + stack.dtype.type(1)] >= 0).astype(pos_t)
+                            + pos_t(lo) for lo in range(0, n, chunk)])
+    if not len(users):
+        return out
+    k = np.searchsorted(users, q)  # users[k - 1] < q < users[k]: q itself has none
+    run = phases.run_of(q)
+    prev = users[np.maximum(k - 1, 0)]
+    ok = (k > 0) & (phases.run_of(prev) == run)
+    out[ok] = stack[prev[ok]]
+    nxt = users[np.minimum(k, len(users) - 1)]
+    later = ~ok & (k < len(users))
+    later &= phases.run_of(nxt) == run
+    out[later] = stack[nxt[later]]
     return out
 
 
