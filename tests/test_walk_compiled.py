@@ -138,3 +138,24 @@ def test_real_files_walk_as_the_sorts(path):
         for g in (group.astype(np.int32), group):
             assert M._peaks_compiled(al.alloc_index, al.free_index, al.size, g, 6) is not None
             assert np.array_equal(M.group_peaks(g, al, 6), M._sorted_group_peaks(g, al, 6))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_categories_summed_at_points_equal_the_step_functions(path):
+    """A lean report's categories at its points (timeline._live_by_category: the allocations live there, summed)
+    are the step functions' read at the same points, on every real file and sample, at random points, both ends,
+    before the first entry and repeated points."""
+    import tracekit
+    from tracekit.analysis.replay import replay
+
+    trace = tracekit.load(path, use_cache=False)
+    rng = np.random.default_rng(7)
+    for d in trace.devices:
+        n = replay(trace)[d].n
+        k = min(5, n - 1)
+        pts = np.r_[-1, rng.integers(-1, n, 200), 0, n - 1, k, k] if n else np.r_[-1, -1]
+        want = T.categories_at(trace, d, pts)
+        got = T.categories_at(trace, d, pts, steps=False)
+        assert list(got) == list(want)
+        for name in want:
+            assert got[name].dtype == np.int64 and np.array_equal(got[name], want[name]), (path.name, name)

@@ -235,14 +235,8 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
     if not len(al) or not (module_ids > 0).any():
         return None
     made = (al.alloc_index >= 0) & ~workspace_mask(trace, rep)  # made in the trace; module 0: outside any
-    key = module_ids[made].astype(np.int64)
-    key *= 2  # in place: one int64 per allocation, not three
-    key += backward[made]
-    uniq, inv = unique_ids(key, return_inverse=True)
-    del key
-    group = np.full(len(al), -1, np.int32 if len(uniq) < 2**31 else np.int64)
-    group[made] = inv
-    del inv, made, module_ids, backward  # the groups say it all from here
+    uniq, group = _module_groups(module_ids, backward, made)
+    del made, module_ids, backward  # the groups say it all from here
     n = len(uniq)
     at_peak, total, count = _group_sums(group, al, rep.peak_index, n)
     most = group_peaks(group, al, n)
@@ -260,6 +254,33 @@ def module_table(trace: Trace, rep: DeviceReplay, limit: int = 15) -> dict | Non
             row["how"] = HOWS[int(how[r])] if r is not None else None
     rows.sort(key=lambda r: (-r["bytes_at_peak"], -r["peak_bytes"], r["module"], r["pass"]))
     return {"rows": rows[:limit], "modules": len(rows), "layers": _layers(rows), "source": source}
+
+
+def _module_groups(module_ids: np.ndarray, backward: np.ndarray, made: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct keys module * 2 + backward of the allocations `made`, sorted; each allocation's place among
+    them, -1 where not made): unique_ids' result, made a chunk of allocations at a time through a table over the
+    keys' range (module ids are few and small), so no int64 per allocation is held beside the groups."""
+    top = int(module_ids.max()) if len(module_ids) else 0
+    if top >= 1 << 24 or int(module_ids.min(initial=0)) < 0:
+        key = module_ids[made].astype(np.int64)
+        key *= 2
+        key += backward[made]
+        uniq, inv = unique_ids(key, return_inverse=True)
+        del key
+        group = np.full(len(made), -1, np.int32 if len(uniq) < 2**31 else np.int64)
+        group[made] = inv
+        return uniq, group
+    present = np.zeros(2 * top + 2, bool)
+    for lo in range(0, len(made), CHUNK):
+        m = made[lo:lo + CHUNK]
+        present[module_ids[lo:lo + CHUNK][m].astype(np.int64) * 2 + backward[lo:lo + CHUNK][m]] = True
+    uniq = np.flatnonzero(present)
+    rank = (np.cumsum(present) - 1).astype(np.int32)
+    group = np.full(len(made), -1, np.int32)
+    for lo in range(0, len(made), CHUNK):
+        m = made[lo:lo + CHUNK]
+        group[lo:lo + CHUNK][m] = rank[module_ids[lo:lo + CHUNK][m].astype(np.int64) * 2 + backward[lo:lo + CHUNK][m]]
+    return uniq, group
 
 
 def _group_sums(group: np.ndarray, al, peak: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -152,7 +152,7 @@ def device_summary(trace: Trace, rep: DeviceReplay, rules=None, forget_steps: bo
     from .libraries import library_sites
 
     out = {**(head or _summary(trace, rep)), "top_stacks_at_peak": top_stacks(trace, rep, p),
-           **category_tables(trace, rep, rules)}
+           **category_tables(trace, rep, rules, steps=not forget_steps)}
     if forget_steps:
         _forget_steps(trace)
     # the third-party line (transformers, peft, ...) that holds the memory, per category (issue 22)
@@ -232,8 +232,9 @@ def top_stacks(trace: Trace, rep: DeviceReplay, index: int, limit: int = TOP_STA
     return [public(g) for g in group_sites(trace, rep, rep.allocations.live_at(index), limit)]
 
 
-def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
-    """Categories at the peak and at the end, per phase and per iteration; each row sums to allocated."""
+def category_tables(trace: Trace, rep: DeviceReplay, rules=None, steps: bool = True) -> dict:
+    """Categories at the peak and at the end, per phase and per iteration; each row sums to allocated (`steps`:
+    read from the categories' step functions, else summed at these points: timeline.categories_at)."""
     from .categories import METHODS, categorize
     from .phases import NONE, PHASES, phases
     from .timeline import categories_at
@@ -259,7 +260,7 @@ def category_tables(trace: Trace, rep: DeviceReplay, rules=None) -> dict:
                                "peak_bytes": int(rep.allocated[i]), "peak_index": i,
                                "end_bytes": int(rep.allocated[hi])})
         points += [i, hi]
-    values = categories_at(trace, rep.device, points, rules)
+    values = categories_at(trace, rep.device, points, rules, steps=steps)
 
     def at(k):
         return {name: int(v[k]) for name, v in values.items() if v[k]}

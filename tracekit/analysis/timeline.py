@@ -67,9 +67,37 @@ def category_series(trace: Trace, device: int, max_points=None, start=None, end=
     return out
 
 
-def categories_at(trace: Trace, device: int, indices, rules=None) -> dict:
-    """{name: int64 array of bytes} just after each entry in `indices` (-1: before the first entry)."""
-    return _series_at(trace, device, np.asarray(indices, np.int64), rules).by_category
+def categories_at(trace: Trace, device: int, indices, rules=None, steps: bool = True) -> dict:
+    """{name: int64 array of bytes} just after each entry in `indices` (-1: before the first entry).
+    `steps`: read the categories' step functions (made once and kept: the viewer asks again and again); False:
+    add up the allocations live at these few points instead (a lean report: no step function made or held)."""
+    idx = np.asarray(indices, np.int64)
+    if steps or trace.format == "memory_timeline" or not trace.meta.get("has_addresses", True):
+        return _series_at(trace, device, idx, rules).by_category
+    return _live_by_category(trace, device, idx, rules)
+
+
+def _live_by_category(trace: Trace, device: int, idx: np.ndarray, rules, chunk: int = 1 << 20) -> dict:
+    """categories_at from the allocations, without step functions: each allocation adds its size to the sorted
+    points from the first at or after its entry to the first at or after its free (Allocations.live_at), as
+    int64 differences per category summed along the points; a chunk of allocations at a time."""
+    rep = replay(trace)[device]
+    cats = categorize(trace, rules)[device]
+    al = rep.allocations
+    pts = np.unique(idx)
+    k, width = len(cats.names), len(pts) + 1
+    acc = np.zeros(k * width, np.int64)
+    for lo in range(0, len(al), chunk):
+        lab = cats.labels[lo:lo + chunk].astype(np.int64)
+        keep = (lab >= 0) & (lab < k)
+        a, f = al.alloc_index[lo:lo + chunk][keep], al.free_index[lo:lo + chunk][keep]
+        size = np.asarray(al.size[lo:lo + chunk][keep], np.int64)
+        base = lab[keep] * width
+        np.add.at(acc, base + np.searchsorted(pts, a, "left"), size)
+        np.subtract.at(acc, base + np.where(f < 0, len(pts), np.searchsorted(pts, f, "left")), size)
+    per_point = np.cumsum(acc.reshape(k, width), axis=1)[:, :-1]
+    at = np.searchsorted(pts, idx)
+    return {name: per_point[c][at] + (rep.unattributed_bytes if c == OTHER else 0) for c, name in enumerate(cats.names)}
 
 
 def category_maxima(trace: Trace, device: int, rules=None) -> dict:
