@@ -1069,6 +1069,16 @@ static inline int walk_put(Walk *w, int64_t at, int32_t v) {
     return 0;
 }
 
+/* Row r's first change, in *first: 1; 0 where it has none here (another class, or made before the trace and never
+ * freed); -1 for an index below -1. */
+static inline int row_first(const Walk *w, Py_ssize_t r, int64_t *first) {
+    if (!walk_keeps(w, r)) return 0;
+    int64_t a = w->a[r], f = w->f[r];
+    if (a < -1 || f < -1) return -1;
+    *first = a >= 0 ? a : f;
+    return *first >= 0;
+}
+
 /* Fill the map with the next window's changes. 1: a window is ready; 0: no change is left; -1: give up; -2: no
  * memory. */
 static int walk_next(Walk *w) {
@@ -1077,14 +1087,13 @@ static int walk_next(Walk *w) {
     for (Py_ssize_t k = 0; k < w->npend; k++)
         if (w->f[w->pend[k]] < next) next = w->f[w->pend[k]];
     for (; w->row < w->m; w->row++) {
-        Py_ssize_t r = w->row;
-        if (!walk_keeps(w, r)) continue;
-        int64_t a = w->a[r], f = w->f[r];
-        if (a < -1 || f < -1) return -1;
-        int64_t first = a >= 0 ? a : f;
-        if (first < 0) continue;  /* made before the trace, never freed: no change */
-        if (first < next) next = first;
-        break;
+        int64_t first;
+        int has = row_first(w, w->row, &first);
+        if (has < 0) return -1;
+        if (has) {
+            if (first < next) next = first;
+            break;
+        }
     }
     if (next == INT64_MAX) return 0;
     if (next >= INT32_MAX) return -1;
@@ -1103,12 +1112,12 @@ static int walk_next(Walk *w) {
     w->npend = keep;
     for (; w->row < w->m; w->row++) {
         Py_ssize_t r = w->row;
-        if (!walk_keeps(w, r)) continue;
-        int64_t a = w->a[r], f = w->f[r];
-        if (a < -1 || f < -1) return -1;
-        int64_t first = a >= 0 ? a : f;
-        if (first < 0) continue;  /* made before the trace, never freed: no change */
+        int64_t first;
+        int has = row_first(w, r, &first);
+        if (has < 0) return -1;
+        if (!has) continue;
         if (first >= w->hi) break;
+        int64_t a = w->a[r], f = w->f[r];
         if (a >= 0 && walk_put(w, a, 2 * (int32_t)r) < 0) return -1;
         if (f < 0) continue;
         if (f < w->hi) {
@@ -1128,6 +1137,28 @@ static int walk_next(Walk *w) {
 }
 
 /* Parse (alloc_index, free_index, size, cls, ncls) into buffers and a walk; -1 with an exception set. */
+static int walk_open(PyObject *const *o, Buf *B, Walk *w, Py_ssize_t ncls);
+
+/* The arguments of change_steps and group_peaks (alloc_index, free_index, size, cls, ncls) taken into B and w: 0;
+ * 1 when there are 2**30 allocations or more (the caller returns None); -1 on an error (set). */
+static int walk_args(PyObject *args, Buf *B, Walk *w, Py_ssize_t *ncls) {
+    PyObject *o[4];
+    memset(B, 0, 4 * sizeof *B);
+    memset(w, 0, sizeof *w);
+    if (!PyArg_ParseTuple(args, "OOOOn", &o[0], &o[1], &o[2], &o[3], ncls)) return -1;
+    if (*ncls < 0) { PyErr_SetString(PyExc_ValueError, "a count of classes below 0"); return -1; }
+    if (walk_open(o, B, w, *ncls) < 0) return -1;
+    return w->m >= (1 << 30);
+}
+
+/* What walk_args took, and the walk's own memory, let go. */
+static void walk_close(Buf *B, Walk *w) {
+    for (int k = 0; k < 4; k++)
+        if (B[k].have) PyBuffer_Release(&B[k].v);
+    PyMem_RawFree(w->map);
+    PyMem_RawFree(w->pend);
+}
+
 static int walk_open(PyObject *const *o, Buf *B, Walk *w, Py_ssize_t ncls) {
     static const char *names[4] = {"alloc_index", "free_index", "size", "cls"};
     for (int k = 0; k < 4; k++) {
@@ -1162,23 +1193,17 @@ static int walk_open(PyObject *const *o, Buf *B, Walk *w, Py_ssize_t ncls) {
  * [0, ncls): the sizes of its allocations made before the trace, and its changes in entry order (+size at an
  * alloc, -size at a free) with their running sum: what analysis/timeline.py's sort of the changes gives. */
 static PyObject *change_steps(PyObject *self, PyObject *args) {
-    PyObject *o[4];
     Py_ssize_t ncls;
-    if (!PyArg_ParseTuple(args, "OOOOn", &o[0], &o[1], &o[2], &o[3], &ncls)) return NULL;
     Buf B[4];
-    memset(B, 0, sizeof B);
     Walk w;
-    memset(&w, 0, sizeof w);
     PyObject *result = NULL, *initial = NULL, *cols = NULL;
     Py_ssize_t *count = NULL, *at = NULL;
     int64_t *run = NULL, *init = NULL;
     int32_t **pos = NULL;
     int64_t **cum = NULL;
-    if (ncls < 0 || walk_open(o, B, &w, ncls) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ncls < 0");
-        goto done;
-    }
-    if (w.m >= (1 << 30)) { result = Py_None; Py_INCREF(result); goto done; }
+    int took = walk_args(args, B, &w, &ncls);
+    if (took < 0) goto done;
+    if (took) { result = Py_None; Py_INCREF(result); goto done; }
     const int64_t *size = B[2].v.buf;
     size_t nc = ncls ? (size_t)ncls : 1;
     count = PyMem_RawCalloc(nc, sizeof *count);
@@ -1232,8 +1257,7 @@ static PyObject *change_steps(PyObject *self, PyObject *args) {
     }
     result = PyTuple_Pack(2, initial, cols);
 done:
-    for (int k = 0; k < 4; k++)
-        if (B[k].have) PyBuffer_Release(&B[k].v);
+    walk_close(B, &w);
     Py_XDECREF(initial);
     Py_XDECREF(cols);
     PyMem_RawFree(count);
@@ -1242,8 +1266,6 @@ done:
     PyMem_RawFree(init);
     PyMem_RawFree(pos);
     PyMem_RawFree(cum);
-    PyMem_RawFree(w.map);
-    PyMem_RawFree(w.pend);
     return result;
 }
 
@@ -1252,21 +1274,15 @@ done:
  * changes in the order analysis/modules.py's sort puts them: the allocations made before the trace first (in row
  * order), then the entries in order, then the frees of those never freed (in row order); the most after any. */
 static PyObject *group_peaks(PyObject *self, PyObject *args) {
-    PyObject *o[4];
     Py_ssize_t ng;
-    if (!PyArg_ParseTuple(args, "OOOOn", &o[0], &o[1], &o[2], &o[3], &ng)) return NULL;
     Buf B[4];
-    memset(B, 0, sizeof B);
     Walk w;
-    memset(&w, 0, sizeof w);
     PyObject *result = NULL, *out = NULL;
     int64_t *run = NULL;
     uint8_t *seen = NULL;
-    if (ng < 0 || walk_open(o, B, &w, ng) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ngroups < 0");
-        goto done;
-    }
-    if (w.m >= (1 << 30)) { result = Py_None; Py_INCREF(result); goto done; }
+    int took = walk_args(args, B, &w, &ng);
+    if (took < 0) goto done;
+    if (took) { result = Py_None; Py_INCREF(result); goto done; }
     const int64_t *size = B[2].v.buf;
     size_t n = ng ? (size_t)ng : 1;
     out = PyByteArray_FromStringAndSize(NULL, ng * (Py_ssize_t)sizeof(int64_t));
@@ -1301,12 +1317,9 @@ static PyObject *group_peaks(PyObject *self, PyObject *args) {
     result = out;
     out = NULL;
 done:
-    for (int k = 0; k < 4; k++)
-        if (B[k].have) PyBuffer_Release(&B[k].v);
+    walk_close(B, &w);
     Py_XDECREF(out);
     PyMem_RawFree(run);
     PyMem_RawFree(seen);
-    PyMem_RawFree(w.map);
-    PyMem_RawFree(w.pend);
     return result;
 }
