@@ -99,12 +99,14 @@ def column_sum(buf) -> int:
     return zlib.crc32(buf[whole:], crc)
 
 
-def pack(fn, arrays: dict, head: dict, sums: dict | None = None, verify: bool = True) -> None:
+def pack(fn, arrays: dict, head: dict, sums: dict | None = None, verify: bool = True, consume: bool = False) -> None:
     """Write `arrays` (1-d numpy arrays) and `head` (JSON-ready) to `fn` in the entry layout, then (`verify`)
     read the written file back and check every column's CRC-32 (raises Odd if one differs); the head keeps
     each column's `column_sum`, which `unpack` checks. `sums` overrides the stored sums (to make a damaged
     entry). Without `verify` a bad write is found by `unpack` instead (for entries a miss only recomputes:
-    the analysis memo, where reading back its ~1 GB at 10M entries would hold up the viewer's exit)."""
+    the analysis memo, where reading back its ~1 GB at 10M entries would hold up the viewer's exit). `consume`:
+    take each column out of `arrays` once written (a trace written beside its analysis: a column the analysis
+    lets go of is freed then, not when the whole entry is written)."""
     table, parts, written, end = {}, [], [], 0
     for name, a in arrays.items():
         if _one_value(a):  # its value in the head, no bytes: most of a big trace's columns (device, stream, ...)
@@ -116,16 +118,18 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None, verify: bool = 
         table[name] = [a.dtype.str, int(a.shape[0]) if a.ndim else 1, offset,
                        (sums or {}).get(name, col_sum), a.ndim, _stats(a)]
         parts.append((offset, length, crc))
-        written.append(a)
+        written.append(name)
         end = offset + length
     body = json.dumps({**head, "columns": table, "data": end}).encode()
     start = _start(len(body))
     with open(fn, "wb") as f:
         f.write(_PRE.pack(MAGIC, len(body), zlib.crc32(body)) + body)
-        for (offset, _, _), a in zip(parts, written):
+        for (offset, _, _), name in zip(parts, written):
             f.seek(start + offset)
-            for raw in _pieces(a):
+            for raw in _pieces(arrays[name]):
                 f.write(raw)
+            if consume:
+                del arrays[name]
         f.truncate(start + end)
     if not verify:
         if os.stat(fn).st_size != start + end:
@@ -300,7 +304,7 @@ def _store(key, arrays: dict, head: dict) -> None:
         os.makedirs(cache_dir(), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
         os.close(fd)
-        pack(tmp, arrays, head)
+        pack(tmp, arrays, head, consume=True)
         os.replace(tmp, _file(key))
         tmp = None
         evict(max_bytes())
