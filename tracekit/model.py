@@ -142,9 +142,27 @@ def constant_column(value, n: int, dtype) -> np.ndarray:
     return np.broadcast_to(np.asarray(value, dtype=dtype), (n,))
 
 
+def is_constant(a: np.ndarray) -> bool:
+    """Whether `a` is a constant_column: a zero-stride view of one value, more than one entry long."""
+    return a.ndim == 1 and len(a) > 1 and a.strides == (0,)
+
+
+def one_or_all(column: np.ndarray, dtype) -> np.ndarray:
+    """A column as the compiled loops read it: contiguous in `dtype` (no copy when it already is), or its one
+    value when it is a constant column (not copied out to one per entry)."""
+    return np.ascontiguousarray(column[:1] if is_constant(column) else column, dtype)
+
+
+def same_column(a: np.ndarray, b: np.ndarray) -> bool:
+    """np.array_equal of two columns; two constant columns by their one value, not entry by entry."""
+    if is_constant(a) and is_constant(b):
+        return len(a) == len(b) and bool(a[0] == b[0])
+    return np.array_equal(a, b)
+
+
 def compact_column(a: np.ndarray) -> np.ndarray:
     """`a`, or the constant_column of its one value when all its values are equal (so that it is freed)."""
-    if a.ndim == 1 and len(a) > 1 and a.strides != (0,) and (a == a[0]).all():
+    if a.ndim == 1 and len(a) > 1 and not is_constant(a) and (a == a[0]).all():
         return constant_column(a[0], len(a), a.dtype)
     return a
 NO_ID = -1  # stack_id / string id of "nothing"

@@ -270,17 +270,19 @@ def _module_groups(module_ids: np.ndarray, backward: np.ndarray, made: np.ndarra
         group = np.full(len(made), -1, np.int32 if len(uniq) < 2**31 else np.int64)
         group[made] = inv
         return uniq, group
+    def keys(lo):  # (which of a chunk's allocations were made, their keys)
+        m = made[lo:lo + CHUNK]
+        return m, module_ids[lo:lo + CHUNK][m].astype(np.int64) * 2 + backward[lo:lo + CHUNK][m]
+
     present = np.zeros(2 * top + 2, bool)
     for lo in range(0, len(made), CHUNK):
-        m = made[lo:lo + CHUNK]
-        present[module_ids[lo:lo + CHUNK][m].astype(np.int64) * 2 + backward[lo:lo + CHUNK][m]] = True
-    uniq = np.flatnonzero(present)
+        present[keys(lo)[1]] = True
     rank = (np.cumsum(present) - 1).astype(np.int32)
     group = np.full(len(made), -1, np.int32)
     for lo in range(0, len(made), CHUNK):
-        m = made[lo:lo + CHUNK]
-        group[lo:lo + CHUNK][m] = rank[module_ids[lo:lo + CHUNK][m].astype(np.int64) * 2 + backward[lo:lo + CHUNK][m]]
-    return uniq, group
+        m, k = keys(lo)
+        group[lo:lo + CHUNK][m] = rank[k]
+    return np.flatnonzero(present), group
 
 
 def _group_sums(group: np.ndarray, al, peak: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model import (ALLOC, BLOCK_STATE, FREE_COMPLETED, NO_TIME, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP,
-                     SEGMENT_UNMAP, Trace, constant_column, isin_few, isin_ints)
+                     SEGMENT_UNMAP, Trace, constant_column, isin_few, isin_ints, one_or_all)
 from .memo import per_trace
 
 LIVE_STATES = (BLOCK_STATE["active_allocated"], BLOCK_STATE["active_pending_free"])
@@ -183,7 +183,7 @@ def _running_sum(size, up, down, initial) -> np.ndarray:
     temporaries), else numpy's three passes in place."""
     if _running_sum_compiled is not None and len(up):
         out = np.empty(len(up), np.int64)
-        _running_sum_compiled(_one_or_all(size, np.int64), np.ascontiguousarray(up, bool),
+        _running_sum_compiled(one_or_all(size, np.int64), np.ascontiguousarray(up, bool),
                               np.ascontiguousarray(down, bool), int(initial), out)
         return out
     out = np.where(up, size, 0).astype(np.int64, copy=False)
@@ -201,14 +201,6 @@ except ImportError:  # pragma: no cover - no C compiler where it was installed
     _running_sum_compiled = None  # type: ignore[assignment]
 
 
-def _one_or_all(column: np.ndarray, dtype) -> np.ndarray:
-    """A column as the compiled loops read it: contiguous in `dtype` (no copy when it already is), or its one
-    value when it is a constant column (a zero-stride view of one value, not copied out to one per entry)."""
-    if len(column) > 1 and column.strides == (0,):
-        return np.ascontiguousarray(column[:1], dtype)
-    return np.ascontiguousarray(column, dtype)
-
-
 def _lifetimes(addr, size, stack, is_alloc, is_free, blocks=None):
     """Pair each alloc with the next entry of its address when that is a free_completed: the compiled pass, else
     the vectorised sort by address (_lifetimes_sorted). `blocks`: (addr, size, stack_id) of the final segments'
@@ -219,9 +211,9 @@ def _lifetimes(addr, size, stack, is_alloc, is_free, blocks=None):
     if _pair_compiled is not None:
         extra = () if blocks is None else (np.ascontiguousarray(blocks[0], np.uint64),
                                            np.ascontiguousarray(blocks[1], np.int64),
-                                           _one_or_all(blocks[2], np.int32))
-        got = _pair_compiled(np.ascontiguousarray(addr, np.uint64), _one_or_all(size, np.int64),
-                             _one_or_all(stack, np.int32), np.ascontiguousarray(is_alloc, bool),
+                                           one_or_all(blocks[2], np.int32))
+        got = _pair_compiled(np.ascontiguousarray(addr, np.uint64), one_or_all(size, np.int64),
+                             one_or_all(stack, np.int32), np.ascontiguousarray(is_alloc, bool),
                              np.ascontiguousarray(is_free, bool), *extra)
     if got is None:
         rows, *last = _lifetimes_sorted(addr, size, stack, is_alloc, is_free)

@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model import OOM, SNAPSHOT, Trace, isin_few
+from ..model import OOM, SNAPSHOT, Trace, isin_few, same_column
 from .replay import DeviceReplay, replay, time_of
 from .phases import when
 from .sites import group_sites, public, site_info
@@ -101,16 +101,8 @@ def _share_reserved(trace: Trace, reps: dict) -> None:
     for d, model in allocator_replays(trace).items():
         rep = reps.get(d)
         if (rep is not None and rep.reserved is not None and model.reserved is not rep.reserved
-                and model.reserved.shape == rep.reserved.shape and _same_column(model.reserved, rep.reserved)):
+                and model.reserved.shape == rep.reserved.shape and same_column(model.reserved, rep.reserved)):
             model.reserved = rep.reserved
-
-
-def _same_column(a: np.ndarray, b: np.ndarray) -> bool:
-    """np.array_equal of two columns of one shape; two constant columns (a trace that reserves nothing new) by
-    their one value, not entry by entry."""
-    if a.ndim == 1 and len(a) and a.strides == (0,) and b.strides == (0,):
-        return bool(a[0] == b[0])
-    return np.array_equal(a, b)
 
 
 def _forget_columns(trace: Trace, rules) -> None:

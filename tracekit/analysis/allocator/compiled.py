@@ -12,7 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-from ...model import ALLOC, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, constant_column, isin_few
+from ...model import (ALLOC, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, constant_column, isin_few,
+                      one_or_all)
 from .config import AllocatorConfig
 from .core import Allocator, Device
 from .model_replay import (REASONS, AllocatorReplay, compare_final, replay_device_in_python as _python, settings_of,
@@ -86,14 +87,6 @@ def compiled_replay(action: np.ndarray, addr: np.ndarray, size: np.ndarray, stre
         out_allocated, out_reserved, out_block, stop, out_entries)
 
 
-def _stream_column(stream: np.ndarray) -> np.ndarray:
-    """The entries' streams as the compiled loop reads them: a constant column (one value seen through a
-    stride of 0, as a file of one stream has it) as its one value, not copied out to an int64 per entry."""
-    if len(stream) > 1 and stream.strides == (0,):
-        return np.ascontiguousarray(stream[:1], np.int64)
-    return np.ascontiguousarray(stream, np.int64)
-
-
 def _sparse(block_sizes: np.ndarray, entries: np.ndarray) -> dict:
     """AllocatorReplay's block_entries and block_sizes from the compiled replay's sparse output: the first k of
     each, k the blocks it put (none is 0; what follows them was left as made, 0)."""
@@ -134,7 +127,7 @@ def _replay(trace, device, config, stop=None):
     out_blk, out_ent = np.zeros(n_allocs, np.int64), np.empty(n_allocs, np.int32 if n < 2**31 else np.int64)
     placed, slack, counts, alloc0, res0, final = compiled_replay(
         action, np.ascontiguousarray(ev.addr[sl], np.uint64), np.ascontiguousarray(ev.size[sl], np.int64),
-        _stream_column(ev.stream[sl]), alloc, config, out_alloc, out_res, out_blk,
+        one_or_all(ev.stream[sl], np.int64), alloc, config, out_alloc, out_res, out_blk,
         -1 if stop is None else int(stop), out_ent)
     if stop is not None:
         return None, final

@@ -49,7 +49,7 @@ import numpy as np
 from .folder import (SAMPLE, SUFFIX, VERSION, Odd, _file, _remembered, _touch, _unlink, cache_dir,  # noqa: F401
                           key_for, open_regular, result, store_result, writing)
 from ...model import (ACTIONS, BLOCK_STATES, Blocks, Events, Frames, Segments, Stacks, Strings, Trace,
-                      constant_column)
+                      constant_column, is_constant)
 from ..limits import env_number
 
 MAGIC = b"TKCACHE9"  # 9: a one-valued column stored as its value; 8: events.index in int32 (7: each column's checksum covers all of it; 6: its first and last 64 KiB)
@@ -109,7 +109,7 @@ def pack(fn, arrays: dict, head: dict, sums: dict | None = None, verify: bool = 
     lets go of is freed then, not when the whole entry is written)."""
     table, parts, written, end = {}, [], [], 0
     for name, a in arrays.items():
-        if _one_value(a):  # its value in the head, no bytes: most of a big trace's columns (device, stream, ...)
+        if is_constant(a) and a.dtype.kind in "biu":  # its value in the head, no bytes: most of a big trace's columns (device, stream, ...)
             v = int(a[0])
             table[name] = [a.dtype.str, int(a.shape[0]), 0, 0, 1, [v, v, True], v]
             continue
@@ -167,11 +167,6 @@ def _pieces(a):
     step = PIECE // a.itemsize
     for lo in range(0, len(a), step):
         yield memoryview(np.ascontiguousarray(a[lo:lo + step])).cast("B")
-
-
-def _one_value(a) -> bool:
-    """Whether `a` is a constant column (model.constant_column: a zero-stride view) of integers or booleans."""
-    return a.ndim == 1 and len(a) > 1 and a.strides == (0,) and a.dtype.kind in "biu"
 
 
 def _sums(a, with_crc=True) -> tuple[int, int, int]:
